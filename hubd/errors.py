@@ -1,0 +1,81 @@
+"""Every error hubd raises on purpose.
+
+::
+
+    HubdError
+     ├── ConfigError (ValueError)         invalid configuration; the CLI exits 2
+     ├── EmbeddedPostgresError            the embedded server cannot be had
+     ├── StoreError                       the database refused or failed a statement
+     │    ├── DatabaseUnavailable (ConnectionError)   unreachable; "unknown", never "absent"
+     │    ├── AllocationNotFound (LookupError)        no allocation with that id
+     │    └── InvalidRequest (ValueError)             bad input to the store
+     ├── LeaseLost                        a claim no longer owns its allocation
+     ├── OperationTimeout (TimeoutError)  an external operation outlived operation_timeout
+     └── PluginError                      a provisioner plugin misbehaved
+          └── PluginLoadError             a plugin cannot be loaded or is misconfigured
+
+Messages never carry secrets (tokens, passwords): callers redact before raising.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AllocationNotFound",
+    "ConfigError",
+    "DatabaseUnavailable",
+    "EmbeddedPostgresError",
+    "HubdError",
+    "InvalidRequest",
+    "LeaseLost",
+    "OperationTimeout",
+    "PluginError",
+    "PluginLoadError",
+    "StoreError",
+]
+
+
+class HubdError(Exception):
+    """An error raised by hubd."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message if message is not None else (self.__doc__ or "").strip())
+
+
+class ConfigError(HubdError, ValueError):
+    """The configuration is invalid."""
+
+
+class EmbeddedPostgresError(HubdError):
+    """The embedded PostgreSQL server could not be started."""
+
+
+class StoreError(HubdError):
+    """The database failed a statement."""
+
+
+class DatabaseUnavailable(StoreError, ConnectionError):
+    """The database cannot be reached right now."""
+
+
+class AllocationNotFound(StoreError, LookupError):
+    """No allocation has that id."""
+
+
+class InvalidRequest(StoreError, ValueError):
+    """The request is malformed."""
+
+
+class LeaseLost(HubdError):
+    """The claim no longer owns its allocation's lease."""
+
+
+class OperationTimeout(HubdError, TimeoutError):
+    """An external operation did not finish within operation_timeout."""
+
+
+class PluginError(HubdError):
+    """A provisioner plugin misbehaved."""
+
+
+class PluginLoadError(PluginError):
+    """A provisioner plugin could not be loaded."""
