@@ -1,0 +1,370 @@
+"""AllocationStore: requests, claims, leases and every transition of an allocation.
+
+Every claim-owned write takes a :class:`Fence` and returns the updated row, or ``None`` when the
+fence matched nothing (the lease is gone, the generation moved on, or the status is not the one
+expected). ``None`` means the claim is lost: the caller stops and writes nothing more.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import asyncpg
+
+from hubd.errors import AllocationNotFound
+from hubd.store.database import Database, translate_errors
+from hubd.store.models import Allocation, Fence, Status
+from hubd.store.queries import load_queries
+from hubd.store.values import (
+    Failure,
+    bounded_message,
+    new_allocation_id,
+    validate_allocation_id,
+    validate_label,
+    validate_provisioner_id,
+    validate_spec,
+)
+
+__all__ = ["AllocationStore", "AttemptKind", "ParkMode"]
+
+SQL = load_queries("allocations.sql")
+
+
+class AttemptKind(enum.StrEnum):
+    """Which durable attempt counter a retry bumps."""
+
+    ENSURE = "ensure"
+    DESTROY = "destroy"
+
+
+class ParkMode(enum.StrEnum):
+    AWAIT_CONNECTION = "await_connection"
+    RETRY_AFTER_ERROR = "retry_after_error"
+
+
+class AllocationStore:
+    """The statements on ``hubd_allocations``, for one hub instance."""
+
+    def __init__(self, db: Database, *, instance_id: str) -> None:
+        self._db = db
+        self.instance_id = instance_id
+
+    # -- requests from applications -------------------------------------------------------
+
+    async def request(
+        self,
+        *,
+        provisioner_id: str,
+        tenant_id: str | None = None,
+        session_id: str | None = None,
+        spec: Mapping[str, Any] | None = None,
+        conn: asyncpg.Connection | None = None,
+    ) -> Allocation:
+        """Create a pending allocation.
+
+        With ``conn``, the row is written on the caller's connection: inside the caller's
+        transaction it is invisible, and no daemon is woken, until that transaction commits.
+        """
+        row = await self._fetchrow(
+            "request allocation",
+            SQL.insert_allocation,
+            new_allocation_id(),
+            validate_provisioner_id(provisioner_id),
+            validate_label("tenant_id", tenant_id),
+            validate_label("session_id", session_id),
+            json.dumps(validate_spec(spec)),
+            self.instance_id,
+            conn=conn,
+        )
+        assert row is not None
+        return Allocation.from_row(row)
+
+    async def release(
+        self,
+        allocation_id: str,
+        *,
+        reason: str = "release requested",
+        conn: asyncpg.Connection | None = None,
+    ) -> Allocation:
+        """Give an allocation up; idempotent. Returns the row as it now stands."""
+        validate_allocation_id(allocation_id)
+        row = await self._fetchrow(
+            "release allocation",
+            SQL.release_allocation,
+            allocation_id,
+            self.instance_id,
+            bounded_message(reason),
+            conn=conn,
+        )
+        if row is not None:
+            return Allocation.from_row(row)
+        # Nothing changed: already releasing or terminal, or no such allocation.
+        return await self.get(allocation_id, conn=conn)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get(
+        self, allocation_id: str, *, conn: asyncpg.Connection | None = None
+    ) -> Allocation:
+        validate_allocation_id(allocation_id)
+        row = await self._fetchrow("get allocation", SQL.get_allocation, allocation_id, conn=conn)
+        if row is None:
+            raise AllocationNotFound(f"no allocation {allocation_id}")
+        return Allocation.from_row(row)
+
+    async def list_active(self) -> list[Allocation]:
+        return await self._fetch_all("list active allocations", SQL.list_active)
+
+    async def list_allocations(
+        self, *, status: Status | None = None, limit: int = 1000
+    ) -> list[Allocation]:
+        return await self._fetch_all(
+            "list allocations", SQL.list_allocations, str(status) if status else None, limit
+        )
+
+    # -- claims and leases -------------------------------------------------------------------
+
+    async def claim_next(
+        self, *, lease_id: str, lease_duration: float, exclude: Iterable[str] = ()
+    ) -> Allocation | None:
+        """Lease the oldest due active allocation whose id is not in ``exclude``."""
+        return await self._transition(
+            "claim",
+            SQL.claim_next,
+            lease_id,
+            float(lease_duration),
+            sorted(set(exclude)),
+        )
+
+    async def renew_lease(self, allocation_id: str, lease_id: str, lease_duration: float) -> bool:
+        """Extend a live lease; ``False`` when it is no longer ours or already expired.
+
+        Runs on the lease pool, so renewals never queue behind slow work.
+        """
+        with translate_errors("renew lease"):
+            async with self._db.lease_pool.acquire() as conn:
+                expires = await conn.fetchval(
+                    SQL.renew_lease, allocation_id, lease_id, float(lease_duration)
+                )
+        return expires is not None
+
+    async def lease_is_current(self, fence: Fence) -> bool:
+        with translate_errors("check lease"):
+            async with self._db.lease_pool.acquire() as conn:
+                current: bool = await conn.fetchval(
+                    SQL.lease_is_current, fence.allocation_id, fence.lease_id, fence.generation
+                )
+        return current
+
+    # -- fenced transitions --------------------------------------------------------------------
+
+    async def bind_initial_sidecar(
+        self,
+        fence: Fence,
+        *,
+        sidecar_id: str,
+        token_hash: bytes,
+        connect_timeout: float,
+        api_version: str,
+        binding_fingerprint: str,
+    ) -> Allocation | None:
+        return await self._fenced(
+            "bind sidecar",
+            SQL.bind_initial_sidecar,
+            fence,
+            sidecar_id,
+            token_hash,
+            float(connect_timeout),
+            api_version,
+            binding_fingerprint,
+        )
+
+    async def bind_replacement_sidecar(
+        self, fence: Fence, *, sidecar_id: str, token_hash: bytes, connect_timeout: float
+    ) -> Allocation | None:
+        return await self._fenced(
+            "bind replacement sidecar",
+            SQL.bind_replacement_sidecar,
+            fence,
+            sidecar_id,
+            token_hash,
+            float(connect_timeout),
+        )
+
+    async def mark_allocated(self, fence: Fence, *, external_ref: str | None) -> Allocation | None:
+        return await self._fenced("mark allocated", SQL.mark_allocated, fence, external_ref)
+
+    async def begin_initialization(self, fence: Fence) -> Allocation | None:
+        return await self._fenced("begin initialization", SQL.begin_initialization, fence)
+
+    async def mark_connection_ready(self, fence: Fence) -> Allocation | None:
+        """Finish initialization and record the sidecar as ready."""
+        return await self._fenced("mark ready", SQL.mark_connection_ready, fence)
+
+    async def schedule_retry(
+        self,
+        fence: Fence,
+        *,
+        expected_status: Status,
+        delay: float,
+        attempt: AttemptKind | None = None,
+        failure: Failure | None = None,
+    ) -> Allocation | None:
+        return await self._fenced(
+            "schedule retry",
+            SQL.schedule_retry,
+            fence,
+            str(expected_status),
+            float(delay),
+            str(attempt) if attempt else None,
+            failure.code if failure else None,
+            failure.message if failure else None,
+        )
+
+    async def park(
+        self, fence: Fence, *, mode: ParkMode, delay: float, failure: Failure | None = None
+    ) -> Allocation | None:
+        return await self._fenced(
+            "park",
+            SQL.park,
+            fence,
+            str(mode),
+            float(delay),
+            failure.code if failure else None,
+            failure.message if failure else None,
+        )
+
+    async def begin_replacement(
+        self,
+        fence: Fence,
+        *,
+        expected_status: Status,
+        delay: float,
+        failure: Failure,
+        only_if_initialization_incomplete: bool = False,
+        expected_initialization_lease_id: str | None = None,
+    ) -> Allocation | None:
+        return await self._fenced(
+            "begin replacement",
+            SQL.begin_replacement,
+            fence,
+            str(expected_status),
+            float(delay),
+            failure.code,
+            failure.message,
+            only_if_initialization_incomplete,
+            expected_initialization_lease_id,
+        )
+
+    async def begin_unrecoverable_release(
+        self,
+        fence: Fence,
+        *,
+        failure: Failure,
+        only_if_initialization_incomplete: bool = False,
+        expected_initialization_lease_id: str | None = None,
+    ) -> Allocation | None:
+        return await self._fenced(
+            "begin unrecoverable release",
+            SQL.begin_unrecoverable_release,
+            fence,
+            failure.code,
+            failure.message,
+            only_if_initialization_incomplete,
+            expected_initialization_lease_id,
+        )
+
+    async def fail_without_infrastructure(
+        self, fence: Fence, *, expected_status: Status, failure: Failure
+    ) -> Allocation | None:
+        return await self._fenced(
+            "fail",
+            SQL.fail_without_infrastructure,
+            fence,
+            str(expected_status),
+            failure.code,
+            failure.message,
+        )
+
+    async def mark_destroy_failed(self, fence: Fence, *, failure: Failure) -> Allocation | None:
+        return await self._fenced(
+            "mark destroy failed", SQL.mark_destroy_failed, fence, failure.code, failure.message
+        )
+
+    async def mark_released(self, fence: Fence) -> Allocation | None:
+        return await self._fenced("mark released", SQL.mark_released, fence)
+
+    # -- connection events and repair (not claim-owned) ------------------------------------------
+
+    async def mark_connection_lost(
+        self,
+        allocation_id: str,
+        generation: int,
+        *,
+        connect_timeout: float,
+        keep_deadline: bool = False,
+    ) -> Allocation | None:
+        """The current sidecar of ``generation`` is gone; any claim on the row is invalidated."""
+        return await self._transition(
+            "mark connection lost",
+            SQL.mark_connection_lost,
+            allocation_id,
+            generation,
+            self.instance_id,
+            float(connect_timeout),
+            keep_deadline,
+        )
+
+    async def wake(self, allocation_id: str, generation: int) -> bool:
+        """Make the allocation due now and notify the daemons; ``False`` if nothing changed."""
+        with translate_errors("wake"):
+            async with self._db.pool.acquire() as conn:
+                woken: bool = await conn.fetchval(SQL.wake, allocation_id, generation)
+        return woken
+
+    async def schedule_reconnect_if_unscheduled(
+        self, allocation_id: str, generation: int, *, connect_timeout: float
+    ) -> Allocation | None:
+        return await self._transition(
+            "schedule reconnect",
+            SQL.schedule_reconnect_if_unscheduled,
+            allocation_id,
+            generation,
+            float(connect_timeout),
+            self.instance_id,
+        )
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    async def _fenced(self, what: str, sql: str, fence: Fence, *args: Any) -> Allocation | None:
+        return await self._transition(
+            what,
+            sql,
+            fence.allocation_id,
+            fence.lease_id,
+            fence.generation,
+            self.instance_id,
+            *args,
+        )
+
+    async def _transition(self, what: str, sql: str, *args: Any) -> Allocation | None:
+        row = await self._fetchrow(what, sql, *args)
+        return Allocation.from_row(row) if row is not None else None
+
+    async def _fetchrow(
+        self, what: str, sql: str, *args: Any, conn: asyncpg.Connection | None = None
+    ) -> asyncpg.Record | None:
+        with translate_errors(what):
+            if conn is not None:
+                return await conn.fetchrow(sql, *args)
+            async with self._db.pool.acquire() as pooled:
+                return await pooled.fetchrow(sql, *args)
+
+    async def _fetch_all(self, what: str, sql: str, *args: Any) -> list[Allocation]:
+        with translate_errors(what):
+            async with self._db.pool.acquire() as conn:
+                rows: Sequence[asyncpg.Record] = await conn.fetch(sql, *args)
+        return [Allocation.from_row(row) for row in rows]

@@ -1,0 +1,107 @@
+"""Connections to PostgreSQL and the translation of driver errors into hubd's own.
+
+Two pools: ``pool`` for ordinary work and ``lease_pool`` for lease renewals and heartbeats, so a
+pool saturated by slow statements can never starve the renewals that keep claims alive.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import asyncpg
+import attrs
+
+from hubd.errors import AllocationNotFound, DatabaseUnavailable, InvalidRequest, StoreError
+from hubd.redaction import redact_dsn
+
+__all__ = ["Database", "connect_database", "init_connection", "translate_errors"]
+
+# Errors that mean "the database cannot answer right now", not "the answer is no".
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.InterfaceError,
+)
+
+
+@contextmanager
+def translate_errors(what: str) -> Iterator[None]:
+    """Turn driver errors raised inside the block into :class:`StoreError` subclasses."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except asyncpg.ForeignKeyViolationError as exc:
+        raise AllocationNotFound(f"{what}: no such allocation") from exc
+    except (asyncpg.CheckViolationError, asyncpg.DataError, asyncpg.NotNullViolationError) as exc:
+        raise InvalidRequest(f"{what}: rejected by the schema ({exc.__class__.__name__})") from exc
+    except _UNAVAILABLE as exc:
+        raise DatabaseUnavailable(
+            f"{what}: database unavailable ({exc.__class__.__name__})"
+        ) from exc
+    except asyncpg.PostgresError as exc:
+        raise StoreError(f"{what}: {exc.__class__.__name__}: {exc}") from exc
+
+
+async def init_connection(conn: asyncpg.Connection) -> None:
+    """Per-connection setup: JSON columns round-trip as Python objects."""
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+@attrs.define(kw_only=True)
+class Database:
+    """The pools hubd uses against one PostgreSQL database."""
+
+    dsn: str = attrs.field(repr=redact_dsn)
+    pool: asyncpg.Pool
+    lease_pool: asyncpg.Pool
+
+    @asynccontextmanager
+    async def connection(self, what: str) -> AsyncIterator[asyncpg.Connection]:
+        with translate_errors(what):
+            async with self.pool.acquire() as conn:
+                yield conn
+
+    async def close(self) -> None:
+        await self.lease_pool.close()
+        await self.pool.close()
+
+    def terminate(self) -> None:
+        self.lease_pool.terminate()
+        self.pool.terminate()
+
+
+async def connect_database(
+    dsn: str,
+    *,
+    pool_size: int = 10,
+    lease_pool_size: int = 2,
+    connect_timeout: float = 10.0,
+    **kwargs: Any,
+) -> Database:
+    """Open both pools; a server that cannot be reached raises :class:`DatabaseUnavailable`."""
+    with translate_errors(f"connect to {redact_dsn(dsn)}"):
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=1,
+            max_size=pool_size,
+            init=init_connection,
+            timeout=connect_timeout,
+            **kwargs,
+        )
+        try:
+            lease_pool = await asyncpg.create_pool(
+                dsn, min_size=1, max_size=lease_pool_size, timeout=connect_timeout, **kwargs
+            )
+        except BaseException:
+            await pool.close()
+            raise
+    return Database(dsn=dsn, pool=pool, lease_pool=lease_pool)

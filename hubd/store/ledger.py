@@ -1,0 +1,80 @@
+"""LedgerStore: plugin-call effects and the history of an allocation.
+
+A plugin call is bracketed by an ``intent`` row before it and a ``committed``, ``failed`` or
+``ambiguous`` row after it, sharing one effect id. Both are fenced like every claim-owned write:
+a claim that lost its lease leaves its intent open, and the next owner settles it as ambiguous.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from hubd.store.database import Database, translate_errors
+from hubd.store.models import Fence, LedgerEntry, Phase, Status
+from hubd.store.queries import load_queries
+from hubd.store.values import bounded_code, bounded_message, validate_allocation_id
+
+__all__ = ["LedgerStore", "new_effect_id"]
+
+SQL = load_queries("ledger.sql")
+
+
+def new_effect_id() -> str:
+    return f"ef_{secrets.token_hex(8)}"
+
+
+class LedgerStore:
+    def __init__(self, db: Database, *, instance_id: str) -> None:
+        self._db = db
+        self.instance_id = instance_id
+
+    async def record_effect(
+        self,
+        fence: Fence,
+        *,
+        effect_id: str,
+        kind: str,
+        phase: Phase,
+        status: Status,
+        error_code: str | None = None,
+        message: str | None = None,
+        duration_ms: float | None = None,
+    ) -> bool:
+        """Append one phase of a plugin call; ``False`` when the fence no longer holds."""
+        with translate_errors("record effect"):
+            async with self._db.pool.acquire() as conn:
+                seq = await conn.fetchval(
+                    SQL.record_effect,
+                    fence.allocation_id,
+                    fence.lease_id,
+                    fence.generation,
+                    self.instance_id,
+                    effect_id,
+                    kind,
+                    str(phase),
+                    bounded_code(error_code) if error_code is not None else None,
+                    bounded_message(message) if message is not None else None,
+                    duration_ms,
+                    str(status),
+                )
+        return seq is not None
+
+    async def settle_open_effects(self, fence: Fence) -> int:
+        """Record earlier leases' calls that never got an outcome as ambiguous; returns how many."""
+        with translate_errors("settle open effects"):
+            async with self._db.pool.acquire() as conn:
+                rows = await conn.fetch(
+                    SQL.settle_open_effects,
+                    fence.allocation_id,
+                    fence.lease_id,
+                    fence.generation,
+                    self.instance_id,
+                )
+        return len(rows)
+
+    async def history(self, allocation_id: str) -> list[LedgerEntry]:
+        validate_allocation_id(allocation_id)
+        with translate_errors("read history"):
+            async with self._db.pool.acquire() as conn:
+                rows = await conn.fetch(SQL.history, allocation_id)
+        return [LedgerEntry.from_row(row) for row in rows]

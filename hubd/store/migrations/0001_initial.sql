@@ -1,0 +1,123 @@
+-- 0001_initial: allocations, their ledger, hub instances and sidecar connection records.
+
+CREATE TABLE hubd_allocations (
+    id                              text PRIMARY KEY,
+    status                          text NOT NULL DEFAULT 'pending',
+    generation                      integer NOT NULL DEFAULT 1,
+    provisioner_id                  text NOT NULL,
+    provisioner_api_version         text,
+    provisioner_binding_fingerprint text,
+    tenant_id                       text,
+    session_id                      text,
+    spec                            jsonb NOT NULL DEFAULT '{}'::jsonb,
+    sidecar_id                      text,
+    token_hash                      bytea,
+    external_ref                    text,
+    connect_deadline                timestamptz,
+    connection_ready                boolean NOT NULL DEFAULT false,
+    initialization_lease_id         text,
+    ensure_attempts                 integer NOT NULL DEFAULT 0,
+    destroy_attempts                integer NOT NULL DEFAULT 0,
+    next_attempt_at                 timestamptz,
+    lease_id                        text,
+    lease_expires_at                timestamptz,
+    failure_code                    text,
+    failure_message                 text,
+    created_at                      timestamptz NOT NULL DEFAULT now(),
+    updated_at                      timestamptz NOT NULL DEFAULT now(),
+    finished_at                     timestamptz,
+    CONSTRAINT hubd_allocations_status_check CHECK (status IN (
+        'pending', 'provisioning', 'allocated', 'replacing', 'releasing',
+        'released', 'failed', 'destroy_failed')),
+    CONSTRAINT hubd_allocations_generation_check CHECK (generation >= 1),
+    CONSTRAINT hubd_allocations_attempts_check CHECK (ensure_attempts >= 0 AND destroy_attempts >= 0),
+    CONSTRAINT hubd_allocations_spec_check CHECK (jsonb_typeof(spec) = 'object'),
+    CONSTRAINT hubd_allocations_token_hash_check CHECK (token_hash IS NULL OR octet_length(token_hash) = 32),
+    -- A lease is an id and an expiry together, never one without the other.
+    CONSTRAINT hubd_allocations_lease_check CHECK ((lease_id IS NULL) = (lease_expires_at IS NULL)),
+    -- A sidecar identity is bound with its token hash; the raw token is never stored.
+    CONSTRAINT hubd_allocations_identity_check CHECK ((sidecar_id IS NULL) = (token_hash IS NULL)),
+    -- Only an allocated allocation can have a ready connection.
+    CONSTRAINT hubd_allocations_ready_check CHECK (NOT connection_ready OR status = 'allocated'),
+    -- Terminal rows are never scheduled or leased.
+    CONSTRAINT hubd_allocations_terminal_check CHECK (
+        status NOT IN ('released', 'failed', 'destroy_failed')
+        OR (next_attempt_at IS NULL AND lease_id IS NULL))
+);
+
+-- Serves the claim: only active, scheduled rows, oldest due first. Terminal rows never enter it,
+-- so the claim's cost does not grow with history.
+CREATE INDEX hubd_allocations_due_idx ON hubd_allocations (next_attempt_at, id)
+    WHERE next_attempt_at IS NOT NULL
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+
+-- Serves start-up repair and the repair sweep.
+CREATE INDEX hubd_allocations_active_idx ON hubd_allocations (id)
+    WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+
+CREATE INDEX hubd_allocations_status_idx ON hubd_allocations (status, created_at);
+
+CREATE TABLE hubd_allocation_ledger (
+    seq           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    allocation_id text NOT NULL REFERENCES hubd_allocations (id),
+    at            timestamptz NOT NULL DEFAULT clock_timestamp(),
+    generation    integer NOT NULL,
+    lease_id      text,
+    instance_id   text,
+    effect_id     text,
+    kind          text NOT NULL,
+    from_status   text,
+    to_status     text,
+    phase         text NOT NULL,
+    error_code    text,
+    message       text,
+    duration_ms   double precision,
+    CONSTRAINT hubd_allocation_ledger_phase_check CHECK (
+        phase IN ('intent', 'committed', 'failed', 'ambiguous')),
+    CONSTRAINT hubd_allocation_ledger_generation_check CHECK (generation >= 1),
+    CONSTRAINT hubd_allocation_ledger_code_check CHECK (error_code IS NULL OR length(error_code) <= 64),
+    CONSTRAINT hubd_allocation_ledger_message_check CHECK (message IS NULL OR length(message) <= 500),
+    CONSTRAINT hubd_allocation_ledger_duration_check CHECK (duration_ms IS NULL OR duration_ms >= 0)
+);
+
+CREATE INDEX hubd_allocation_ledger_allocation_idx ON hubd_allocation_ledger (allocation_id, seq);
+
+-- Effects whose outcome was never recorded; a later claim settles them as ambiguous.
+CREATE INDEX hubd_allocation_ledger_open_intent_idx ON hubd_allocation_ledger (allocation_id, effect_id)
+    WHERE effect_id IS NOT NULL;
+
+-- The ledger is evidence: rows are appended, never changed.
+CREATE FUNCTION hubd_ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'hubd_allocation_ledger is append-only';
+END;
+$$;
+
+CREATE TRIGGER hubd_allocation_ledger_append_only
+    BEFORE UPDATE OR DELETE ON hubd_allocation_ledger
+    FOR EACH ROW EXECUTE FUNCTION hubd_ledger_append_only();
+
+CREATE TABLE hubd_instances (
+    id           text PRIMARY KEY,
+    hostname     text NOT NULL,
+    pid          integer NOT NULL,
+    ws_url       text,
+    started_at   timestamptz NOT NULL DEFAULT now(),
+    heartbeat_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE hubd_sidecar_connections (
+    connection_id text PRIMARY KEY,
+    allocation_id text NOT NULL REFERENCES hubd_allocations (id),
+    generation    integer NOT NULL,
+    sidecar_id    text NOT NULL,
+    instance_id   text NOT NULL,
+    connected_at  timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT hubd_sidecar_connections_generation_check CHECK (generation >= 1)
+);
+
+-- At most one current connection per allocation.
+CREATE UNIQUE INDEX hubd_sidecar_connections_allocation_idx
+    ON hubd_sidecar_connections (allocation_id);
+
+CREATE INDEX hubd_sidecar_connections_instance_idx ON hubd_sidecar_connections (instance_id);

@@ -1,0 +1,138 @@
+"""Value types of the store: statuses, allocations, ledger entries and claim fences."""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "ACTIVE_STATUSES",
+    "TERMINAL_STATUSES",
+    "Allocation",
+    "Fence",
+    "LedgerEntry",
+    "Phase",
+    "Status",
+]
+
+
+class Status(enum.StrEnum):
+    PENDING = "pending"
+    PROVISIONING = "provisioning"
+    ALLOCATED = "allocated"
+    REPLACING = "replacing"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    FAILED = "failed"
+    DESTROY_FAILED = "destroy_failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset({Status.RELEASED, Status.FAILED, Status.DESTROY_FAILED})
+ACTIVE_STATUSES = frozenset(Status) - TERMINAL_STATUSES
+
+
+class Phase(enum.StrEnum):
+    """Effect phase of a ledger row: a transition is ``committed`` when it is written."""
+
+    INTENT = "intent"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    AMBIGUOUS = "ambiguous"
+
+
+@attrs.frozen(kw_only=True)
+class Allocation:
+    """One row of ``hubd_allocations``. The token hash is kept out of ``repr``."""
+
+    id: str
+    status: Status
+    generation: int
+    provisioner_id: str
+    provisioner_api_version: str | None
+    provisioner_binding_fingerprint: str | None
+    tenant_id: str | None
+    session_id: str | None
+    spec: Mapping[str, Any]
+    sidecar_id: str | None
+    token_hash: bytes | None = attrs.field(repr=False)
+    external_ref: str | None
+    connect_deadline: datetime | None
+    connection_ready: bool
+    initialization_lease_id: str | None
+    ensure_attempts: int
+    destroy_attempts: int
+    next_attempt_at: datetime | None
+    lease_id: str | None
+    lease_expires_at: datetime | None
+    failure_code: str | None
+    failure_message: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Allocation:
+        values = {field.name: row[field.name] for field in attrs.fields(cls)}
+        values["status"] = Status(values["status"])
+        if isinstance(values["spec"], str):
+            # A caller's own connection has no JSON codec installed.
+            values["spec"] = json.loads(values["spec"])
+        token_hash = values["token_hash"]
+        values["token_hash"] = bytes(token_hash) if token_hash is not None else None
+        return cls(**values)
+
+    @property
+    def active(self) -> bool:
+        return not self.status.terminal
+
+    @property
+    def ready(self) -> bool:
+        """Allocated, recorded ready by the reconciler, and not marked lost since."""
+        return self.status is Status.ALLOCATED and self.connection_ready
+
+
+@attrs.frozen(kw_only=True)
+class Fence:
+    """What every claim-owned write is guarded by: the row, its lease and its generation."""
+
+    allocation_id: str
+    lease_id: str
+    generation: int
+
+    def advanced(self, generation: int) -> Fence:
+        return attrs.evolve(self, generation=generation)
+
+
+@attrs.frozen(kw_only=True)
+class LedgerEntry:
+    """One row of the append-only allocation ledger."""
+
+    seq: int
+    allocation_id: str
+    at: datetime
+    generation: int
+    lease_id: str | None
+    instance_id: str | None
+    effect_id: str | None
+    kind: str
+    from_status: str | None
+    to_status: str | None
+    phase: Phase
+    error_code: str | None
+    message: str | None
+    duration_ms: float | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> LedgerEntry:
+        values = {field.name: row[field.name] for field in attrs.fields(cls)}
+        values["phase"] = Phase(values["phase"])
+        return cls(**values)

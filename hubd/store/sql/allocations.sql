@@ -1,0 +1,440 @@
+-- Statements on hubd_allocations. Every transition appends its ledger row in the same statement
+-- (a data-modifying CTE), so a transition and its evidence commit or vanish together.
+-- Claim-owned writes are fenced: $1 id, $2 lease id, $3 generation, and a lease still live by the
+-- database clock; $4 is the hub instance written to the ledger.
+
+-- name: insert_allocation
+-- A new request, due at once; the wake-up is delivered when the caller's transaction commits.
+-- The spec ($5) arrives as JSON text, so callers' connections need no codec.
+WITH inserted AS (
+    INSERT INTO hubd_allocations (id, provisioner_id, tenant_id, session_id, spec, next_attempt_at)
+    VALUES ($1, $2, $3, $4, $5::text::jsonb, now())
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, instance_id, kind, to_status, phase)
+    SELECT id, generation, $6, 'request', status, 'committed' FROM inserted
+), woken AS (
+    SELECT pg_notify('hubd_wake', $1)
+)
+SELECT inserted.* FROM inserted, woken;
+
+-- name: release_allocation
+-- A user's release: pending goes straight to released (nothing was bound); any other active status
+-- becomes releasing under a new generation, which fences off the current claim and sidecar.
+WITH prior AS (
+    SELECT id, status FROM hubd_allocations
+    WHERE id = $1 AND status IN ('pending', 'provisioning', 'allocated', 'replacing')
+    FOR UPDATE
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        status = CASE WHEN prior.status = 'pending' THEN 'released' ELSE 'releasing' END,
+        generation = CASE WHEN prior.status = 'pending' THEN a.generation ELSE a.generation + 1 END,
+        next_attempt_at = CASE WHEN prior.status = 'pending' THEN NULL ELSE now() END,
+        lease_id = CASE WHEN prior.status = 'pending' THEN NULL ELSE a.lease_id END,
+        lease_expires_at = CASE WHEN prior.status = 'pending' THEN NULL ELSE a.lease_expires_at END,
+        finished_at = CASE WHEN prior.status = 'pending' THEN now() END,
+        connection_ready = false,
+        initialization_lease_id = NULL,
+        updated_at = now()
+    FROM prior
+    WHERE a.id = prior.id
+    RETURNING a.*, prior.status AS from_status
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    SELECT id, generation, $2, 'release', from_status, status, 'committed', $3 FROM updated
+), woken AS (
+    SELECT pg_notify('hubd_wake', $1)
+)
+SELECT updated.* FROM updated, woken;
+
+-- name: claim_next
+-- Lease the oldest due active row not in the exclusion list ($3). Expiry is set by the database
+-- clock so replicas with skewed clocks agree. Served by hubd_allocations_due_idx.
+UPDATE hubd_allocations AS a SET
+    lease_id = $1,
+    lease_expires_at = now() + make_interval(secs => $2),
+    updated_at = now()
+FROM (
+    SELECT id FROM hubd_allocations
+    WHERE next_attempt_at IS NOT NULL
+      AND next_attempt_at <= now()
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+      AND (lease_expires_at IS NULL OR lease_expires_at <= now())
+      AND id <> ALL ($3::text[])
+    ORDER BY next_attempt_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+) AS due
+WHERE a.id = due.id
+RETURNING a.*;
+
+-- name: renew_lease
+-- Extend a lease that is still ours and still live; returns no row when it is not.
+UPDATE hubd_allocations
+SET lease_expires_at = now() + make_interval(secs => $3)
+WHERE id = $1 AND lease_id = $2 AND lease_expires_at > now()
+RETURNING lease_expires_at;
+
+-- name: lease_is_current
+-- Whether the claim ($2, generation $3) still owns the row.
+SELECT EXISTS (
+    SELECT 1 FROM hubd_allocations
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+);
+
+-- name: bind_initial_sidecar
+-- pending → provisioning: bind the provisioner if unbound ($8 api version, $9 fingerprint) and a
+-- new sidecar identity ($5 id, $6 token hash) with a connect deadline $7 seconds away.
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        status = 'provisioning',
+        provisioner_api_version = COALESCE(provisioner_api_version, $8),
+        provisioner_binding_fingerprint = COALESCE(provisioner_binding_fingerprint, $9),
+        sidecar_id = $5,
+        token_hash = $6,
+        external_ref = NULL,
+        connect_deadline = now() + make_interval(secs => $7),
+        connection_ready = false,
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = 'pending'
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $2, $4, 'bind_sidecar', 'pending', status, 'committed' FROM updated
+)
+SELECT * FROM updated;
+
+-- name: bind_replacement_sidecar
+-- replacing → provisioning once the old sidecar is destroyed: a new identity for this generation.
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        status = 'provisioning',
+        sidecar_id = $5,
+        token_hash = $6,
+        external_ref = NULL,
+        connect_deadline = now() + make_interval(secs => $7),
+        connection_ready = false,
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = 'replacing'
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $2, $4, 'bind_replacement_sidecar', 'replacing', status, 'committed'
+    FROM updated
+)
+SELECT * FROM updated;
+
+-- name: mark_allocated
+-- provisioning → allocated: the provisioner accepted ensure ($5 external reference).
+WITH updated AS (
+    UPDATE hubd_allocations SET status = 'allocated', external_ref = $5, updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = 'provisioning'
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $2, $4, 'mark_allocated', 'provisioning', status, 'committed'
+    FROM updated
+)
+SELECT * FROM updated;
+
+-- name: begin_initialization
+-- Record, before the on-ready hook runs, that this lease is initializing the sidecar; a crash
+-- before mark_connection_ready leaves the marker for the next claim to find.
+WITH updated AS (
+    UPDATE hubd_allocations SET initialization_lease_id = $2, updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = 'allocated' AND initialization_lease_id IS NULL
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $2, $4, 'begin_initialization', 'allocated', status, 'committed'
+    FROM updated
+)
+SELECT * FROM updated;
+
+-- name: mark_connection_ready
+-- Finish initialization: the sidecar is connected and initialized. Nothing is scheduled until the
+-- connection is lost; attempt counters and the last failure are reset.
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        connection_ready = true,
+        initialization_lease_id = NULL,
+        connect_deadline = NULL,
+        next_attempt_at = NULL,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        ensure_attempts = 0,
+        destroy_attempts = 0,
+        failure_code = NULL,
+        failure_message = NULL,
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = 'allocated'
+      AND (initialization_lease_id IS NULL OR initialization_lease_id = $2)
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $2, $4, 'mark_ready', 'allocated', status, 'committed' FROM updated
+)
+SELECT * FROM updated;
+
+-- name: mark_connection_lost
+-- A connection event, not a claim: the current sidecar of generation $2 is gone. Give it until a
+-- connect deadline ($4 seconds away, or the existing deadline when $5) and invalidate any claim,
+-- whose view of the connection is now stale. $3 is the hub instance.
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        connection_ready = false,
+        connect_deadline = CASE WHEN $5 AND connect_deadline IS NOT NULL THEN connect_deadline
+                                ELSE now() + make_interval(secs => $4) END,
+        next_attempt_at = CASE WHEN $5 AND connect_deadline IS NOT NULL THEN connect_deadline
+                               ELSE now() + make_interval(secs => $4) END,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        updated_at = now()
+    WHERE id = $1 AND generation = $2 AND status = 'allocated'
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $3, 'connection_lost', 'allocated', status, 'committed' FROM updated
+)
+SELECT * FROM updated;
+
+-- name: schedule_retry
+-- Try again after $6 seconds in status $5; $7 names the attempt counter to bump ('ensure',
+-- 'destroy' or NULL); $8/$9 record the failure that caused it, when given. Drops the lease.
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        next_attempt_at = now() + make_interval(secs => $6),
+        ensure_attempts = ensure_attempts + CASE WHEN $7::text = 'ensure' THEN 1 ELSE 0 END,
+        destroy_attempts = destroy_attempts + CASE WHEN $7::text = 'destroy' THEN 1 ELSE 0 END,
+        failure_code = COALESCE($8, failure_code),
+        failure_message = CASE WHEN $8::text IS NULL THEN failure_message ELSE $9 END,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = $5
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message)
+    SELECT id, generation, $2, $4, 'schedule_retry', status, status, 'committed', $8, $9
+    FROM updated
+)
+SELECT * FROM updated;
+
+-- name: park
+-- Nothing to do until something happens: drop the lease and come back at the connect deadline
+-- ($5 = 'await_connection', falling back to $6 seconds) or after $6 seconds ('retry_after_error',
+-- recording $7/$8 as the failure).
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        next_attempt_at = CASE WHEN $5::text = 'await_connection'
+                               THEN COALESCE(connect_deadline, now() + make_interval(secs => $6))
+                               ELSE now() + make_interval(secs => $6) END,
+        failure_code = COALESCE($7, failure_code),
+        failure_message = CASE WHEN $7::text IS NULL THEN failure_message ELSE $8 END,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message)
+    SELECT id, generation, $2, $4, 'park_' || $5::text, status, status, 'committed', $7, $8
+    FROM updated
+)
+SELECT * FROM updated;
+
+-- name: begin_replacement
+-- Abandon the current sidecar: → replacing under a new generation, due in $6 seconds, failure
+-- $7/$8. With $9, only while an initialization is still recorded (and, given $10, by that lease).
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        status = 'replacing',
+        generation = generation + 1,
+        ensure_attempts = ensure_attempts + 1,
+        next_attempt_at = now() + make_interval(secs => $6),
+        failure_code = $7,
+        failure_message = $8,
+        connection_ready = false,
+        initialization_lease_id = NULL,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = $5
+      AND (NOT $9 OR (initialization_lease_id IS NOT NULL
+                      AND initialization_lease_id = COALESCE($10, initialization_lease_id)))
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message)
+    SELECT id, generation, $2, $4, 'begin_replacement', $5, status, 'committed', $7, $8
+    FROM updated
+)
+SELECT * FROM updated;
+
+-- name: begin_unrecoverable_release
+-- allocated → releasing under a new generation when automatic replacement recovery is off;
+-- $5/$6 the failure, $7/$8 as $9/$10 of begin_replacement.
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        status = 'releasing',
+        generation = generation + 1,
+        next_attempt_at = now(),
+        failure_code = $5,
+        failure_message = $6,
+        connection_ready = false,
+        initialization_lease_id = NULL,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = 'allocated'
+      AND (NOT $7 OR (initialization_lease_id IS NOT NULL
+                      AND initialization_lease_id = COALESCE($8, initialization_lease_id)))
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message)
+    SELECT id, generation, $2, $4, 'begin_unrecoverable_release', 'allocated', status,
+        'committed', $5, $6
+    FROM updated
+)
+SELECT * FROM updated;
+
+-- name: fail_without_infrastructure
+-- $5 → failed with failure $6/$7: nothing was provisioned, so nothing needs destroying.
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        status = 'failed',
+        failure_code = $6,
+        failure_message = $7,
+        connection_ready = false,
+        initialization_lease_id = NULL,
+        next_attempt_at = NULL,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        finished_at = now(),
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = $5
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message)
+    SELECT id, generation, $2, $4, 'fail', $5, status, 'committed', $6, $7 FROM updated
+)
+SELECT * FROM updated;
+
+-- name: mark_destroy_failed
+-- replacing/releasing → destroy_failed ($5/$6): an operator must look, infrastructure may leak.
+WITH prior AS (
+    SELECT id, status FROM hubd_allocations
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status IN ('replacing', 'releasing')
+    FOR UPDATE
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        status = 'destroy_failed',
+        failure_code = $5,
+        failure_message = $6,
+        connection_ready = false,
+        next_attempt_at = NULL,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        finished_at = now(),
+        updated_at = now()
+    FROM prior
+    WHERE a.id = prior.id
+    RETURNING a.*, prior.status AS from_status
+), logged AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message)
+    SELECT id, generation, $2, $4, 'mark_destroy_failed', from_status, status, 'committed', $5, $6
+    FROM updated
+)
+SELECT updated.* FROM updated;
+
+-- name: mark_released
+-- releasing → released once the sidecar is destroyed.
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        status = 'released',
+        connection_ready = false,
+        next_attempt_at = NULL,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        finished_at = now(),
+        updated_at = now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+      AND status = 'releasing'
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $2, $4, 'mark_released', 'releasing', status, 'committed' FROM updated
+)
+SELECT * FROM updated;
+
+-- name: wake
+-- Make generation $2 due now (a sidecar connected, or a repair) and tell the daemons.
+WITH updated AS (
+    UPDATE hubd_allocations SET next_attempt_at = now(), updated_at = now()
+    WHERE id = $1 AND generation = $2
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+      AND (next_attempt_at IS NULL OR next_attempt_at > now())
+    RETURNING id
+), woken AS (
+    SELECT pg_notify('hubd_wake', id) FROM updated
+)
+SELECT count(*) > 0 FROM updated, woken;
+
+-- name: schedule_reconnect_if_unscheduled
+-- Repair an allocated row that nothing will ever revisit (no schedule, no lease) whose sidecar is
+-- not connected: treat it as lost, due at its connect deadline (or $3 seconds away).
+WITH updated AS (
+    UPDATE hubd_allocations SET
+        connection_ready = false,
+        connect_deadline = COALESCE(connect_deadline, now() + make_interval(secs => $3)),
+        next_attempt_at = COALESCE(connect_deadline, now() + make_interval(secs => $3)),
+        updated_at = now()
+    WHERE id = $1 AND generation = $2 AND status = 'allocated'
+      AND next_attempt_at IS NULL AND lease_id IS NULL
+    RETURNING *
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $4, 'schedule_reconnect', 'allocated', status, 'committed' FROM updated
+)
+SELECT * FROM updated;
+
+-- name: get_allocation
+SELECT * FROM hubd_allocations WHERE id = $1;
+
+-- name: list_active
+-- Every active row, for start-up repair and the repair sweep.
+SELECT * FROM hubd_allocations
+WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+ORDER BY id;
+
+-- name: list_allocations
+-- Newest first, optionally of one status ($1), at most $2 rows.
+SELECT * FROM hubd_allocations
+WHERE ($1::text IS NULL OR status = $1)
+ORDER BY created_at DESC, id
+LIMIT $2;

@@ -1,0 +1,49 @@
+-- Statements on hubd_sidecar_connections: the durable record of which sidecar is connected where,
+-- so any replica can answer "is this sidecar ready?" from the database.
+
+-- name: identity
+-- What a handshake is checked against: the allocation's status, generation and current identity.
+SELECT id, status, generation, sidecar_id, token_hash
+FROM hubd_allocations WHERE id = $1;
+
+-- name: record
+-- The newest connection of an allocation replaces the older one, unless it names an older
+-- generation than the record it would replace.
+INSERT INTO hubd_sidecar_connections
+    (connection_id, allocation_id, generation, sidecar_id, instance_id)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (allocation_id) DO UPDATE SET
+    connection_id = EXCLUDED.connection_id,
+    generation = EXCLUDED.generation,
+    sidecar_id = EXCLUDED.sidecar_id,
+    instance_id = EXCLUDED.instance_id,
+    connected_at = now()
+WHERE hubd_sidecar_connections.generation <= EXCLUDED.generation
+RETURNING connection_id;
+
+-- name: clear
+-- Forget a connection only if it is still the current one: a takeover must not be undone by the
+-- late close of the socket it replaced.
+DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1 AND connection_id = $2
+RETURNING connection_id;
+
+-- name: clear_instance
+-- Forget every connection held by an instance (it stopped, or its heartbeat expired).
+DELETE FROM hubd_sidecar_connections WHERE instance_id = $1 RETURNING allocation_id, generation;
+
+-- name: is_connected
+-- Whether generation $2's sidecar has a current connection on an instance whose heartbeat is
+-- within $3 seconds.
+SELECT EXISTS (
+    SELECT 1 FROM hubd_sidecar_connections AS c
+    JOIN hubd_instances AS i ON i.id = c.instance_id
+    WHERE c.allocation_id = $1 AND c.generation = $2
+      AND i.heartbeat_at > now() - make_interval(secs => $3)
+);
+
+-- name: stale
+-- Connections whose instance is gone or whose heartbeat is older than $1 seconds.
+SELECT c.allocation_id, c.generation, c.connection_id, c.instance_id
+FROM hubd_sidecar_connections AS c
+LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
+WHERE i.id IS NULL OR i.heartbeat_at <= now() - make_interval(secs => $1);

@@ -1,0 +1,115 @@
+"""Validation and shaping of values that cross into the store: ids, specs, failures."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from hubd.errors import InvalidRequest
+from hubd.redaction import scrub
+
+__all__ = [
+    "MAX_CODE_LENGTH",
+    "MAX_MESSAGE_LENGTH",
+    "MAX_SPEC_BYTES",
+    "Failure",
+    "bounded_code",
+    "bounded_message",
+    "new_allocation_id",
+    "validate_allocation_id",
+    "validate_label",
+    "validate_provisioner_id",
+    "validate_spec",
+]
+
+MAX_CODE_LENGTH: Final = 64
+MAX_MESSAGE_LENGTH: Final = 500
+MAX_SPEC_BYTES: Final = 64 * 1024
+MAX_LABEL_LENGTH: Final = 200
+
+_ALLOCATION_ID: Final = re.compile(r"^al_[0-9a-f]{32}$")
+_PROVISIONER_ID: Final = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_CODE_CHARS: Final = re.compile(r"[^a-z0-9_.:-]+")
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def new_allocation_id() -> str:
+    return f"al_{secrets.token_hex(16)}"
+
+
+def validate_allocation_id(value: object) -> str:
+    if not isinstance(value, str) or not _ALLOCATION_ID.match(value):
+        raise InvalidRequest(
+            f"malformed allocation id {_preview(value)}: expected 'al_' and 32 hex digits"
+        )
+    return value
+
+
+def validate_provisioner_id(value: object) -> str:
+    if not isinstance(value, str) or not _PROVISIONER_ID.match(value):
+        raise InvalidRequest(
+            f"malformed provisioner id {_preview(value)}: expected 1-64 characters of "
+            "a-z, 0-9, '_', '.', '-', starting with a letter or digit"
+        )
+    return value
+
+
+def validate_label(name: str, value: object) -> str | None:
+    """A tenant or session id: optional, short, printable."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_LABEL_LENGTH:
+        raise InvalidRequest(f"{name} must be a non-empty string of at most {MAX_LABEL_LENGTH}")
+    if _CONTROL.search(value):
+        raise InvalidRequest(f"{name} must not contain control characters")
+    return value
+
+
+def validate_spec(value: object) -> dict[str, Any]:
+    """A spec is a JSON object of at most 64 KiB; anything else is refused before the database."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"spec must be a JSON object, not {type(value).__name__}")
+    try:
+        encoded = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"spec is not JSON-serializable: {exc}") from exc
+    if len(encoded.encode()) > MAX_SPEC_BYTES:
+        raise InvalidRequest(f"spec is larger than {MAX_SPEC_BYTES} bytes")
+    if "\\u0000" in encoded:
+        raise InvalidRequest("spec must not contain NUL characters")
+    decoded: dict[str, Any] = json.loads(encoded)
+    return decoded
+
+
+def bounded_code(code: str) -> str:
+    """A failure code as the ledger stores it: a short lowercase token."""
+    cleaned = _CODE_CHARS.sub("_", code.strip().lower()).strip("_")
+    return (cleaned or "unknown")[:MAX_CODE_LENGTH]
+
+
+def bounded_message(message: str) -> str:
+    """A failure message with secrets removed, one line, at most 500 characters."""
+    cleaned = _CONTROL.sub(" ", scrub(message)).strip()
+    if len(cleaned) > MAX_MESSAGE_LENGTH:
+        cleaned = cleaned[: MAX_MESSAGE_LENGTH - 1] + "…"
+    return cleaned
+
+
+@attrs.frozen
+class Failure:
+    """Why a step failed, bounded and scrubbed on construction."""
+
+    code: str = attrs.field(converter=bounded_code)
+    message: str = attrs.field(converter=bounded_message)
+
+
+def _preview(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,119 @@
+"""Shared fixtures: one PostgreSQL for the session, a fresh migrated database for every test.
+
+By default the session starts the embedded server (the ``embedded`` extra) in a temporary
+directory. Set ``HUBD_TEST_DATABASE_URL`` to a server's maintenance DSN (a role that may create
+databases) to test against an external PostgreSQL instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import attrs
+import pytest
+
+from hubd.store import AllocationStore, Database, LedgerStore, connect_database
+from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.store.migrate import apply_migrations
+
+_counter = itertools.count()
+
+
+@attrs.frozen
+class PostgresServer:
+    """A running server: its maintenance DSN and the migrated template to clone."""
+
+    maintenance_dsn: str
+    template: str
+    embedded: EmbeddedPostgres | None
+
+    def dsn(self, database: str) -> str:
+        return dsn_for_database(self.maintenance_dsn, database)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    template = f"hubd_template_{os.getpid()}"
+    external = os.environ.get("HUBD_TEST_DATABASE_URL")
+    embedded: EmbeddedPostgres | None = None
+    tmp: str | None = None
+    if external:
+        maintenance = external
+    else:
+        # Short path: the server's Unix socket lives in its data directory.
+        tmp = tempfile.mkdtemp(prefix="hubd-t")
+        embedded = EmbeddedPostgres(Path(tmp))
+        maintenance = embedded.start()
+    server = PostgresServer(maintenance_dsn=maintenance, template=template, embedded=embedded)
+    asyncio.run(_create_template(server))
+    try:
+        yield server
+    finally:
+        asyncio.run(_drop_database(server, template))
+        if embedded is not None:
+            embedded.stop()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _create_template(server: PostgresServer) -> None:
+    conn = await asyncpg.connect(server.maintenance_dsn)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {server.template} WITH (FORCE)")
+        await conn.execute(f"CREATE DATABASE {server.template}")
+    finally:
+        await conn.close()
+    conn = await asyncpg.connect(server.dsn(server.template))
+    try:
+        await apply_migrations(conn)
+    finally:
+        await conn.close()
+
+
+async def _drop_database(server: PostgresServer, name: str) -> None:
+    conn = await asyncpg.connect(server.maintenance_dsn)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def database_url(postgres_server: PostgresServer) -> AsyncIterator[str]:
+    """A fresh database cloned from the migrated template, dropped after the test."""
+    name = f"hubd_t{os.getpid()}_{next(_counter)}"
+    conn = await asyncpg.connect(postgres_server.maintenance_dsn)
+    try:
+        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {postgres_server.template}")
+    finally:
+        await conn.close()
+    try:
+        yield postgres_server.dsn(name)
+    finally:
+        await _drop_database(postgres_server, name)
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Database]:
+    database = await connect_database(database_url, pool_size=20)
+    try:
+        yield database
+    finally:
+        await database.close()
+
+
+@pytest.fixture
+def store(db: Database) -> AllocationStore:
+    return AllocationStore(db, instance_id="in_test")
+
+
+@pytest.fixture
+def ledger(db: Database) -> LedgerStore:
+    return LedgerStore(db, instance_id="in_test")

@@ -1,0 +1,624 @@
+"""AllocationStore and LedgerStore against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+
+from hubd.errors import AllocationNotFound, InvalidRequest
+from hubd.store import (
+    AllocationStore,
+    AttemptKind,
+    Database,
+    Failure,
+    Fence,
+    LedgerStore,
+    ParkMode,
+    Phase,
+    Status,
+)
+from tests.pgtime import age_row, expire_lease
+from tests.storekit import LEASE_SECONDS, claim_one, drive_to, new_lease, token_hash
+
+Transition = Callable[[AllocationStore, Fence], Awaitable[Any]]
+FAIL = Failure("boom", "it broke")
+
+# Every claim-owned transition, the status it starts from, and how to call it.
+TRANSITIONS: dict[str, tuple[Status | None, Transition]] = {
+    "bind_initial_sidecar": (
+        Status.PENDING,
+        lambda s, f: s.bind_initial_sidecar(
+            f,
+            sidecar_id="sc_x",
+            token_hash=token_hash(),
+            connect_timeout=60,
+            api_version="1",
+            binding_fingerprint="fp",
+        ),
+    ),
+    "bind_replacement_sidecar": (
+        Status.REPLACING,
+        lambda s, f: s.bind_replacement_sidecar(
+            f, sidecar_id="sc_y", token_hash=token_hash(), connect_timeout=60
+        ),
+    ),
+    "mark_allocated": (Status.PROVISIONING, lambda s, f: s.mark_allocated(f, external_ref="r")),
+    "begin_initialization": (Status.ALLOCATED, lambda s, f: s.begin_initialization(f)),
+    "mark_connection_ready": (Status.ALLOCATED, lambda s, f: s.mark_connection_ready(f)),
+    "schedule_retry": (
+        Status.REPLACING,
+        lambda s, f: s.schedule_retry(
+            f, expected_status=Status.REPLACING, delay=2, attempt=AttemptKind.DESTROY, failure=FAIL
+        ),
+    ),
+    "park": (None, lambda s, f: s.park(f, mode=ParkMode.AWAIT_CONNECTION, delay=30)),
+    "begin_replacement": (
+        Status.PROVISIONING,
+        lambda s, f: s.begin_replacement(
+            f, expected_status=Status.PROVISIONING, delay=1, failure=FAIL
+        ),
+    ),
+    "begin_unrecoverable_release": (
+        Status.ALLOCATED,
+        lambda s, f: s.begin_unrecoverable_release(f, failure=FAIL),
+    ),
+    "fail_without_infrastructure": (
+        Status.PENDING,
+        lambda s, f: s.fail_without_infrastructure(f, expected_status=Status.PENDING, failure=FAIL),
+    ),
+    "mark_destroy_failed": (Status.RELEASING, lambda s, f: s.mark_destroy_failed(f, failure=FAIL)),
+    "mark_released": (Status.RELEASING, lambda s, f: s.mark_released(f)),
+}
+
+# A status each transition does not accept, to prove the status guard.
+WRONG_STATUS = {
+    Status.PENDING: Status.PROVISIONING,
+    Status.PROVISIONING: Status.ALLOCATED,
+    Status.ALLOCATED: Status.PROVISIONING,
+    Status.REPLACING: Status.ALLOCATED,
+    Status.RELEASING: Status.ALLOCATED,
+}
+
+
+async def snapshot(db: Database, allocation_id: str) -> tuple[Any, int]:
+    async with db.pool.acquire() as conn:
+        row = await conn.fetchrow("SELECT * FROM hubd_allocations WHERE id = $1", allocation_id)
+        entries = await conn.fetchval(
+            "SELECT count(*) FROM hubd_allocation_ledger WHERE allocation_id = $1", allocation_id
+        )
+    return dict(row), entries
+
+
+class TestFences:
+    @pytest.mark.parametrize("name", sorted(TRANSITIONS))
+    async def test_right_fence_writes_and_logs(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore, name: str
+    ) -> None:
+        """A transition under the claim's own lease, generation and status updates the row and
+        appends one committed ledger row naming that lease."""
+        status, call = TRANSITIONS[name]
+        fence = await drive_to(store, db, status or Status.ALLOCATED)
+        _, before = await snapshot(db, fence.allocation_id)
+        updated = await call(store, fence)
+        assert updated is not None
+        _, after = await snapshot(db, fence.allocation_id)
+        assert after == before + 1
+        last = (await ledger.history(fence.allocation_id))[-1]
+        assert last.phase is Phase.COMMITTED
+        assert last.lease_id == fence.lease_id
+        assert last.instance_id == "in_test"
+        assert last.to_status == str(updated.status)
+
+    @pytest.mark.parametrize("variant", ["lease", "generation", "status", "expired"])
+    @pytest.mark.parametrize("name", sorted(TRANSITIONS))
+    async def test_wrong_fence_changes_nothing(
+        self, store: AllocationStore, db: Database, name: str, variant: str
+    ) -> None:
+        """A transition with another lease, another generation, an unexpected status or an
+        expired lease returns None and leaves the row and the ledger as they were."""
+        status, call = TRANSITIONS[name]
+        if variant == "status":
+            if status is None:
+                pytest.skip("park accepts every active status")
+            fence = await drive_to(store, db, WRONG_STATUS[status])
+        else:
+            fence = await drive_to(store, db, status or Status.ALLOCATED)
+        if variant == "lease":
+            fence = Fence(
+                allocation_id=fence.allocation_id, lease_id=new_lease(), generation=fence.generation
+            )
+        elif variant == "generation":
+            fence = fence.advanced(fence.generation + 1)
+        elif variant == "expired":
+            await expire_lease(db, fence.allocation_id)
+        before = await snapshot(db, fence.allocation_id)
+        assert await call(store, fence) is None
+        assert await snapshot(db, fence.allocation_id) == before
+
+
+class TestRequestAndRelease:
+    async def test_request_is_due_at_once(self, store: AllocationStore) -> None:
+        """A new request is pending, generation 1, and claimable right away."""
+        allocation = await store.request(
+            provisioner_id="fake", tenant_id="t1", session_id="s1", spec={"cpu": 2}
+        )
+        assert allocation.status is Status.PENDING
+        assert allocation.generation == 1
+        assert allocation.spec == {"cpu": 2}
+        fence = await claim_one(store, allocation.id)
+        assert fence.generation == 1
+
+    async def test_request_in_rolled_back_transaction_leaves_nothing(
+        self, store: AllocationStore, database_url: str
+    ) -> None:
+        """A request made in the caller's transaction vanishes with its rollback, and no wake-up
+        notification is delivered."""
+        listener = await asyncpg.connect(database_url)
+        notes: asyncio.Queue[str] = asyncio.Queue()
+        await listener.add_listener("hubd_wake", lambda *args: notes.put_nowait(args[3]))
+        conn = await asyncpg.connect(database_url)
+        try:
+            tx = conn.transaction()
+            await tx.start()
+            allocation = await store.request(provisioner_id="fake", spec={"a": 1}, conn=conn)
+            assert allocation.spec == {"a": 1}
+            await tx.rollback()
+            with pytest.raises(AllocationNotFound):
+                await store.get(allocation.id)
+            # A committed request afterwards proves the listener works; only it arrives.
+            committed = await store.request(provisioner_id="fake")
+            async with asyncio.timeout(5):
+                assert await notes.get() == committed.id
+            assert notes.empty()
+        finally:
+            await conn.close()
+            await listener.close()
+
+    async def test_request_invisible_until_commit(
+        self, store: AllocationStore, database_url: str
+    ) -> None:
+        """Until the caller commits, no claim can see the request."""
+        conn = await asyncpg.connect(database_url)
+        try:
+            async with conn.transaction():
+                allocation = await store.request(provisioner_id="fake", conn=conn)
+                assert await store.claim_next(lease_id=new_lease(), lease_duration=60) is None
+            fence = await claim_one(store, allocation.id)
+            assert fence.allocation_id == allocation.id
+        finally:
+            await conn.close()
+
+    async def test_release_in_rolled_back_transaction_leaves_nothing(
+        self, store: AllocationStore, db: Database, database_url: str
+    ) -> None:
+        """A release inside a rolled-back transaction leaves the allocation as it was."""
+        fence = await drive_to(store, db, Status.ALLOCATED)
+        before = await snapshot(db, fence.allocation_id)
+        conn = await asyncpg.connect(database_url)
+        try:
+            tx = conn.transaction()
+            await tx.start()
+            released = await store.release(fence.allocation_id, conn=conn)
+            assert released.status is Status.RELEASING
+            await tx.rollback()
+        finally:
+            await conn.close()
+        assert await snapshot(db, fence.allocation_id) == before
+
+    async def test_release_pending_goes_straight_to_released(self, store: AllocationStore) -> None:
+        """Releasing a pending allocation ends it at once: nothing was bound."""
+        allocation = await store.request(provisioner_id="fake")
+        released = await store.release(allocation.id)
+        assert released.status is Status.RELEASED
+        assert released.generation == 1
+        assert released.next_attempt_at is None
+
+    async def test_release_bumps_generation_and_fences_claim(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """Releasing a provisioning allocation moves it to releasing under a new generation, so
+        the claim that was provisioning it can write nothing more."""
+        fence = await drive_to(store, db, Status.PROVISIONING)
+        released = await store.release(fence.allocation_id)
+        assert released.status is Status.RELEASING
+        assert released.generation == fence.generation + 1
+        assert await store.mark_allocated(fence, external_ref="late") is None
+        assert await store.release(fence.allocation_id) == released  # idempotent
+
+    async def test_release_of_terminal_is_a_no_op(self, store: AllocationStore) -> None:
+        """Releasing a released allocation returns it unchanged."""
+        allocation = await store.request(provisioner_id="fake")
+        first = await store.release(allocation.id)
+        assert await store.release(allocation.id) == first
+
+
+class TestBadInput:
+    async def test_unknown_id(self, store: AllocationStore) -> None:
+        """An id of the right shape that names nothing raises AllocationNotFound."""
+        with pytest.raises(AllocationNotFound):
+            await store.get("al_" + "0" * 32)
+        with pytest.raises(AllocationNotFound):
+            await store.release("al_" + "0" * 32)
+
+    @pytest.mark.parametrize("bad", ["", "al_x", "'; DROP TABLE x; --", 42])
+    async def test_malformed_id(self, store: AllocationStore, bad: Any) -> None:
+        """A malformed id is refused before the database with InvalidRequest."""
+        with pytest.raises(InvalidRequest, match="malformed allocation id"):
+            await store.get(bad)
+
+    @pytest.mark.parametrize(
+        ("spec", "match"),
+        [
+            ([1, 2], "JSON object"),
+            ("text", "JSON object"),
+            ({"x": float("nan")}, "JSON-serializable"),
+            ({"x": object()}, "JSON-serializable"),
+            ({"x": "a" * 70_000}, "larger than"),
+            ({"x": "\x00"}, "NUL"),
+        ],
+    )
+    async def test_malformed_spec(self, store: AllocationStore, spec: Any, match: str) -> None:
+        """A spec that is not a small JSON object raises InvalidRequest naming the problem."""
+        with pytest.raises(InvalidRequest, match=match):
+            await store.request(provisioner_id="fake", spec=spec)
+        assert await store.list_active() == []
+
+    @pytest.mark.parametrize("provisioner", ["", "Has Space", "x" * 65, None])
+    async def test_malformed_provisioner(self, store: AllocationStore, provisioner: Any) -> None:
+        """A malformed provisioner id raises InvalidRequest."""
+        with pytest.raises(InvalidRequest, match="provisioner id"):
+            await store.request(provisioner_id=provisioner)
+
+    async def test_bad_label(self, store: AllocationStore) -> None:
+        """Tenant and session ids must be short printable strings."""
+        with pytest.raises(InvalidRequest, match="tenant_id"):
+            await store.request(provisioner_id="fake", tenant_id="a\nb")
+        with pytest.raises(InvalidRequest, match="session_id"):
+            await store.request(provisioner_id="fake", session_id="s" * 201)
+
+
+class TestClaims:
+    async def test_oldest_due_first_and_exclusion(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """Claims take the oldest due row first and never a row in the exclusion list."""
+        first = await store.request(provisioner_id="fake")
+        second = await store.request(provisioner_id="fake")
+        third = await store.request(provisioner_id="fake")
+        await age_row(db, third.id, 30)
+        await age_row(db, first.id, 10)
+        order = []
+        for _ in range(3):
+            claimed = await store.claim_next(lease_id=new_lease(), lease_duration=60)
+            assert claimed is not None
+            order.append(claimed.id)
+        assert order == [third.id, first.id, second.id]
+
+        other = await store.request(provisioner_id="fake")
+        excluded = await store.request(provisioner_id="fake")
+        await age_row(db, excluded.id, 5)
+        claimed = await store.claim_next(
+            lease_id=new_lease(), lease_duration=60, exclude=[excluded.id]
+        )
+        assert claimed is not None
+        assert claimed.id == other.id
+        assert (
+            await store.claim_next(lease_id=new_lease(), lease_duration=60, exclude=[excluded.id])
+            is None
+        )
+
+    async def test_not_due_not_claimed(self, store: AllocationStore, db: Database) -> None:
+        """A row scheduled in the future, or leased, is not claimable until then."""
+        fence = await drive_to(store, db, Status.ALLOCATED)
+        await store.park(fence, mode=ParkMode.AWAIT_CONNECTION, delay=30)
+        assert await store.claim_next(lease_id=new_lease(), lease_duration=60) is None
+        await age_row(db, fence.allocation_id, 121)
+        assert (await claim_one(store, fence.allocation_id)).generation == fence.generation
+
+    async def test_expired_lease_is_claimable_again(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """A live lease blocks other claims; once it expires the row is claimed under a new
+        lease and the old lease's writes are refused."""
+        allocation = await store.request(provisioner_id="fake")
+        first = await claim_one(store, allocation.id)
+        assert await store.claim_next(lease_id=new_lease(), lease_duration=60) is None
+        await expire_lease(db, allocation.id)
+        assert not await store.lease_is_current(first)
+        assert not await store.renew_lease(allocation.id, first.lease_id, 60)
+        second = await claim_one(store, allocation.id)
+        assert second.lease_id != first.lease_id
+        assert await store.lease_is_current(second)
+        assert await store.mark_allocated(first, external_ref=None) is None
+
+    async def test_renewal_extends_by_database_clock(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """Renewing a live lease moves its expiry to now + duration on the database clock."""
+        allocation = await store.request(provisioner_id="fake")
+        fence = await claim_one(store, allocation.id)
+        await age_row(db, allocation.id, 50)
+        assert await store.renew_lease(allocation.id, fence.lease_id, LEASE_SECONDS)
+        async with db.pool.acquire() as conn:
+            remaining = await conn.fetchval(
+                "SELECT extract(epoch FROM lease_expires_at - now()) FROM hubd_allocations "
+                "WHERE id = $1",
+                allocation.id,
+            )
+        assert 55 < float(remaining) <= 60
+        assert not await store.renew_lease(allocation.id, new_lease(), LEASE_SECONDS)
+
+    async def test_claim_uses_partial_index(self, store: AllocationStore, db: Database) -> None:
+        """With 100,000 terminal rows and 1,000 due rows, the claim is planned on the partial
+        due index, not a sequential scan."""
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
+                SELECT 'al_' || md5(i::text), 'released', 'fake', now()
+                FROM generate_series(1, 100000) AS i
+                """
+            )
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations (id, provisioner_id, next_attempt_at)
+                SELECT 'al_' || md5('due' || i::text), 'fake', now() - i * interval '1 ms'
+                FROM generate_series(1, 1000) AS i
+                """
+            )
+            await conn.execute("ANALYZE hubd_allocations")
+            from hubd.store.allocations import SQL
+
+            plan = await conn.fetchval(
+                "EXPLAIN (FORMAT JSON) " + SQL.claim_next, new_lease(), 60.0, []
+            )
+        text = str(plan)
+        assert "hubd_allocations_due_idx" in text
+        assert "Seq Scan" not in text
+
+    async def test_concurrent_claimers_never_share_a_row(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """Eight claimers racing over 2,000 due rows claim every row exactly once."""
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations (id, provisioner_id, next_attempt_at)
+                SELECT 'al_' || md5(i::text), 'fake', now() FROM generate_series(1, 2000) AS i
+                """
+            )
+        claims: list[tuple[str, str]] = []
+
+        async def claimer() -> None:
+            while True:
+                lease = new_lease()
+                claimed = await store.claim_next(lease_id=lease, lease_duration=60)
+                if claimed is None:
+                    return
+                claims.append((claimed.id, lease))
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(8):
+                group.create_task(claimer())
+        ids = [allocation_id for allocation_id, _ in claims]
+        assert len(ids) == 2000
+        assert len(set(ids)) == 2000
+        async with db.pool.acquire() as conn:
+            rows = await conn.fetch("SELECT id, lease_id FROM hubd_allocations")
+        assert {row["id"]: row["lease_id"] for row in rows} == dict(claims)
+
+
+class TestTransitions:
+    async def test_release_path_and_history(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """The ledger tells the story of an allocation oldest first with from/to statuses."""
+        fence = await drive_to(store, db, Status.ALLOCATED)
+        await store.begin_initialization(fence)
+        ready = await store.mark_connection_ready(fence)
+        assert ready is not None
+        assert ready.ready
+        assert ready.lease_id is None
+        assert ready.next_attempt_at is None
+        history = await ledger.history(fence.allocation_id)
+        assert [(e.kind, e.from_status, e.to_status) for e in history] == [
+            ("request", None, "pending"),
+            ("bind_sidecar", "pending", "provisioning"),
+            ("mark_allocated", "provisioning", "allocated"),
+            ("begin_initialization", "allocated", "allocated"),
+            ("mark_ready", "allocated", "allocated"),
+        ]
+
+    async def test_connection_lost_invalidates_claim(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """Losing the connection of the current generation drops any claim's lease, un-readies the
+        allocation and schedules it at the connect deadline; another generation is ignored."""
+        fence = await drive_to(store, db, Status.ALLOCATED)
+        assert (
+            await store.mark_connection_lost(
+                fence.allocation_id, fence.generation + 1, connect_timeout=30
+            )
+            is None
+        )
+        lost = await store.mark_connection_lost(
+            fence.allocation_id, fence.generation, connect_timeout=30
+        )
+        assert lost is not None
+        assert lost.lease_id is None
+        assert not lost.connection_ready
+        assert lost.next_attempt_at == lost.connect_deadline
+        assert await store.mark_connection_ready(fence) is None
+
+    async def test_replacement_only_if_initialization_incomplete(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """A replacement conditioned on an incomplete initialization does nothing once the
+        initialization marker is gone, and replaces while it is recorded."""
+        fence = await drive_to(store, db, Status.ALLOCATED)
+        conditional = {
+            "expected_status": Status.ALLOCATED,
+            "delay": 1.0,
+            "failure": Failure("sidecar_initialization_uncertain", "x"),
+            "only_if_initialization_incomplete": True,
+        }
+        assert await store.begin_replacement(fence, **conditional) is None
+        started = await store.begin_initialization(fence)
+        assert started is not None
+        assert started.initialization_lease_id == fence.lease_id
+        assert (
+            await store.begin_replacement(
+                fence, **conditional, expected_initialization_lease_id=new_lease()
+            )
+            is None
+        )
+        replaced = await store.begin_replacement(fence, **conditional)
+        assert replaced is not None
+        assert replaced.status is Status.REPLACING
+        assert replaced.generation == fence.generation + 1
+        assert replaced.ensure_attempts == 1
+        assert replaced.initialization_lease_id is None
+
+    async def test_retry_bumps_named_counter(self, store: AllocationStore, db: Database) -> None:
+        """A destroy retry bumps the destroy counter, records the failure and drops the lease."""
+        fence = await drive_to(store, db, Status.REPLACING)
+        retried = await store.schedule_retry(
+            fence,
+            expected_status=Status.REPLACING,
+            delay=4,
+            attempt=AttemptKind.DESTROY,
+            failure=Failure("destroy_failed", "nope"),
+        )
+        assert retried is not None
+        assert retried.destroy_attempts == 1
+        assert retried.failure_code == "destroy_failed"
+        assert retried.lease_id is None
+
+    async def test_wake_and_reconnect_repair(self, store: AllocationStore, db: Database) -> None:
+        """wake makes a parked row due now; the reconnect repair schedules only an unscheduled,
+        unleased allocated row."""
+        fence = await drive_to(store, db, Status.ALLOCATED)
+        await store.park(fence, mode=ParkMode.AWAIT_CONNECTION, delay=30)
+        assert await store.wake(fence.allocation_id, fence.generation + 1) is False
+        assert await store.wake(fence.allocation_id, fence.generation) is True
+        again = await claim_one(store, fence.allocation_id)
+        assert (
+            await store.schedule_reconnect_if_unscheduled(
+                fence.allocation_id, fence.generation, connect_timeout=30
+            )
+            is None
+        )  # leased
+        ready = await store.mark_connection_ready(again)
+        assert ready is not None
+        repaired = await store.schedule_reconnect_if_unscheduled(
+            fence.allocation_id, fence.generation, connect_timeout=30
+        )
+        assert repaired is not None
+        assert repaired.next_attempt_at is not None
+        assert not repaired.connection_ready
+
+    async def test_terminal_rows_refuse_schedule(self, db: Database) -> None:
+        """The schema itself refuses a terminal row with a schedule or a lease."""
+        async with db.pool.acquire() as conn:
+            with pytest.raises(asyncpg.CheckViolationError):
+                await conn.execute(
+                    "INSERT INTO hubd_allocations (id, status, provisioner_id, next_attempt_at) "
+                    "VALUES ('al_x', 'released', 'fake', now())"
+                )
+            with pytest.raises(asyncpg.CheckViolationError):
+                await conn.execute(
+                    "INSERT INTO hubd_allocations (id, status, provisioner_id) "
+                    "VALUES ('al_y', 'lost', 'fake')"
+                )
+            with pytest.raises(asyncpg.CheckViolationError):
+                await conn.execute(
+                    "INSERT INTO hubd_allocations (id, generation, provisioner_id) "
+                    "VALUES ('al_z', 0, 'fake')"
+                )
+
+
+class TestLedger:
+    async def test_effects_are_fenced(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """An effect is recorded under the live lease and refused under a lost one."""
+        fence = await drive_to(store, db, Status.PROVISIONING)
+        assert await ledger.record_effect(
+            fence, effect_id="ef_1", kind="ensure", phase=Phase.INTENT, status=Status.PROVISIONING
+        )
+        await expire_lease(db, fence.allocation_id)
+        assert not await ledger.record_effect(
+            fence,
+            effect_id="ef_1",
+            kind="ensure",
+            phase=Phase.COMMITTED,
+            status=Status.PROVISIONING,
+        )
+
+    async def test_open_intents_settle_as_ambiguous_once(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """An intent left open by an earlier lease is recorded ambiguous by the next owner,
+        exactly once; intents with an outcome are left alone."""
+        fence = await drive_to(store, db, Status.PROVISIONING)
+        for effect_id in ("ef_open", "ef_done"):
+            await ledger.record_effect(
+                fence,
+                effect_id=effect_id,
+                kind="ensure",
+                phase=Phase.INTENT,
+                status=Status.PROVISIONING,
+            )
+        await ledger.record_effect(
+            fence,
+            effect_id="ef_done",
+            kind="ensure",
+            phase=Phase.COMMITTED,
+            status=Status.PROVISIONING,
+        )
+        await expire_lease(db, fence.allocation_id)
+        await age_row(db, fence.allocation_id, 1)
+        second = await claim_one(store, fence.allocation_id)
+        assert await ledger.settle_open_effects(second) == 1
+        assert await ledger.settle_open_effects(second) == 0
+        ambiguous = [
+            e for e in await ledger.history(fence.allocation_id) if e.phase is Phase.AMBIGUOUS
+        ]
+        assert [(e.effect_id, e.lease_id, e.kind) for e in ambiguous] == [
+            ("ef_open", fence.lease_id, "ensure")
+        ]
+
+    async def test_ledger_is_append_only(self, store: AllocationStore, db: Database) -> None:
+        """The schema refuses updates and deletes of ledger rows."""
+        await store.request(provisioner_id="fake")
+        async with db.pool.acquire() as conn:
+            with pytest.raises(asyncpg.RaiseError, match="append-only"):
+                await conn.execute("UPDATE hubd_allocation_ledger SET kind = 'x'")
+            with pytest.raises(asyncpg.RaiseError, match="append-only"):
+                await conn.execute("DELETE FROM hubd_allocation_ledger")
+
+    async def test_messages_are_scrubbed(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """A failure message carrying a token is stored with the token redacted."""
+        canary = "hubd_sc_" + "ab" * 32
+        fence = await drive_to(store, db, Status.PROVISIONING)
+        await store.begin_replacement(
+            fence,
+            expected_status=Status.PROVISIONING,
+            delay=1,
+            failure=Failure("ensure_failed", f"plugin said {canary} and Bearer {canary}"),
+        )
+        async with db.pool.acquire() as conn:
+            dump = await conn.fetchval(
+                "SELECT string_agg(t::text, ' ') FROM (SELECT * FROM hubd_allocations) t"
+            )
+            dump += await conn.fetchval(
+                "SELECT string_agg(t::text, ' ') FROM (SELECT * FROM hubd_allocation_ledger) t"
+            )
+        assert canary not in dump
+        assert "***" in dump
