@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from typing import Final
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 __all__ = ["REDACTED", "redact_dsn", "scrub"]
 
@@ -21,24 +20,30 @@ _SECRETS: Final = re.compile(
 )
 
 
+_QUERY_PASSWORD: Final = re.compile(r"((?:^|&)password=)[^&#]*", re.IGNORECASE)
+_CONNINFO_PASSWORD: Final = re.compile(
+    r"(\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE
+)
+
+
 def scrub(text: str) -> str:
     """``text`` with anything that looks like a token or a credential replaced."""
     return _SECRETS.sub(REDACTED, text)
 
 
 def redact_dsn(dsn: str) -> str:
-    """``dsn`` with its password (in the user info or a query parameter) replaced."""
-    try:
-        parts = urlsplit(dsn)
-    except ValueError:
-        return "<unparseable database url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostinfo = netloc.rpartition("@")
-        user, sep, password = userinfo.partition(":")
-        netloc = f"{user}:{REDACTED}@{hostinfo}" if sep and password else f"{userinfo}@{hostinfo}"
-    query = urlencode(
-        [(k, REDACTED if k.lower() == "password" else v) for k, v in parse_qsl(parts.query)],
-        safe="/",
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    """``dsn`` with its password (user info, ``password=`` parameter or libpq ``key=value``
+    form) replaced; user, host, port and database are kept so it still says where it points."""
+    scheme, sep, rest = dsn.partition("://")
+    if not sep:
+        return _CONNINFO_PASSWORD.sub(rf"\g<1>{REDACTED}", dsn)
+    head, qmark, query = rest.partition("?")
+    # The user info ends at the *last* "@" before the query: a password with an unescaped "@"
+    # or "/" is still hidden whole (at worst more than the password is hidden, never less).
+    userinfo, at, hostinfo = head.rpartition("@")
+    if at and ":" in userinfo:
+        user = userinfo.partition(":")[0]
+        head = f"{user}:{REDACTED}@{hostinfo}"
+    if qmark:
+        query = _QUERY_PASSWORD.sub(rf"\g<1>{REDACTED}", query)
+    return f"{scheme}{sep}{head}{qmark}{query}"
