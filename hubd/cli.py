@@ -1,0 +1,309 @@
+"""The ``hubd`` command line.
+
+Exit codes: 0 success, 1 the operation failed (e.g. the allocation went ``failed``), 2 usage or
+configuration error, 3 database unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from hubd.config import Config, load_config, render_toml
+from hubd.errors import (
+    AllocationNotFound,
+    ConfigError,
+    DatabaseUnavailable,
+    EmbeddedPostgresError,
+    HubdError,
+    InvalidRequest,
+)
+from hubd.logs import configure_logging
+from hubd.presentation import allocation_json, next_step, rfc3339
+from hubd.store import AllocationStore, Database, LedgerStore, Status
+from hubd.store.connect import open_database
+from hubd.store.migrate import apply_migrations
+
+__all__ = ["main"]
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_UNREACHABLE: Final = 3
+
+CLI_INSTANCE: Final = "cli"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"hubd: error: {message}\n")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON: {exc.msg} at column {exc.colno}"
+        ) from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"cpu\": 2}'")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    from hubd.config import parse_duration
+
+    try:
+        return parse_duration(text if not text.replace(".", "", 1).isdigit() else f"{text}s")
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # --config is accepted before or after the command; the later one wins.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        help="config file (default: $HUBD_CONFIG, else built-in defaults)",
+    )
+    parser = _Parser(
+        prog="hubd", description="Control-plane daemon for sidecar allocations.", parents=[common]
+    )
+    parser.set_defaults(config=None)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    commands.add_parser("migrate", help="apply schema migrations", parents=[common])
+    commands.add_parser(
+        "check-config", help="validate and print the effective config", parents=[common]
+    )
+
+    alloc = commands.add_parser(
+        "alloc", help="request, release and inspect allocations", parents=[common]
+    )
+    alloc_commands = alloc.add_subparsers(dest="alloc_command", required=True, parser_class=_Parser)
+
+    request = alloc_commands.add_parser(
+        "request", help="request an allocation; prints its id", parents=[common]
+    )
+    request.add_argument("--provisioner", required=True)
+    request.add_argument("--tenant")
+    request.add_argument("--session")
+    request.add_argument("--spec", type=_json_object, default={}, help="a JSON object")
+    request.add_argument("--wait", action="store_true", help="wait until ready or terminal")
+    request.add_argument("--timeout", type=_positive_seconds, default=300.0, help="for --wait")
+
+    release = alloc_commands.add_parser("release", help="release an allocation", parents=[common])
+    release.add_argument("id")
+
+    listing = alloc_commands.add_parser(
+        "list", help="list allocations, newest first", parents=[common]
+    )
+    listing.add_argument("--status", choices=[str(s) for s in Status])
+    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--limit", type=int, default=1000)
+
+    show = alloc_commands.add_parser(
+        "show", help="an allocation, its history and next step", parents=[common]
+    )
+    show.add_argument("id")
+    show.add_argument("--json", action="store_true")
+
+    return parser
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
+    print(render_toml(config.to_display_dict()), end="")
+    print(f"# state dir: {config.state_path}")
+    if config.database.embedded:
+        print(f"# database: embedded PostgreSQL, data in {config.state_path / 'pgdata'}")
+    print(f"# sidecars dial: {config.server.effective_public_url}")
+    return EXIT_OK
+
+
+async def _with_database(config: Config, work: Callable[[Database], Awaitable[int]]) -> int:
+    async with open_database(
+        config.database.url, config.state_path, pool_size=config.database.pool_size
+    ) as db:
+        return await work(db)
+
+
+async def cmd_migrate(config: Config, _args: argparse.Namespace) -> int:
+    async def work(db: Database) -> int:
+        async with db.connection("migrate") as conn:
+            applied = await apply_migrations(conn)
+        if applied:
+            for migration in applied:
+                print(f"applied {migration.version:04d}_{migration.name}")
+        else:
+            print("schema is up to date")
+        return EXIT_OK
+
+    return await _with_database(config, work)
+
+
+async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
+    async def work(db: Database) -> int:
+        store = AllocationStore(db, instance_id=CLI_INSTANCE)
+        ledger = LedgerStore(db, instance_id=CLI_INSTANCE)
+        command = args.alloc_command
+        if command == "request":
+            allocation = await store.request(
+                provisioner_id=args.provisioner,
+                tenant_id=args.tenant,
+                session_id=args.session,
+                spec=args.spec,
+            )
+            print(allocation.id, flush=True)
+            if args.wait:
+                return await _wait(store, allocation.id, args.timeout)
+            return EXIT_OK
+        if command == "release":
+            released = await store.release(args.id, reason="released from the command line")
+            print(f"{released.id} {released.status}")
+            return EXIT_OK
+        if command == "list":
+            status = Status(args.status) if args.status else None
+            rows = await store.list_allocations(status=status, limit=args.limit)
+            if args.json:
+                print(json.dumps([allocation_json(a) for a in rows], indent=2))
+            else:
+                _print_table(rows)
+            return EXIT_OK
+        if command == "show":
+            allocation = await store.get(args.id)
+            history = await ledger.history(args.id)
+            if args.json:
+                print(json.dumps(allocation_json(allocation, history), indent=2))
+            else:
+                _print_show(allocation, history)
+            return EXIT_OK
+        raise AssertionError(command)
+
+    return await _with_database(config, work)
+
+
+async def _wait(store: AllocationStore, allocation_id: str, limit: float) -> int:
+    last: tuple[str, int, bool] | None = None
+    try:
+        async with asyncio.timeout(limit):
+            while True:
+                allocation = await store.get(allocation_id)
+                state = (str(allocation.status), allocation.generation, allocation.ready)
+                if state != last:
+                    last = state
+                    label = "ready" if allocation.ready else str(allocation.status)
+                    print(
+                        f"{allocation_id}: {label} (generation {allocation.generation})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                if allocation.ready:
+                    return EXIT_OK
+                if allocation.status.terminal:
+                    print(
+                        f"{allocation_id}: {allocation.failure_code}: {allocation.failure_message}",
+                        file=sys.stderr,
+                    )
+                    return EXIT_FAILED
+                await asyncio.sleep(0.2)
+    except TimeoutError:
+        print(f"{allocation_id}: not ready after {limit:g}s", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _print_table(rows: Sequence[Any]) -> None:
+    headers = ("ID", "STATUS", "GEN", "READY", "PROVISIONER", "TENANT", "SESSION", "CREATED")
+    table = [headers] + [
+        (
+            a.id,
+            str(a.status),
+            str(a.generation),
+            "yes" if a.ready else "no",
+            a.provisioner_id,
+            a.tenant_id or "-",
+            a.session_id or "-",
+            rfc3339(a.created_at) or "-",
+        )
+        for a in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
+    for row in table:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+
+
+def _print_show(allocation: Any, history: Sequence[Any]) -> None:
+    data = allocation_json(allocation)
+    for key, value in data.items():
+        print(f"{key + ':':<18}{'-' if value is None else value}")
+    print(f"{'next:':<18}{next_step(allocation, datetime.now(UTC))}")
+    print("history:")
+    for entry in history:
+        change = (
+            entry.to_status
+            if entry.from_status in (None, entry.to_status)
+            else (f"{entry.from_status} -> {entry.to_status}")
+        )
+        detail = (
+            f" {entry.error_code}: {entry.message}"
+            if entry.error_code
+            else (f" {entry.message}" if entry.message else "")
+        )
+        took = f" ({entry.duration_ms:.0f} ms)" if entry.duration_ms is not None else ""
+        print(
+            f"  {rfc3339(entry.at)}  gen {entry.generation}  {entry.kind:<28} {entry.phase:<9} "
+            f"{change}{took}{detail}"
+        )
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"hubd: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(fmt=config.log.format, level=config.log.level)
+    try:
+        if args.command == "check-config":
+            return cmd_check_config(config, args)
+        if args.command == "migrate":
+            return asyncio.run(cmd_migrate(config, args))
+        if args.command == "alloc":
+            return asyncio.run(cmd_alloc(config, args))
+    except (InvalidRequest, ConfigError) as exc:
+        print(f"hubd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except AllocationNotFound as exc:
+        print(f"hubd: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except (DatabaseUnavailable, EmbeddedPostgresError) as exc:
+        print(f"hubd: database unreachable: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except HubdError as exc:
+        print(f"hubd: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""How allocations look to people and scripts: the ``--json`` shape and the next step in words."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from hubd.store.models import Allocation, LedgerEntry, Status
+
+__all__ = ["allocation_json", "ledger_json", "next_step", "rfc3339"]
+
+
+def rfc3339(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    return moment.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def allocation_json(
+    allocation: Allocation, history: Sequence[LedgerEntry] | None = None
+) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "id": allocation.id,
+        "status": str(allocation.status),
+        "generation": allocation.generation,
+        "provisioner": allocation.provisioner_id,
+        "tenant_id": allocation.tenant_id,
+        "session_id": allocation.session_id,
+        "sidecar_id": allocation.sidecar_id,
+        "external_ref": allocation.external_ref,
+        "ready": allocation.ready,
+        "connect_deadline": rfc3339(allocation.connect_deadline),
+        "next_attempt_at": rfc3339(allocation.next_attempt_at),
+        "failure_code": allocation.failure_code,
+        "failure_message": allocation.failure_message,
+    }
+    if history is not None:
+        data["history"] = [ledger_json(entry) for entry in history]
+    return data
+
+
+def ledger_json(entry: LedgerEntry) -> dict[str, Any]:
+    return {
+        "seq": entry.seq,
+        "at": rfc3339(entry.at),
+        "generation": entry.generation,
+        "kind": entry.kind,
+        "phase": str(entry.phase),
+        "from_status": entry.from_status,
+        "to_status": entry.to_status,
+        "error_code": entry.error_code,
+        "message": entry.message,
+        "duration_ms": entry.duration_ms,
+        "lease_id": entry.lease_id,
+        "instance_id": entry.instance_id,
+    }
+
+
+def _clock(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%H:%M:%SZ")
+
+
+def next_step(allocation: Allocation, now: datetime) -> str:
+    """What happens next to ``allocation``, as an operator would say it."""
+    a = allocation
+    last_error = f", last error {a.failure_code}: {a.failure_message}" if a.failure_code else ""
+    if a.status is Status.RELEASED:
+        return "nothing: released"
+    if a.status is Status.FAILED:
+        return f"nothing: failed ({a.failure_code}: {a.failure_message})"
+    if a.status is Status.DESTROY_FAILED:
+        return (
+            f"an operator must check for leaked infrastructure of sidecar {a.sidecar_id} "
+            f"({a.failure_code}: {a.failure_message})"
+        )
+    if a.lease_id is not None and a.lease_expires_at is not None and a.lease_expires_at > now:
+        return f"being reconciled now (lease held until {_clock(a.lease_expires_at)})"
+    if a.ready:
+        return "nothing: ready, sidecar connected"
+    when = a.next_attempt_at
+    at = "now" if when is None or when <= now else f"at {_clock(when)}"
+    if a.status is Status.PENDING:
+        return f"provisioning a sidecar {at}"
+    if a.status is Status.PROVISIONING:
+        return f"checking an ensure whose outcome was not recorded {at}"
+    if a.status is Status.ALLOCATED:
+        if a.connect_deadline is not None and a.connect_deadline > now:
+            return f"waiting for the sidecar to connect until {_clock(a.connect_deadline)}"
+        return f"checking the sidecar's connection {at}{last_error}"
+    attempt = a.destroy_attempts + (a.ensure_attempts if a.status is Status.REPLACING else 0)
+    verb = "replacing the sidecar" if a.status is Status.REPLACING else "destroying the sidecar"
+    if attempt:
+        return f"retrying: {verb} {at}, attempt {attempt + 1}{last_error}"
+    return f"{verb} {at}{last_error}"
