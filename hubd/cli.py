@@ -68,7 +68,7 @@ def _positive_seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     # --config is accepted before or after the command; the later one wins.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--config",
         default=argparse.SUPPRESS,
