@@ -11,8 +11,9 @@
      │    └── InvalidRequest (ValueError)             bad input to the store
      ├── LeaseLost                        a claim no longer owns its allocation
      ├── OperationTimeout (TimeoutError)  an external operation outlived operation_timeout
-     └── PluginError                      a provisioner plugin misbehaved
-          └── PluginLoadError             a plugin cannot be loaded or is misconfigured
+     ├── PluginError                      a provisioner plugin misbehaved
+     │    └── PluginLoadError             a plugin cannot be loaded or is misconfigured
+     └── InitializationUncertain          an on-ready hook may have left work behind
 
 Messages never carry secrets (tokens, passwords): callers redact before raising.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "DatabaseUnavailable",
     "EmbeddedPostgresError",
     "HubdError",
+    "InitializationUncertain",
     "InvalidRequest",
     "LeaseLost",
     "OperationTimeout",
@@ -79,3 +81,7 @@ class PluginError(HubdError):
 
 class PluginLoadError(PluginError):
     """A provisioner plugin could not be loaded."""
+
+
+class InitializationUncertain(HubdError):
+    """The on-ready hook failed in a way that may have left work behind; replace the sidecar."""

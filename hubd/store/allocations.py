@@ -212,6 +212,7 @@ class AllocationStore:
         delay: float,
         attempt: AttemptKind | None = None,
         failure: Failure | None = None,
+        clear_initialization: bool = False,
     ) -> Allocation | None:
         return await self._fenced(
             "schedule retry",
@@ -222,6 +223,7 @@ class AllocationStore:
             str(attempt) if attempt else None,
             failure.code if failure else None,
             failure.message if failure else None,
+            clear_initialization,
         )
 
     async def park(

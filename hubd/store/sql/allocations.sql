@@ -212,10 +212,12 @@ SELECT * FROM updated;
 
 -- name: schedule_retry
 -- Try again after $6 seconds in status $5; $7 names the attempt counter to bump ('ensure',
--- 'destroy' or NULL); $8/$9 record the failure that caused it, when given. Drops the lease.
+-- 'destroy' or NULL); $8/$9 record the failure that caused it, when given; $10 clears an
+-- initialization marker this claim settled (the hook finished or failed cleanly). Drops the lease.
 WITH updated AS (
     UPDATE hubd_allocations SET
         next_attempt_at = now() + make_interval(secs => $6),
+        initialization_lease_id = CASE WHEN $10 THEN NULL ELSE initialization_lease_id END,
         ensure_attempts = ensure_attempts + CASE WHEN $7::text = 'ensure' THEN 1 ELSE 0 END,
         destroy_attempts = destroy_attempts + CASE WHEN $7::text = 'destroy' THEN 1 ELSE 0 END,
         failure_code = COALESCE($8, failure_code),

@@ -1,0 +1,1 @@
+"""Provisioner plugins: the protocol they implement and how they are found."""

@@ -1,0 +1,82 @@
+"""Injected time for the reconciler: the monotonic clock, sleeps, and waits with a time limit.
+
+:class:`SystemClock` is the event loop's clock. :class:`ManualClock` only moves when a test
+advances it, so lease deadlines and renewal intervals can be tested on virtual time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+from typing import Any, Protocol, TypeVar
+
+__all__ = ["Clock", "ManualClock", "SystemClock", "wait_settled"]
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+class ManualClock:
+    """A clock that stands still until :meth:`advance` is called."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self._now = start
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    def monotonic(self) -> float:
+        return self._now
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._now + seconds, next(self._order), future))
+        await future
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward and wake every sleeper whose time has come."""
+        self._now += seconds
+        while self._sleepers and self._sleepers[0][0] <= self._now:
+            _, _, future = heapq.heappop(self._sleepers)
+            if not future.done():
+                future.set_result(None)
+
+    @property
+    def sleepers(self) -> int:
+        return sum(1 for _, _, future in self._sleepers if not future.done())
+
+
+async def wait_settled(clock: Clock, task: asyncio.Future[Any], limit: float) -> bool:
+    """Wait up to ``limit`` seconds of ``clock`` for ``task``; ``True`` if it settled.
+
+    Never cancels ``task``: the caller decides whether a late task is cancelled or left to
+    settle while it stays accounted for.
+    """
+    if task.done():
+        return True
+    timer = asyncio.ensure_future(clock.sleep(limit))
+    try:
+        await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        timer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await timer
+    return task.done()

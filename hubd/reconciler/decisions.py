@@ -1,0 +1,187 @@
+"""What follows what: the reconciler's decisions as plain functions over values.
+
+No loop, no database: each function maps an outcome to the next step, and the asyncio code in
+:mod:`hubd.reconciler.engine` carries the step out.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import attrs
+
+from hubd.plugins.protocol import Accepted, Destroyed, DestroyRejected, Rejected
+from hubd.store.models import Phase, Status
+from hubd.store.values import Failure
+
+__all__ = [
+    "AUTOMATIC_RECOVERY_DISABLED",
+    "MAX_BACKOFF_ATTEMPT",
+    "DestroyFailed",
+    "DestroyOutcome",
+    "EnsureOutcome",
+    "Fail",
+    "MarkAllocated",
+    "Proceed",
+    "Raised",
+    "Replace",
+    "RetryDestroy",
+    "Step",
+    "TimedOut",
+    "after_destroy",
+    "after_ensure",
+    "effect_phase",
+    "replacement_becomes_release",
+    "retry_delay",
+    "step_for",
+    "unavailable_provisioner",
+]
+
+MAX_BACKOFF_ATTEMPT: Final = 5
+BASE_DELAY: Final = 1.0
+MAX_DELAY: Final = 30.0
+AUTOMATIC_RECOVERY_DISABLED: Final = "Automatic recovery is disabled: "
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds before the next try: ``min(1 s · 2^min(attempt, 5), 30 s)``."""
+    return float(min(BASE_DELAY * 2 ** min(max(attempt, 0), MAX_BACKOFF_ATTEMPT), MAX_DELAY))
+
+
+# -- outcomes of a plugin call ---------------------------------------------------------------
+
+
+@attrs.frozen
+class Raised:
+    """The call raised, or returned something that is not a result."""
+
+    message: str
+
+
+@attrs.frozen
+class TimedOut:
+    """The call outlived operation_timeout: whether it took effect cannot be known."""
+
+
+EnsureOutcome = Accepted | Rejected | Raised | TimedOut
+DestroyOutcome = Destroyed | DestroyRejected | Raised | TimedOut
+
+
+def effect_phase(outcome: EnsureOutcome | DestroyOutcome) -> Phase:
+    """The ledger phase that records ``outcome``."""
+    if isinstance(outcome, Accepted | Destroyed):
+        return Phase.COMMITTED
+    if isinstance(outcome, TimedOut):
+        return Phase.AMBIGUOUS
+    return Phase.FAILED
+
+
+# -- after ensure --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class MarkAllocated:
+    external_ref: str | None
+
+
+@attrs.frozen
+class Replace:
+    failure: Failure
+
+
+@attrs.frozen
+class Fail:
+    failure: Failure
+
+
+def after_ensure(outcome: EnsureOutcome) -> MarkAllocated | Replace | Fail:
+    if isinstance(outcome, Accepted):
+        return MarkAllocated(outcome.external_ref)
+    if isinstance(outcome, Rejected):
+        failure = Failure(outcome.code, outcome.message)
+        return Replace(failure) if outcome.retryable else Fail(failure)
+    if isinstance(outcome, TimedOut):
+        return Replace(Failure("ensure_failed", "ensure did not finish within operation_timeout"))
+    return Replace(Failure("ensure_failed", outcome.message))
+
+
+# -- after destroy -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Proceed:
+    """The old sidecar is gone: go on to rebind or to release."""
+
+
+@attrs.frozen
+class RetryDestroy:
+    failure: Failure
+
+
+@attrs.frozen
+class DestroyFailed:
+    failure: Failure
+
+
+def after_destroy(outcome: DestroyOutcome) -> Proceed | RetryDestroy | DestroyFailed:
+    if isinstance(outcome, Destroyed):
+        return Proceed()
+    if isinstance(outcome, DestroyRejected):
+        failure = Failure(outcome.code, outcome.message)
+        return RetryDestroy(failure) if outcome.retryable else DestroyFailed(failure)
+    if isinstance(outcome, TimedOut):
+        return RetryDestroy(
+            Failure("destroy_failed", "destroy did not finish within operation_timeout")
+        )
+    return RetryDestroy(Failure("destroy_failed", outcome.message))
+
+
+# -- what a claim does -----------------------------------------------------------------------
+
+
+class Step(enum.Enum):
+    NOTHING = "nothing"
+    BIND_AND_ENSURE = "bind_and_ensure"
+    REPLACE_UNKNOWN_ENSURE = "replace_unknown_ensure"
+    REPLACE_UNCERTAIN_INITIALIZATION = "replace_uncertain_initialization"
+    WAIT_UNTIL_READY = "wait_until_ready"
+    DESTROY_THEN_REBIND = "destroy_then_rebind"
+    DESTROY_THEN_RELEASE = "destroy_then_release"
+
+
+def step_for(status: Status, *, initialization_recorded: bool) -> Step:
+    """The step a claim takes for an allocation in ``status`` whose provisioner is available."""
+    if status is Status.PENDING:
+        return Step.BIND_AND_ENSURE
+    if status is Status.PROVISIONING:
+        # The raw token is never durable: finding this status means a process died (or lost
+        # its lease) between binding and recording ensure's acceptance.
+        return Step.REPLACE_UNKNOWN_ENSURE
+    if status is Status.ALLOCATED:
+        if initialization_recorded:
+            return Step.REPLACE_UNCERTAIN_INITIALIZATION
+        return Step.WAIT_UNTIL_READY
+    if status is Status.REPLACING:
+        return Step.DESTROY_THEN_REBIND
+    if status is Status.RELEASING:
+        return Step.DESTROY_THEN_RELEASE
+    return Step.NOTHING
+
+
+def unavailable_provisioner(status: Status) -> Fail | None:
+    """A missing or re-bound provisioner fails a pending allocation (nothing was provisioned);
+    any other status retries later (``None``), since infrastructure may exist."""
+    if status is Status.PENDING:
+        return Fail(
+            Failure(
+                "provisioner_unavailable",
+                "the provisioner is not configured, or its api_version or binding changed",
+            )
+        )
+    return None
+
+
+def replacement_becomes_release(status: Status, *, automatic_recovery: bool) -> bool:
+    """Replacing an allocated sidecar while automatic recovery is off releases it instead."""
+    return status is Status.ALLOCATED and not automatic_recovery

@@ -1,0 +1,1057 @@
+"""The reconciler: claims allocations, keeps their leases, and carries out each decision.
+
+One claim at a time per allocation, at most ``max_concurrent_claims`` at once. A claim owns its
+allocation through a lease renewed every ``lease_duration / 3``; every write it makes is fenced by
+that lease and the generation it claimed. A claim that cannot prove it still owns the lease stops
+at once and writes nothing more: the durable schedule survives, and the lease expires on its own.
+
+Work about one allocation that must be ordered with its connection events (connect, disconnect)
+runs through one FIFO queue per allocation (:meth:`Reconciler._enqueue`). Allocations with any
+local work still running (a queued event, a query or plugin call that outlived its time limit)
+are excluded from claims until that work settles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+import attrs
+import structlog
+
+from hubd.errors import (
+    DatabaseUnavailable,
+    InitializationUncertain,
+    LeaseLost,
+    OperationTimeout,
+    PluginError,
+    StoreError,
+)
+from hubd.plugins.protocol import (
+    DestroyRequest,
+    EnsureRequest,
+    Provisioner,
+    check_destroy_result,
+    check_ensure_result,
+)
+from hubd.reconciler.clock import Clock, SystemClock, wait_settled
+from hubd.reconciler.decisions import (
+    AUTOMATIC_RECOVERY_DISABLED,
+    MAX_BACKOFF_ATTEMPT,
+    DestroyFailed,
+    DestroyOutcome,
+    EnsureOutcome,
+    Fail,
+    Proceed,
+    Raised,
+    Replace,
+    Step,
+    TimedOut,
+    after_destroy,
+    after_ensure,
+    effect_phase,
+    replacement_becomes_release,
+    retry_delay,
+    step_for,
+    unavailable_provisioner,
+)
+from hubd.routing import Router, SidecarNotConnected, Target
+from hubd.store.allocations import AllocationStore, AttemptKind, ParkMode
+from hubd.store.ledger import LedgerStore, new_effect_id
+from hubd.store.models import Allocation, Fence, Phase, Status
+from hubd.store.values import Failure
+from hubd.tokens import hash_token, new_lease_id, new_sidecar_id, new_token
+
+__all__ = ["HookContext", "Reconciler", "ReconcilerSettings"]
+
+T = TypeVar("T")
+log = structlog.get_logger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class HookContext:
+    """What a hook is told about the claim it runs under."""
+
+    allocation_id: str
+    generation: int
+    lease_id: str
+
+
+Hook = Callable[[Allocation, HookContext], Awaitable[None]]
+
+
+@attrs.frozen(kw_only=True)
+class ReconcilerSettings:
+    lease_duration: float = 60.0
+    connect_timeout: float = 120.0
+    operation_timeout: float = 30.0
+    max_concurrent_claims: int = 16
+    automatic_replacement_recovery: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("lease_duration", "connect_timeout", "operation_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.operation_timeout >= self.lease_duration:
+            raise ValueError("operation_timeout must be shorter than lease_duration")
+        if self.max_concurrent_claims < 1:
+            raise ValueError("max_concurrent_claims must be at least 1")
+
+
+@attrs.define(eq=False)
+class _Claim:
+    """A claim in progress: the allocation as last written, and how long the lease is ours."""
+
+    allocation: Allocation
+    lease_id: str
+    deadline: float
+    db_anchor: datetime
+    local_anchor: float
+    log: Any
+    pending_connect: Target | None = None
+    lost: LeaseLost | None = None
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(
+            allocation_id=self.allocation.id,
+            lease_id=self.lease_id,
+            generation=self.allocation.generation,
+        )
+
+    @property
+    def target(self) -> Target:
+        return Target(self.allocation.id, self.allocation.generation)
+
+
+class Reconciler:
+    """The allocation state machine of design §1-§3, carried out under leases and fences."""
+
+    def __init__(
+        self,
+        *,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        provisioners: Mapping[str, Provisioner],
+        router: Router,
+        hub_ws_url: str,
+        settings: ReconcilerSettings | None = None,
+        on_ready: Hook | None = None,
+        on_initialization_recovery: Hook | None = None,
+        clock: Clock | None = None,
+        create_lease_id: Callable[[], str] = new_lease_id,
+        create_sidecar_id: Callable[[], str] = new_sidecar_id,
+        create_token: Callable[[], str] = new_token,
+    ) -> None:
+        self._store = store
+        self._ledger = ledger
+        self._provisioners = provisioners
+        self._router = router
+        self._hub_ws_url = hub_ws_url
+        self.settings = settings or ReconcilerSettings()
+        self._on_ready = on_ready
+        self._on_initialization_recovery = on_initialization_recovery
+        self._clock = clock or SystemClock()
+        self._create_lease_id = create_lease_id
+        self._create_sidecar_id = create_sidecar_id
+        self._create_token = create_token
+
+        self._active: dict[str, _Claim] = {}
+        self._queues: dict[str, asyncio.Task[None]] = {}
+        self._inflight: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._admitted = 0
+
+    # -- introspection (metrics, tests) ----------------------------------------------------------
+
+    @property
+    def active_claims(self) -> int:
+        return len(self._active)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queues)
+
+    def busy_allocations(self) -> frozenset[str]:
+        """Allocations with local work still running; they are excluded from claims."""
+        return frozenset(self._active) | frozenset(self._queues) | frozenset(self._inflight)
+
+    async def drain(self) -> None:
+        """Wait until every task this reconciler started has settled."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    # -- task bookkeeping ------------------------------------------------------------------------
+
+    def _spawn(
+        self, coro: Coroutine[Any, Any, T], *, allocation_id: str | None, name: str
+    ) -> asyncio.Task[T]:
+        """Start a tracked task; while it runs, ``allocation_id`` counts as busy."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        if allocation_id is not None:
+            self._inflight[allocation_id] = self._inflight.get(allocation_id, 0) + 1
+
+        def settled(done: asyncio.Task[T]) -> None:
+            self._tasks.discard(done)
+            if allocation_id is not None:
+                remaining = self._inflight[allocation_id] - 1
+                if remaining:
+                    self._inflight[allocation_id] = remaining
+                else:
+                    del self._inflight[allocation_id]
+            if not done.cancelled() and done.exception() is not None:
+                # Retrieved here so a task whose awaiter gave up never logs "never retrieved";
+                # whoever awaited it has already handled the error.
+                log.debug("tracked task failed", task=done.get_name(), error=done.exception())
+
+        task.add_done_callback(settled)
+        return task
+
+    async def _op(
+        self, claim: _Claim, coro: Coroutine[Any, Any, T], what: str, limit: float | None = None
+    ) -> T:
+        """Run an external operation for ``claim`` under a time limit and the claim's cancellation.
+
+        A late or cancelled operation is asked to stop, but stays tracked until it settles, so
+        its allocation stays excluded from claims meanwhile.
+        """
+        limit = self.settings.operation_timeout if limit is None else limit
+        task = self._spawn(
+            coro, allocation_id=claim.allocation.id, name=f"{what} {claim.allocation.id}"
+        )
+        try:
+            settled = await wait_settled(self._clock, task, limit)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not settled:
+            task.cancel()
+            raise OperationTimeout(f"{what} did not finish within {limit:g}s")
+        return task.result()
+
+    async def _write(
+        self, claim: _Claim, coro: Coroutine[Any, Any, Allocation | None], what: str
+    ) -> Allocation:
+        """A fenced transition that must match: ``None`` means the claim is lost."""
+        updated = await self._op(claim, coro, what)
+        if updated is None:
+            raise LeaseLost(f"{what}: the fence matched nothing")
+        self._track(claim, updated)
+        return updated
+
+    def _track(self, claim: _Claim, allocation: Allocation) -> None:
+        if allocation.generation != claim.allocation.generation:
+            claim.pending_connect = None
+        claim.allocation = allocation
+        claim.db_anchor = allocation.updated_at
+        claim.local_anchor = self._clock.monotonic()
+
+    def _abort(self, claim: _Claim, cause: LeaseLost) -> None:
+        if claim.lost is None:
+            claim.lost = cause
+        task = claim.task
+        # Inside the claim's own task the caller raises instead: cancelling ourselves would
+        # surface at some unrelated await further down the error path.
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+    # -- the per-allocation queue ----------------------------------------------------------------
+
+    def _enqueue(
+        self, allocation_id: str, step: Callable[[], Awaitable[None]], name: str
+    ) -> asyncio.Task[None]:
+        previous = self._queues.get(allocation_id)
+
+        async def run() -> None:
+            if previous is not None:
+                # Ordering only: the previous step's outcome belongs to its own caller.
+                await asyncio.wait({previous})
+            await step()
+
+        task = self._spawn(run(), allocation_id=None, name=f"{name} {allocation_id}")
+        self._queues[allocation_id] = task
+
+        def settled(done: asyncio.Task[None]) -> None:
+            # The queue is dropped once its last step settles: idle allocations keep no memory.
+            if self._queues.get(allocation_id) is done:
+                del self._queues[allocation_id]
+
+        task.add_done_callback(settled)
+        return task
+
+    async def _queue_step(self, claim: _Claim, step: Callable[[], Awaitable[None]]) -> None:
+        """Run ``step`` in the allocation's queue, after connection events queued before it."""
+        if self._active.get(claim.allocation.id) is not claim:
+            raise LeaseLost("the claim is no longer active")
+
+        async def guarded() -> None:
+            if claim.lost is not None:
+                raise claim.lost
+            await step()
+
+        task = self._enqueue(claim.allocation.id, guarded, "reconciliation step")
+        if not await wait_settled(self._clock, task, self.settings.operation_timeout):
+            # Stop this claim without queueing another write behind the stalled step. The step
+            # itself stays queued until it settles: that keeps its order with later connection
+            # events, and keeps the allocation excluded from new claims.
+            cause = LeaseLost("a queued step did not settle within operation_timeout")
+            self._abort(claim, cause)
+            raise cause
+        task.result()
+
+    async def _finish(
+        self,
+        claim: _Claim,
+        write: Callable[[bool], Coroutine[Any, Any, Allocation | None]],
+    ) -> None:
+        """End the claim with a queued write; ``write`` is told whether a connect of this
+        generation arrived during the claim."""
+
+        async def step() -> None:
+            pending = claim.pending_connect
+            connected = (
+                pending is not None
+                and pending.generation == claim.allocation.generation
+                and claim.allocation.status is Status.ALLOCATED
+            )
+            if await write(connected) is None:
+                claim.log.info("final write matched nothing; the claim was lost")
+
+        await self._queue_step(claim, step)
+
+    # -- claims ----------------------------------------------------------------------------------
+
+    async def reconcile_next(self) -> bool:
+        """Claim one due allocation and reconcile it; ``False`` when there was nothing to do or
+        no capacity."""
+        retained = (frozenset(self._queues) | frozenset(self._inflight)) - frozenset(self._active)
+        if self._admitted + len(retained) >= self.settings.max_concurrent_claims:
+            return False
+        self._admitted += 1
+        query: asyncio.Task[Allocation | None] | None = None
+        try:
+            lease_id = self._create_lease_id()
+            started = self._clock.monotonic()
+            query = self._spawn(
+                self._store.claim_next(
+                    lease_id=lease_id,
+                    lease_duration=self.settings.lease_duration,
+                    exclude=self.busy_allocations(),
+                ),
+                allocation_id=None,
+                name="claim",
+            )
+            try:
+                settled = await wait_settled(self._clock, query, self.settings.operation_timeout)
+            except asyncio.CancelledError:
+                query.cancel()
+                raise
+            if not settled:
+                query.cancel()
+                raise OperationTimeout("the claim query did not finish within operation_timeout")
+            allocation = query.result()
+            if allocation is None:
+                return False
+            await self._reconcile_claim(allocation, lease_id, started)
+            return True
+        finally:
+            if query is None or query.done():
+                self._admitted -= 1
+            else:
+                # A claim query that outlived its limit still holds capacity until it settles.
+                query.add_done_callback(lambda _: self._release_admission())
+
+    def _release_admission(self) -> None:
+        self._admitted -= 1
+
+    async def reconcile_until_idle(self, max_iterations: int = 100) -> int:
+        done = 0
+        while done < max_iterations and await self.reconcile_next():
+            done += 1
+        return done
+
+    async def _reconcile_claim(self, allocation: Allocation, lease_id: str, started: float) -> None:
+        bound = log.bind(
+            allocation_id=allocation.id, generation=allocation.generation, lease_id=lease_id
+        )
+        if (
+            allocation.id in self._active
+            or allocation.id in self._queues
+            or allocation.id in self._inflight
+        ):
+            # Local work started after this claim's exclusion snapshot. Let the lease expire
+            # rather than put another write behind that work.
+            bound.info("claim raced local work; leaving its lease to expire")
+            return
+        claim = _Claim(
+            allocation=allocation,
+            lease_id=lease_id,
+            deadline=started + self.settings.lease_duration,
+            db_anchor=allocation.updated_at,
+            local_anchor=self._clock.monotonic(),
+            log=bound,
+        )
+        self._active[allocation.id] = claim
+        body = self._spawn(self._reconcile(claim), allocation_id=allocation.id, name="claim body")
+        claim.task = body
+        keeper = self._spawn(self._keep_lease(claim), allocation_id=None, name="lease keeper")
+        try:
+            try:
+                await asyncio.wait({body})
+            except asyncio.CancelledError:
+                body.cancel()
+                raise
+            failure = None if body.cancelled() else body.exception()
+            if body.cancelled() or isinstance(failure, LeaseLost):
+                cause = claim.lost or failure
+                claim.log.info("claim stopped: lease no longer held", reason=str(cause))
+            elif failure is not None:
+                await self._park_after_error(claim, failure)
+        finally:
+            keeper.cancel()
+            del self._active[allocation.id]
+
+    async def _park_after_error(self, claim: _Claim, error: BaseException) -> None:
+        claim.log.error("reconciliation failed", error=f"{type(error).__name__}: {error}")
+        if claim.lost is not None:
+            return
+        failure = Failure("reconcile_error", f"{type(error).__name__}: {error}")
+        try:
+            await self._finish(
+                claim,
+                lambda _: self._store.park(
+                    claim.fence,
+                    mode=ParkMode.RETRY_AFTER_ERROR,
+                    delay=retry_delay(MAX_BACKOFF_ATTEMPT),
+                    failure=failure,
+                ),
+            )
+        except (LeaseLost, OperationTimeout, StoreError) as exc:
+            # The row keeps its past schedule; once the lease expires any claimer retries it.
+            claim.log.warning("could not park after an error", error=str(exc))
+
+    async def _keep_lease(self, claim: _Claim) -> None:
+        """Renew the lease every lease_duration / 3; abort the claim when ownership is in doubt.
+
+        The local deadline is counted from the *start* of the last successful renewal: the
+        database granted the lease during the request, so counting from the answer would extend
+        ownership by the answer's transit time.
+        """
+        interval = self.settings.lease_duration / 3
+        next_renewal = self._clock.monotonic() + interval
+        aid = claim.allocation.id
+        while claim.lost is None:
+            now = self._clock.monotonic()
+            await self._clock.sleep(min(next_renewal, claim.deadline) - now)
+            if self._clock.monotonic() >= claim.deadline:
+                self._abort(claim, LeaseLost("the local lease deadline passed"))
+                return
+            if self._clock.monotonic() < next_renewal:
+                continue
+            started = self._clock.monotonic()
+            renewal = self._spawn(
+                self._store.renew_lease(aid, claim.lease_id, self.settings.lease_duration),
+                allocation_id=aid,
+                name="lease renewal",
+            )
+            try:
+                settled = await wait_settled(self._clock, renewal, claim.deadline - started)
+            except asyncio.CancelledError:
+                renewal.cancel()
+                raise
+            if not settled:
+                renewal.cancel()
+                self._abort(claim, LeaseLost("lease renewal did not answer before the deadline"))
+                return
+            error = renewal.exception()
+            if error is not None:
+                self._abort(claim, LeaseLost(f"lease renewal failed: {error}"))
+                return
+            if not renewal.result() or self._clock.monotonic() >= claim.deadline:
+                self._abort(claim, LeaseLost("lease renewal was refused"))
+                return
+            claim.deadline = started + self.settings.lease_duration
+            next_renewal = started + interval
+
+    async def _with_lease(
+        self,
+        claim: _Claim,
+        what: str,
+        call: Callable[[HookContext], Coroutine[Any, Any, T]],
+        limit: float | None = None,
+    ) -> T:
+        """Re-check the lease, then run an external call under the claim."""
+        try:
+            current = await self._op(
+                claim, self._store.lease_is_current(claim.fence), "lease check"
+            )
+        except (OperationTimeout, StoreError) as exc:
+            raise LeaseLost(f"the lease could not be confirmed: {exc}") from exc
+        if not current:
+            raise LeaseLost("the lease is no longer current")
+        if self._clock.monotonic() >= claim.deadline:
+            cause = LeaseLost("the local lease deadline passed")
+            self._abort(claim, cause)
+            raise cause
+        context = HookContext(
+            allocation_id=claim.allocation.id,
+            generation=claim.allocation.generation,
+            lease_id=claim.lease_id,
+        )
+        return await self._op(claim, call(context), what, limit)
+
+    # -- the state machine -------------------------------------------------------------------------
+
+    def _provisioner_for(self, allocation: Allocation) -> Provisioner | None:
+        provisioner = self._provisioners.get(allocation.provisioner_id)
+        if provisioner is None:
+            return None
+        if allocation.provisioner_api_version not in (None, provisioner.api_version):
+            return None
+        if allocation.provisioner_binding_fingerprint not in (
+            None,
+            provisioner.binding_fingerprint,
+        ):
+            return None
+        return provisioner
+
+    async def _reconcile(self, claim: _Claim) -> None:
+        a = claim.allocation
+        self._router.fence(a.id, a.generation)
+        if a.status.terminal:
+            return
+        if a.status in (Status.PROVISIONING, Status.REPLACING, Status.RELEASING):
+            settled = await self._op(
+                claim, self._ledger.settle_open_effects(claim.fence), "settle open effects"
+            )
+            if settled:
+                claim.log.warning("earlier plugin calls ended without an outcome", count=settled)
+        if a.status is Status.ALLOCATED and self._on_initialization_recovery is not None:
+            hook = self._on_initialization_recovery
+            await self._with_lease(claim, "initialization recovery", _hook_call(hook, a))
+
+        provisioner = self._provisioner_for(a)
+        if provisioner is None:
+            failed = unavailable_provisioner(a.status)
+            if failed is not None:
+                await self._fail(claim, Status.PENDING, failed.failure)
+            else:
+                claim.log.warning("provisioner unavailable; retrying later")
+                await self._finish(
+                    claim,
+                    lambda _: self._store.schedule_retry(
+                        claim.fence,
+                        expected_status=a.status,
+                        delay=retry_delay(a.ensure_attempts + a.destroy_attempts),
+                        failure=Failure(
+                            "provisioner_unavailable",
+                            f"provisioner {a.provisioner_id} is unavailable or its binding changed",
+                        ),
+                    ),
+                )
+            return
+
+        step = step_for(a.status, initialization_recorded=a.initialization_lease_id is not None)
+        if step is Step.BIND_AND_ENSURE:
+            await self._bind_and_ensure(claim, provisioner, replacement=False)
+        elif step is Step.REPLACE_UNKNOWN_ENSURE:
+            await self._replace_after_failure(
+                claim,
+                Failure(
+                    "ensure_outcome_unknown",
+                    "a hub stopped before ensure's acceptance was recorded",
+                ),
+            )
+        elif step is Step.REPLACE_UNCERTAIN_INITIALIZATION:
+            await self._replace_after_failure(
+                claim,
+                Failure(
+                    "sidecar_initialization_uncertain",
+                    "a previous initialization did not record completion",
+                ),
+                only_if_initialization_incomplete=True,
+            )
+        elif step is Step.WAIT_UNTIL_READY:
+            await self._wait_until_ready(claim)
+        elif step is Step.DESTROY_THEN_REBIND:
+            if await self._destroy_current(claim, provisioner):
+                await self._bind_and_ensure(claim, provisioner, replacement=True)
+        elif step is Step.DESTROY_THEN_RELEASE and await self._destroy_current(claim, provisioner):
+            released = await self._write(
+                claim, self._store.mark_released(claim.fence), "mark released"
+            )
+            self._router.retire(released.id, released.generation)
+            claim.log.info("released")
+
+    async def _fail(self, claim: _Claim, expected: Status, failure: Failure) -> None:
+        failed = await self._write(
+            claim,
+            self._store.fail_without_infrastructure(
+                claim.fence, expected_status=expected, failure=failure
+            ),
+            "fail",
+        )
+        self._router.retire(failed.id, failed.generation)
+        claim.log.warning("failed", code=failure.code, message=failure.message)
+
+    async def _bind_and_ensure(
+        self, claim: _Claim, provisioner: Provisioner, *, replacement: bool
+    ) -> None:
+        token = self._create_token()
+        sidecar_id = self._create_sidecar_id()
+        if replacement:
+            bind = self._store.bind_replacement_sidecar(
+                claim.fence,
+                sidecar_id=sidecar_id,
+                token_hash=hash_token(token),
+                connect_timeout=self.settings.connect_timeout,
+            )
+        else:
+            bind = self._store.bind_initial_sidecar(
+                claim.fence,
+                sidecar_id=sidecar_id,
+                token_hash=hash_token(token),
+                connect_timeout=self.settings.connect_timeout,
+                api_version=provisioner.api_version,
+                binding_fingerprint=provisioner.binding_fingerprint,
+            )
+        bound = await self._write(claim, bind, "bind sidecar")
+        self._router.fence(bound.id, bound.generation)
+        await self._accept_ensure(claim, provisioner, token)
+
+    async def _call_plugin(
+        self,
+        claim: _Claim,
+        kind: str,
+        call: Callable[[], Coroutine[Any, Any, object]],
+        check: Callable[[object], Any],
+    ) -> Any:
+        """One plugin call, bracketed in the ledger by its intent and its outcome."""
+        effect_id = new_effect_id()
+        status = claim.allocation.status
+        recorded = await self._op(
+            claim,
+            self._ledger.record_effect(
+                claim.fence, effect_id=effect_id, kind=kind, phase=Phase.INTENT, status=status
+            ),
+            "record intent",
+        )
+        if not recorded:
+            raise LeaseLost(f"{kind} intent: the fence matched nothing")
+        started = self._clock.monotonic()
+        outcome: EnsureOutcome | DestroyOutcome
+        try:
+            outcome = check(await self._with_lease(claim, kind, lambda _ctx: call()))
+        except (LeaseLost, asyncio.CancelledError):
+            # No outcome is written: the next owner records this call as ambiguous.
+            raise
+        except OperationTimeout:
+            outcome = TimedOut()
+        except PluginError as exc:
+            outcome = Raised(str(exc))
+        except Exception as exc:  # noqa: BLE001 -- any failure of a plugin is an outcome
+            outcome = Raised(f"{type(exc).__name__}: {exc}")
+        duration_ms = (self._clock.monotonic() - started) * 1000
+        code, message = _outcome_text(kind, outcome)
+        recorded = await self._op(
+            claim,
+            self._ledger.record_effect(
+                claim.fence,
+                effect_id=effect_id,
+                kind=kind,
+                phase=effect_phase(outcome),
+                status=status,
+                error_code=code,
+                message=message,
+                duration_ms=duration_ms,
+            ),
+            "record outcome",
+        )
+        if not recorded:
+            raise LeaseLost(f"{kind} outcome: the fence matched nothing")
+        claim.log.info(
+            f"{kind} finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1)
+        )
+        return outcome
+
+    async def _accept_ensure(self, claim: _Claim, provisioner: Provisioner, token: str) -> None:
+        a = claim.allocation
+        assert a.sidecar_id is not None
+        request = EnsureRequest(
+            allocation_id=a.id,
+            generation=a.generation,
+            tenant_id=a.tenant_id,
+            session_id=a.session_id,
+            spec=a.spec,
+            sidecar_id=a.sidecar_id,
+            token=token,
+            hub_ws_url=self._hub_ws_url,
+        )
+        outcome = await self._call_plugin(
+            claim, "ensure", lambda: provisioner.ensure(request), check_ensure_result
+        )
+        decision = after_ensure(outcome)
+        if isinstance(decision, Replace):
+            await self._replace_after_failure(claim, decision.failure)
+            return
+        if isinstance(decision, Fail):
+            await self._fail(claim, Status.PROVISIONING, decision.failure)
+            return
+        await self._write(
+            claim,
+            self._store.mark_allocated(claim.fence, external_ref=decision.external_ref),
+            "mark allocated",
+        )
+        if await self._is_ready(claim):
+            await self._wait_until_ready(claim, connection_ready=True)
+            return
+        # Acceptance and readiness are separate durable steps. Rather than hold a claim slot
+        # for the whole connect timeout, park until the connect deadline; the sidecar's
+        # connect wakes the allocation at once.
+        fence = claim.fence
+        await self._finish(
+            claim,
+            lambda connected: (
+                self._store.schedule_retry(fence, expected_status=Status.ALLOCATED, delay=0)
+                if connected
+                else self._store.park(
+                    fence,
+                    mode=ParkMode.AWAIT_CONNECTION,
+                    delay=retry_delay(MAX_BACKOFF_ATTEMPT),
+                )
+            ),
+        )
+
+    async def _is_ready(self, claim: _Claim) -> bool:
+        return await self._op(claim, self._router.is_ready(claim.target), "readiness check")
+
+    def _seconds_until(self, claim: _Claim, moment: datetime | None) -> float:
+        """Seconds from now to ``moment`` on the database clock, estimated from the last row
+        the claim wrote or read (no local wall clock involved)."""
+        if moment is None:
+            return 0.0
+        elapsed = self._clock.monotonic() - claim.local_anchor
+        db_now = claim.db_anchor + timedelta(seconds=elapsed)
+        return (moment - db_now).total_seconds()
+
+    async def _wait_until_ready(self, claim: _Claim, *, connection_ready: bool = False) -> None:
+        a = claim.allocation
+        target = claim.target
+        remaining = self._seconds_until(claim, a.connect_deadline)
+        # A readiness look-up that fails is not evidence the sidecar missed its deadline: the
+        # error propagates and the allocation is retried without giving up the generation.
+        ready = connection_ready or await self._is_ready(claim)
+        if not ready:
+            within = max(0.0, min(remaining, self.settings.operation_timeout))
+            try:
+                await self._with_lease(
+                    claim,
+                    "sidecar connection",
+                    lambda _ctx: self._router.wait_ready(target, within),
+                    limit=within + self.settings.operation_timeout,
+                )
+            except SidecarNotConnected as exc:
+                if remaining > within:
+                    # The deadline is further away than one wait: give the slot back and come
+                    # back at the deadline (or earlier, when the sidecar connects).
+                    fence = claim.fence
+                    await self._finish(
+                        claim,
+                        lambda connected: (
+                            self._store.schedule_retry(
+                                fence, expected_status=Status.ALLOCATED, delay=0
+                            )
+                            if connected
+                            else self._store.park(
+                                fence,
+                                mode=ParkMode.AWAIT_CONNECTION,
+                                delay=retry_delay(MAX_BACKOFF_ATTEMPT),
+                            )
+                        ),
+                    )
+                    return
+                await self._replace_after_failure(
+                    claim, Failure("sidecar_connect_failed", str(exc))
+                )
+                return
+
+        async def consume_connect() -> None:
+            claim.pending_connect = None
+
+        await self._queue_step(claim, consume_connect)
+
+        if self._on_ready is not None:
+            hook = self._on_ready
+            # The marker is durable before the hook runs: a crash inside the hook leaves it for
+            # the next claim, which then knows the initialization's outcome is uncertain.
+            marked = await self._write(
+                claim, self._store.begin_initialization(claim.fence), "begin initialization"
+            )
+            try:
+                await self._with_lease(claim, "on_ready", _hook_call(hook, marked))
+            except (LeaseLost, asyncio.CancelledError):
+                raise
+            except InitializationUncertain as exc:
+                await self._replace_after_failure(
+                    claim,
+                    Failure("sidecar_initialization_uncertain", str(exc)),
+                    only_if_initialization_incomplete=True,
+                )
+                return
+            except Exception as exc:  # noqa: BLE001 -- any failure of a hook is an outcome
+                fence = claim.fence
+                failure = Failure("sidecar_initialization_failed", f"{type(exc).__name__}: {exc}")
+                claim.log.warning("on_ready hook failed", error=failure.message)
+                # No durable counter exists for hook attempts: the capped delay keeps a hook
+                # that always fails from becoming a hot loop.
+                await self._finish(
+                    claim,
+                    lambda _: self._store.schedule_retry(
+                        fence,
+                        expected_status=Status.ALLOCATED,
+                        delay=retry_delay(MAX_BACKOFF_ATTEMPT),
+                        failure=failure,
+                        clear_initialization=True,
+                    ),
+                )
+                return
+
+        # A connect that landed during initialization may be a restarted sidecar whose takeover
+        # hid the disconnect: schedule an immediate follow-up instead of declaring it ready.
+        fence = claim.fence
+        await self._finish(
+            claim,
+            lambda connected: (
+                self._store.schedule_retry(
+                    fence, expected_status=Status.ALLOCATED, delay=0, clear_initialization=True
+                )
+                if connected
+                else self._store.mark_connection_ready(fence)
+            ),
+        )
+        claim.log.info("ready")
+
+    async def _replace_after_failure(
+        self,
+        claim: _Claim,
+        failure: Failure,
+        *,
+        only_if_initialization_incomplete: bool = False,
+    ) -> None:
+        a = claim.allocation
+        fence = claim.fence
+        expected_init = a.initialization_lease_id if only_if_initialization_incomplete else None
+        retry_initialization = False
+
+        async def step() -> None:
+            nonlocal retry_initialization
+            if replacement_becomes_release(
+                a.status, automatic_recovery=self.settings.automatic_replacement_recovery
+            ):
+                updated = await self._store.begin_unrecoverable_release(
+                    fence,
+                    failure=Failure(failure.code, AUTOMATIC_RECOVERY_DISABLED + failure.message),
+                    only_if_initialization_incomplete=only_if_initialization_incomplete,
+                    expected_initialization_lease_id=expected_init,
+                )
+            else:
+                updated = await self._store.begin_replacement(
+                    fence,
+                    expected_status=(
+                        Status.ALLOCATED if a.status is Status.ALLOCATED else Status.PROVISIONING
+                    ),
+                    delay=retry_delay(a.ensure_attempts + a.destroy_attempts),
+                    failure=failure,
+                    only_if_initialization_incomplete=only_if_initialization_incomplete,
+                    expected_initialization_lease_id=expected_init,
+                )
+            if updated is not None:
+                # Advance the fence before this step settles and the allocation becomes
+                # claimable again, so the abandoned sidecar cannot linger connected.
+                self._router.fence(updated.id, updated.generation)
+                claim.log.warning(
+                    "abandoning the sidecar", code=failure.code, to=str(updated.status)
+                )
+            else:
+                retry_initialization = only_if_initialization_incomplete
+
+        await self._queue_step(claim, step)
+        if retry_initialization:
+            # The initialization completed (or its marker changed hands) since this claim read
+            # it; retry the ordinary path. If the lease was lost instead, this matches nothing.
+            await self._finish(
+                claim,
+                lambda _: self._store.schedule_retry(
+                    fence, expected_status=Status.ALLOCATED, delay=0
+                ),
+            )
+
+    async def _destroy_current(self, claim: _Claim, provisioner: Provisioner) -> bool:
+        """Destroy the bound sidecar; ``True`` when it is gone and the claim may go on."""
+        a = claim.allocation
+        if a.sidecar_id is None:
+            return True
+        request = DestroyRequest(
+            allocation_id=a.id,
+            generation=a.generation,
+            sidecar_id=a.sidecar_id,
+            external_ref=a.external_ref,
+        )
+        outcome = await self._call_plugin(
+            claim, "destroy", lambda: provisioner.destroy(request), check_destroy_result
+        )
+        decision = after_destroy(outcome)
+        if isinstance(decision, Proceed):
+            return True
+        if isinstance(decision, DestroyFailed):
+            failed = await self._write(
+                claim,
+                self._store.mark_destroy_failed(claim.fence, failure=decision.failure),
+                "mark destroy failed",
+            )
+            self._router.retire(failed.id, failed.generation)
+            claim.log.error("destroy failed for good", code=decision.failure.code)
+            return False
+        fence, status = claim.fence, a.status
+        await self._finish(
+            claim,
+            lambda _: self._store.schedule_retry(
+                fence,
+                expected_status=status,
+                delay=retry_delay(a.destroy_attempts),
+                attempt=AttemptKind.DESTROY,
+                failure=decision.failure,
+            ),
+        )
+        return False
+
+    # -- connection events -------------------------------------------------------------------------
+
+    def _note_connect(self, target: Target) -> None:
+        claim = self._active.get(target.allocation_id)
+        if claim is not None and claim.allocation.generation == target.generation:
+            claim.pending_connect = target
+
+    def _note_disconnect(self, target: Target, *, lease_invalidated: bool = False) -> None:
+        claim = self._active.get(target.allocation_id)
+        if claim is None or claim.allocation.generation != target.generation:
+            return
+        claim.pending_connect = None
+        if lease_invalidated or claim.allocation.status is Status.ALLOCATED:
+            self._abort(claim, LeaseLost("the sidecar disconnected"))
+
+    async def handle_connected(self, target: Target) -> None:
+        """A sidecar of ``target`` connected: wake its allocation, in order with other events."""
+        self._note_connect(target)
+
+        async def step() -> None:
+            await self._store.wake(target.allocation_id, target.generation)
+            self._note_connect(target)
+
+        task = self._enqueue(target.allocation_id, step, "connect event")
+        await asyncio.wait({task})
+        task.result()
+
+    async def handle_disconnect(self, target: Target) -> None:
+        """The current connection of ``target`` closed: give the sidecar until a new connect
+        deadline, and stop any claim that was counting on the connection."""
+        self._note_disconnect(target)
+
+        async def step() -> None:
+            lost = await self._store.mark_connection_lost(
+                target.allocation_id,
+                target.generation,
+                connect_timeout=self.settings.connect_timeout,
+            )
+            self._note_disconnect(target, lease_invalidated=lost is not None)
+
+        task = self._enqueue(target.allocation_id, step, "disconnect event")
+        await asyncio.wait({task})
+        task.result()
+
+    # -- start-up and repair -----------------------------------------------------------------------
+
+    async def initialize(self) -> None:
+        """Start-up repair: fence every active allocation at its generation, treat allocated
+        sidecars that hold no live connection as lost, and schedule anything unscheduled."""
+        for allocation in await self._store.list_active():
+            self._router.fence(allocation.id, allocation.generation)
+            if allocation.status is Status.ALLOCATED:
+                if allocation.lease_id is not None:
+                    continue  # a claim (here or on a replica) owns it; its lease decides
+                target = Target(allocation.id, allocation.generation)
+                try:
+                    if await self._router.is_ready(target):
+                        continue
+                except DatabaseUnavailable:
+                    continue  # unknown is not absent; the repair sweep looks again
+                await self._store.mark_connection_lost(
+                    allocation.id,
+                    allocation.generation,
+                    connect_timeout=self.settings.connect_timeout,
+                    keep_deadline=True,
+                )
+            elif allocation.next_attempt_at is None:
+                # Only an unscheduled row is woken: moving an existing schedule earlier would
+                # erase a provisioner's backoff on every restart.
+                await self._store.wake(allocation.id, allocation.generation)
+
+    async def repair_unscheduled_connections(self) -> int:
+        """Schedule allocated rows that nothing would revisit although their sidecar is not
+        connected; returns how many were repaired."""
+        repaired = 0
+        for allocation in await self._store.list_active():
+            if (
+                allocation.status is not Status.ALLOCATED
+                or allocation.next_attempt_at is not None
+                or allocation.lease_id is not None
+            ):
+                continue
+            target = Target(allocation.id, allocation.generation)
+            try:
+                if await self._router.is_ready(target):
+                    continue
+            except DatabaseUnavailable:
+                # Unknown readiness is not absence: leave it for the next sweep rather than
+                # schedule a reconnect for a sidecar that may be healthy.
+                continue
+            try:
+                if await self._store.schedule_reconnect_if_unscheduled(
+                    allocation.id,
+                    allocation.generation,
+                    connect_timeout=self.settings.connect_timeout,
+                ):
+                    repaired += 1
+            except StoreError as exc:
+                log.warning(
+                    "could not repair a reconnect schedule",
+                    allocation_id=allocation.id,
+                    error=str(exc),
+                )
+        return repaired
+
+
+def _hook_call(
+    hook: Hook, allocation: Allocation
+) -> Callable[[HookContext], Coroutine[Any, Any, None]]:
+    async def call(context: HookContext) -> None:
+        await hook(allocation, context)
+
+    return call
+
+
+def _outcome_text(kind: str, outcome: object) -> tuple[str | None, str | None]:
+    """The ledger's error code and message for a plugin call's outcome."""
+    from hubd.plugins.protocol import DestroyRejected, Rejected
+
+    if isinstance(outcome, Rejected | DestroyRejected):
+        return outcome.code, outcome.message
+    if isinstance(outcome, TimedOut):
+        return f"{kind}_timeout", f"{kind} did not finish within operation_timeout"
+    if isinstance(outcome, Raised):
+        return f"{kind}_failed", outcome.message
+    return None, None

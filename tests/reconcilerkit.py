@@ -1,0 +1,156 @@
+"""A scripted provisioner plugin and a reconciler wired to the real store for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hubd.plugins.protocol import (
+    Accepted,
+    Destroyed,
+    DestroyRejected,
+    DestroyRequest,
+    EnsureRequest,
+    Rejected,
+)
+from hubd.reconciler.engine import Hook, Reconciler, ReconcilerSettings
+from hubd.routing import MemoryRouter, Target
+from hubd.store import AllocationStore, Database, LedgerStore
+
+Behaviour = Callable[[Any], Awaitable[object]]
+
+SETTINGS = ReconcilerSettings(
+    lease_duration=6.0, connect_timeout=30.0, operation_timeout=1.0, max_concurrent_claims=4
+)
+
+
+def accept(external_ref: str | None = "ref-1") -> Behaviour:
+    async def run(_request: Any) -> object:
+        return Accepted(external_ref)
+
+    return run
+
+
+def reject(code: str, *, retryable: bool) -> Behaviour:
+    async def run(_request: Any) -> object:
+        return Rejected(code=code, message=f"{code} happened", retryable=retryable)
+
+    return run
+
+
+def reject_destroy(code: str, *, retryable: bool) -> Behaviour:
+    async def run(_request: Any) -> object:
+        return DestroyRejected(code=code, message=f"{code} happened", retryable=retryable)
+
+    return run
+
+
+def destroyed() -> Behaviour:
+    async def run(_request: Any) -> object:
+        return Destroyed()
+
+    return run
+
+
+def fail(exc: BaseException) -> Behaviour:
+    async def run(_request: Any) -> object:
+        raise exc
+
+    return run
+
+
+def garbage(value: object) -> Behaviour:
+    async def run(_request: Any) -> object:
+        return value
+
+    return run
+
+
+class Gate:
+    """A plugin call that blocks until released; records that it started and how it ended."""
+
+    def __init__(self, result: object = None, *, ignore_cancel: bool = False) -> None:
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.finished = asyncio.Event()
+        self.result = result if result is not None else Accepted("gated")
+        self.ignore_cancel = ignore_cancel
+
+    async def __call__(self, _request: Any) -> object:
+        self.started.set()
+        try:
+            while True:
+                try:
+                    await self.release.wait()
+                    return self.result
+                except asyncio.CancelledError:
+                    self.cancelled.set()
+                    if not self.ignore_cancel:
+                        raise
+        finally:
+            self.finished.set()
+
+
+class ScriptedProvisioner:
+    """A provisioner plugin whose every call follows a script (then a default)."""
+
+    def __init__(self, provisioner_id: str = "fake", api_version: str = "1") -> None:
+        self.id = provisioner_id
+        self.api_version = api_version
+        self.binding_fingerprint = "fp"
+        self.ensure_script: collections.deque[Behaviour] = collections.deque()
+        self.destroy_script: collections.deque[Behaviour] = collections.deque()
+        self.default_ensure: Behaviour = accept()
+        self.default_destroy: Behaviour = destroyed()
+        self.ensure_calls: list[EnsureRequest] = []
+        self.destroy_calls: list[DestroyRequest] = []
+
+    async def ensure(self, request: EnsureRequest) -> Any:
+        self.ensure_calls.append(request)
+        behaviour = self.ensure_script.popleft() if self.ensure_script else self.default_ensure
+        return await behaviour(request)
+
+    async def destroy(self, request: DestroyRequest) -> Any:
+        self.destroy_calls.append(request)
+        behaviour = self.destroy_script.popleft() if self.destroy_script else self.default_destroy
+        return await behaviour(request)
+
+
+def make_reconciler(
+    db: Database,
+    router: MemoryRouter,
+    provisioner: ScriptedProvisioner | None,
+    *,
+    instance_id: str = "in_test",
+    settings: ReconcilerSettings = SETTINGS,
+    on_ready: Hook | None = None,
+    on_initialization_recovery: Hook | None = None,
+) -> Reconciler:
+    return Reconciler(
+        store=AllocationStore(db, instance_id=instance_id),
+        ledger=LedgerStore(db, instance_id=instance_id),
+        provisioners={provisioner.id: provisioner} if provisioner is not None else {},
+        router=router,
+        hub_ws_url="ws://127.0.0.1:1",
+        settings=settings,
+        on_ready=on_ready,
+        on_initialization_recovery=on_initialization_recovery,
+    )
+
+
+async def poll_until(
+    check: Callable[[], Awaitable[bool]], *, within: float = 10.0, every: float = 0.02
+) -> None:
+    """Poll ``check`` until it is true; fail the test when ``within`` seconds pass first."""
+    async with asyncio.timeout(within):
+        while not await check():  # noqa: ASYNC110 -- polling the database, not a local event
+            await asyncio.sleep(every)
+
+
+async def connect(reconciler: Reconciler, router: MemoryRouter, target: Target) -> None:
+    """A sidecar of ``target`` connects, as the websocket router would report it."""
+    router.connect(target)
+    await reconciler.handle_connected(target)

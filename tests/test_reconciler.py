@@ -1,0 +1,767 @@
+"""The reconciler against a real PostgreSQL with a scripted provisioner and an in-memory router."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hubd.errors import InitializationUncertain
+from hubd.plugins.protocol import Accepted, Destroyed
+from hubd.reconciler.engine import HookContext, Reconciler, ReconcilerSettings
+from hubd.routing import MemoryRouter, Target
+from hubd.store import (
+    Allocation,
+    AllocationStore,
+    Database,
+    LedgerEntry,
+    LedgerStore,
+    Phase,
+    Status,
+    connect_database,
+)
+from hubd.tokens import hash_token
+from tests.pgtime import age_row, expire_lease
+from tests.reconcilerkit import (
+    SETTINGS,
+    Gate,
+    ScriptedProvisioner,
+    accept,
+    connect,
+    fail,
+    garbage,
+    make_reconciler,
+    poll_until,
+    reject,
+    reject_destroy,
+)
+
+
+@pytest.fixture
+def router() -> MemoryRouter:
+    return MemoryRouter()
+
+
+@pytest.fixture
+def provisioner() -> ScriptedProvisioner:
+    return ScriptedProvisioner()
+
+
+@pytest.fixture
+def reconciler(db: Database, router: MemoryRouter, provisioner: ScriptedProvisioner) -> Reconciler:
+    return make_reconciler(db, router, provisioner)
+
+
+async def effects(ledger: LedgerStore, allocation_id: str, kind: str) -> list[str]:
+    return [str(e.phase) for e in await ledger.history(allocation_id) if e.kind == kind]
+
+
+async def to_ready(
+    store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
+) -> Allocation:
+    """A new allocation driven to ready: ensure accepted, parked, sidecar connects, marked ready."""
+    allocation = await store.request(provisioner_id="fake")
+    assert await reconciler.reconcile_next()
+    parked = await store.get(allocation.id)
+    assert parked.status is Status.ALLOCATED
+    await connect(reconciler, router, Target(parked.id, parked.generation))
+    assert await reconciler.reconcile_next()
+    ready = await store.get(allocation.id)
+    assert ready.ready
+    return ready
+
+
+class TestHappyPath:
+    async def test_ensure_park_connect_ready(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        reconciler: Reconciler,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A request is bound, ensured and parked until its connect deadline; the sidecar's
+        connect wakes it, and the next claim marks it ready and drops the lease."""
+        allocation = await store.request(provisioner_id="fake", tenant_id="t", spec={"k": 1})
+        assert await reconciler.reconcile_next()
+        parked = await store.get(allocation.id)
+        assert parked.status is Status.ALLOCATED
+        assert parked.lease_id is None
+        assert parked.next_attempt_at == parked.connect_deadline
+        assert parked.provisioner_api_version == "1"
+        assert parked.external_ref == "ref-1"
+        (request,) = provisioner.ensure_calls
+        assert request.tenant_id == "t"
+        assert request.spec == {"k": 1}
+        assert request.sidecar_id == parked.sidecar_id
+        assert hash_token(request.token) == parked.token_hash
+        assert not await reconciler.reconcile_next()  # parked: nothing due
+
+        await connect(reconciler, router, Target(parked.id, parked.generation))
+        assert await reconciler.reconcile_next()
+        ready = await store.get(allocation.id)
+        assert ready.ready
+        assert ready.next_attempt_at is None
+        assert ready.lease_id is None
+        assert await effects(ledger, allocation.id, "ensure") == ["intent", "committed"]
+
+    async def test_connect_during_ensure_becomes_ready_in_one_claim(
+        self,
+        store: AllocationStore,
+        reconciler: Reconciler,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A sidecar that connects while ensure is still running is ready when ensure returns,
+        without parking."""
+
+        async def ensure_and_connect(request: object) -> object:
+            assert hasattr(request, "allocation_id")
+            target = Target(request.allocation_id, request.generation)
+            await connect(reconciler, router, target)
+            return Accepted("ref-fast")
+
+        provisioner.ensure_script.append(ensure_and_connect)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        ready = await store.get(allocation.id)
+        assert ready.ready
+        assert ready.external_ref == "ref-fast"
+
+    async def test_release_destroys_then_releases(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        reconciler: Reconciler,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """Releasing a ready allocation destroys its sidecar, marks it released and retires its
+        sockets."""
+        ready = await to_ready(store, reconciler, router)
+        released = await store.release(ready.id)
+        assert released.generation == ready.generation + 1
+        assert await reconciler.reconcile_next()
+        final = await store.get(ready.id)
+        assert final.status is Status.RELEASED
+        (destroy,) = provisioner.destroy_calls
+        assert destroy.sidecar_id == ready.sidecar_id
+        assert destroy.external_ref == "ref-1"
+        assert Target(ready.id, final.generation) in router.retired
+        assert await effects(ledger, ready.id, "destroy") == ["intent", "committed"]
+
+    async def test_disconnect_then_reconnect_restores_ready(
+        self, store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
+    ) -> None:
+        """A disconnect un-readies the allocation with a connect deadline; a reconnect before it
+        makes the allocation ready again under the same generation."""
+        ready = await to_ready(store, reconciler, router)
+        target = Target(ready.id, ready.generation)
+        router.disconnect(target)
+        await reconciler.handle_disconnect(target)
+        lost = await store.get(ready.id)
+        assert not lost.ready
+        assert lost.connect_deadline is not None
+        assert lost.next_attempt_at == lost.connect_deadline
+        await connect(reconciler, router, target)
+        assert await reconciler.reconcile_next()
+        again = await store.get(ready.id)
+        assert again.ready
+        assert again.generation == ready.generation
+
+
+class TestEnsureOutcomes:
+    @pytest.mark.parametrize(
+        ("behaviour", "code", "phase"),
+        [
+            (fail(RuntimeError("plugin exploded")), "ensure_failed", "failed"),
+            (garbage({"kind": "accepted"}), "ensure_failed", "failed"),
+            (garbage(None), "ensure_failed", "failed"),
+            (garbage(Accepted(123)), "ensure_failed", "failed"),  # type: ignore[arg-type]
+            (reject("quota", retryable=True), "quota", "failed"),
+        ],
+    )
+    async def test_failures_replace(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        reconciler: Reconciler,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+        behaviour: object,
+        code: str,
+        phase: str,
+    ) -> None:
+        """An ensure that raises, returns garbage, or rejects retryably moves the allocation to
+        replacing under a new generation with a backoff, fencing the abandoned sidecar."""
+        provisioner.ensure_script.append(behaviour)  # type: ignore[arg-type]
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        replaced = await store.get(allocation.id)
+        assert replaced.status is Status.REPLACING
+        assert replaced.generation == 2
+        assert replaced.failure_code == code
+        assert replaced.ensure_attempts == 1
+        assert replaced.lease_id is None
+        assert Target(allocation.id, 2) in router.fenced
+        assert await effects(ledger, allocation.id, "ensure") == ["intent", phase]
+
+    async def test_timeout_is_ambiguous_and_replaces(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        reconciler: Reconciler,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """An ensure that outlives operation_timeout is cancelled, recorded ambiguous, and the
+        allocation is replaced."""
+        gate = Gate()
+        provisioner.ensure_script.append(gate)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        assert gate.cancelled.is_set()
+        replaced = await store.get(allocation.id)
+        assert replaced.status is Status.REPLACING
+        assert replaced.failure_code == "ensure_failed"
+        assert await effects(ledger, allocation.id, "ensure") == ["intent", "ambiguous"]
+
+    async def test_non_retryable_rejection_fails(
+        self,
+        store: AllocationStore,
+        reconciler: Reconciler,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A non-retryable rejection fails the allocation with the plugin's code and retires it."""
+        provisioner.ensure_script.append(reject("bad_spec", retryable=False))
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        failed = await store.get(allocation.id)
+        assert failed.status is Status.FAILED
+        assert failed.failure_code == "bad_spec"
+        assert Target(allocation.id, 1) in router.retired
+
+    async def test_replacement_destroys_then_rebinds(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        reconciler: Reconciler,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """After a failed ensure, the next claim destroys the old sidecar, binds a new identity in
+        the new generation and ensures it."""
+        provisioner.ensure_script.append(fail(RuntimeError("first try")))
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        first = await store.get(allocation.id)
+        await age_row(db, allocation.id, 5)
+        assert await reconciler.reconcile_next()
+        second = await store.get(allocation.id)
+        assert second.status is Status.ALLOCATED
+        assert second.generation == 2
+        assert second.sidecar_id != first.sidecar_id
+        (destroy,) = provisioner.destroy_calls
+        assert destroy.sidecar_id == first.sidecar_id
+        assert [c.generation for c in provisioner.ensure_calls] == [1, 2]
+
+
+class TestDestroyOutcomes:
+    @pytest.mark.parametrize(
+        "behaviour",
+        [fail(OSError("api down")), reject_destroy("busy", retryable=True), garbage("gone")],
+    )
+    async def test_retry_with_backoff(
+        self,
+        store: AllocationStore,
+        db: Database,
+        reconciler: Reconciler,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+        behaviour: object,
+    ) -> None:
+        """A destroy that raises, rejects retryably or returns garbage is retried later with the
+        destroy attempt counter bumped; the allocation stays releasing."""
+        ready = await to_ready(store, reconciler, router)
+        await store.release(ready.id)
+        provisioner.destroy_script.append(behaviour)  # type: ignore[arg-type]
+        assert await reconciler.reconcile_next()
+        retrying = await store.get(ready.id)
+        assert retrying.status is Status.RELEASING
+        assert retrying.destroy_attempts == 1
+        assert retrying.lease_id is None
+        assert not await reconciler.reconcile_next()  # backing off
+        await age_row(db, ready.id, 2)
+        assert await reconciler.reconcile_next()
+        assert (await store.get(ready.id)).status is Status.RELEASED
+
+    async def test_non_retryable_is_destroy_failed(
+        self,
+        store: AllocationStore,
+        reconciler: Reconciler,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A non-retryable destroy rejection ends in destroy_failed for an operator to check."""
+        ready = await to_ready(store, reconciler, router)
+        await store.release(ready.id)
+        provisioner.destroy_script.append(reject_destroy("forbidden", retryable=False))
+        assert await reconciler.reconcile_next()
+        final = await store.get(ready.id)
+        assert final.status is Status.DESTROY_FAILED
+        assert final.failure_code == "forbidden"
+        assert Target(ready.id, final.generation) in router.retired
+
+
+class TestProvisionerAvailability:
+    async def test_missing_provisioner_fails_pending(
+        self, store: AllocationStore, db: Database, router: MemoryRouter
+    ) -> None:
+        """A pending allocation whose provisioner is not configured fails as
+        provisioner_unavailable: nothing was provisioned."""
+        reconciler = make_reconciler(db, router, None)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        failed = await store.get(allocation.id)
+        assert failed.status is Status.FAILED
+        assert failed.failure_code == "provisioner_unavailable"
+
+    async def test_rebound_provisioner_retries_later(
+        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: MemoryRouter
+    ) -> None:
+        """An allocation bound to api_version 1 is not handed to a provisioner that now says 2:
+        it is retried later, not failed, because its sidecar may exist."""
+        ready = await to_ready(store, reconciler, router)
+        await store.release(ready.id)
+        changed = make_reconciler(db, router, ScriptedProvisioner(api_version="2"))
+        assert await changed.reconcile_next()
+        waiting = await store.get(ready.id)
+        assert waiting.status is Status.RELEASING
+        assert waiting.failure_code == "provisioner_unavailable"
+        assert waiting.next_attempt_at is not None
+        assert waiting.lease_id is None
+
+
+class TestConnectDeadline:
+    @pytest.mark.parametrize("recovery", [False, True])
+    async def test_missed_deadline(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+        recovery: bool,
+    ) -> None:
+        """A sidecar that never connects is given up at its deadline: replaced when automatic
+        recovery is on, released (with the message saying so) when it is off."""
+        settings = ReconcilerSettings(
+            lease_duration=6,
+            connect_timeout=30,
+            operation_timeout=1,
+            automatic_replacement_recovery=recovery,
+        )
+        reconciler = make_reconciler(db, router, provisioner, settings=settings)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        await age_row(db, allocation.id, 31)
+        assert await reconciler.reconcile_next()
+        after = await store.get(allocation.id)
+        assert after.generation == 2
+        assert after.failure_code == "sidecar_connect_failed"
+        if recovery:
+            assert after.status is Status.REPLACING
+        else:
+            assert after.status is Status.RELEASING
+            assert after.failure_message is not None
+            assert after.failure_message.startswith("Automatic recovery is disabled:")
+
+
+class TestHooks:
+    async def test_hook_runs_under_marker(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """on_ready runs after the initialization marker is durable and before ready."""
+        seen: list[Allocation] = []
+
+        async def on_ready(allocation: Allocation, context: HookContext) -> None:
+            seen.append(await store.get(allocation.id))
+            assert context.lease_id == allocation.initialization_lease_id
+
+        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
+        ready = await to_ready(store, reconciler, router)
+        (during,) = seen
+        assert during.initialization_lease_id is not None
+        assert not during.ready
+        assert ready.initialization_lease_id is None
+
+    async def test_hook_failure_retries_later(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A hook that raises schedules a retry at the capped backoff and clears the marker."""
+
+        async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
+            raise RuntimeError("hub busy")
+
+        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        await connect(reconciler, router, Target(allocation.id, 1))
+        assert await reconciler.reconcile_next()
+        after = await store.get(allocation.id)
+        assert after.status is Status.ALLOCATED
+        assert not after.ready
+        assert after.failure_code == "sidecar_initialization_failed"
+        assert after.initialization_lease_id is None
+        assert after.lease_id is None
+
+    async def test_uncertain_hook_replaces(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A hook that reports uncertainty abandons the sidecar (a release while automatic
+        recovery is off)."""
+
+        async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
+            raise InitializationUncertain("sender may be half deployed")
+
+        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        await connect(reconciler, router, Target(allocation.id, 1))
+        assert await reconciler.reconcile_next()
+        after = await store.get(allocation.id)
+        assert after.status is Status.RELEASING
+        assert after.failure_code == "sidecar_initialization_uncertain"
+
+    async def test_disconnect_during_initialization(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A disconnect while on_ready runs stops the claim and leaves the marker; the next
+        claim finds the initialization uncertain and abandons the sidecar."""
+        hook_started = asyncio.Event()
+        hook_cancelled = asyncio.Event()
+
+        async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
+            hook_started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                hook_cancelled.set()
+                raise
+
+        settings = ReconcilerSettings(
+            lease_duration=20,
+            connect_timeout=30,
+            operation_timeout=10,
+            automatic_replacement_recovery=True,
+        )
+        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready, settings=settings)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        target = Target(allocation.id, 1)
+        await connect(reconciler, router, target)
+        claim = asyncio.create_task(reconciler.reconcile_next())
+        await hook_started.wait()
+        router.disconnect(target)
+        await reconciler.handle_disconnect(target)
+        assert await claim
+        assert hook_cancelled.is_set()
+        marked = await store.get(allocation.id)
+        assert marked.initialization_lease_id is not None
+        assert marked.lease_id is None
+        assert not marked.ready
+        await age_row(db, allocation.id, 31)
+        assert await reconciler.reconcile_next()
+        replaced = await store.get(allocation.id)
+        assert replaced.status is Status.REPLACING
+        assert replaced.failure_code == "sidecar_initialization_uncertain"
+
+    async def test_connect_during_initialization_schedules_follow_up(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A connect that lands while on_ready runs schedules an immediate follow-up instead of
+        marking ready; the follow-up then marks it ready."""
+        reconciler: Reconciler | None = None
+        calls = 0
+
+        async def on_ready(allocation: Allocation, _context: HookContext) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                assert reconciler is not None
+                await reconciler.handle_connected(Target(allocation.id, allocation.generation))
+
+        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        await connect(reconciler, router, Target(allocation.id, 1))
+        assert await reconciler.reconcile_next()
+        follow_up = await store.get(allocation.id)
+        assert not follow_up.ready
+        assert follow_up.initialization_lease_id is None
+        assert await reconciler.reconcile_next()
+        assert (await store.get(allocation.id)).ready
+        assert calls == 2
+
+
+class TestLeases:
+    async def test_stolen_lease_mid_ensure_writes_nothing(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """When a second reconciler takes the lease while the first is inside ensure, the first
+        writes nothing afterwards: the row and the ledger show only the second's work."""
+        settings = ReconcilerSettings(lease_duration=30, connect_timeout=30, operation_timeout=10)
+        first = make_reconciler(db, router, provisioner, settings=settings, instance_id="first")
+        second = make_reconciler(db, router, provisioner, settings=settings, instance_id="second")
+        gate = Gate(Accepted("late"))
+        provisioner.ensure_script.append(gate)
+        allocation = await store.request(provisioner_id="fake")
+        first_claim = asyncio.create_task(first.reconcile_next())
+        await gate.started.wait()
+        first_lease = (await store.get(allocation.id)).lease_id
+
+        await expire_lease(db, allocation.id)
+        assert await second.reconcile_next()  # provisioning: ensure outcome unknown → replace
+        stolen = await store.get(allocation.id)
+        assert stolen.status is Status.REPLACING
+        assert stolen.failure_code == "ensure_outcome_unknown"
+        history_before = await ledger.history(allocation.id)
+
+        gate.release.set()
+        assert await first_claim
+        assert await store.get(allocation.id) == stolen
+        history_after = await ledger.history(allocation.id)
+        assert history_after == history_before
+        by_first = [(e.kind, str(e.phase)) for e in history_after if e.instance_id == "first"]
+        assert by_first == [("bind_sidecar", "committed"), ("ensure", "intent")]
+        ambiguous = [e for e in history_after if e.phase is Phase.AMBIGUOUS]
+        assert [(e.kind, e.lease_id) for e in ambiguous] == [("ensure", first_lease)]
+
+    async def test_refused_renewal_aborts_the_claim(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """When renewal is refused (the row's lease changed), the claim is aborted: the plugin
+        call is cancelled and no further write is made."""
+        settings = ReconcilerSettings(lease_duration=1.5, connect_timeout=30, operation_timeout=1)
+        reconciler = make_reconciler(db, router, provisioner, settings=settings)
+        gate = Gate()
+        provisioner.ensure_script.append(gate)
+        allocation = await store.request(provisioner_id="fake")
+        claim = asyncio.create_task(reconciler.reconcile_next())
+        await gate.started.wait()
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET lease_id = 'ls_other' WHERE id = $1", allocation.id
+            )
+        before = await store.get(allocation.id)
+        assert await claim
+        assert gate.cancelled.is_set()
+        assert await store.get(allocation.id) == before
+
+    async def test_renewal_error_aborts_the_claim(
+        self,
+        store: AllocationStore,
+        database_url: str,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """When renewal fails with a database error, the claim is aborted and makes no write."""
+        db = await connect_database(database_url)
+        try:
+            settings = ReconcilerSettings(
+                lease_duration=1.5, connect_timeout=30, operation_timeout=1
+            )
+            reconciler = make_reconciler(db, router, provisioner, settings=settings)
+            gate = Gate()
+            provisioner.ensure_script.append(gate)
+            allocation = await store.request(provisioner_id="fake")
+            claim = asyncio.create_task(reconciler.reconcile_next())
+            await gate.started.wait()
+            before = await store.get(allocation.id)
+            db.lease_pool.terminate()
+            assert await claim
+            assert gate.cancelled.is_set()
+            assert await store.get(allocation.id) == before
+        finally:
+            await db.pool.close()
+
+    async def test_abandoned_reconciler_then_fresh_one(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        database_url: str,
+        router: MemoryRouter,
+    ) -> None:
+        """A reconciler abandoned mid-ensure (its process gone: connections dead, plugin stuck)
+        is followed after lease expiry by a fresh one that finds provisioning, replaces it, and
+        records the first ensure as ambiguous."""
+        dead_db = await connect_database(database_url)
+        stuck = ScriptedProvisioner()
+        gate = Gate(ignore_cancel=True)
+        stuck.ensure_script.append(gate)
+        settings = ReconcilerSettings(lease_duration=30, connect_timeout=30, operation_timeout=20)
+        abandoned = make_reconciler(dead_db, router, stuck, settings=settings, instance_id="dead")
+        allocation = await store.request(provisioner_id="fake")
+        orphan = asyncio.create_task(abandoned.reconcile_next())
+        await gate.started.wait()
+        dead_db.terminate()  # the process is gone: nothing it could still send arrives
+
+        await age_row(db, allocation.id, 31)
+        fresh = make_reconciler(db, router, ScriptedProvisioner(), instance_id="fresh")
+        assert await fresh.reconcile_next()
+        replaced = await store.get(allocation.id)
+        assert replaced.status is Status.REPLACING
+        assert replaced.failure_code == "ensure_outcome_unknown"
+        ensure_phases = await effects(ledger, allocation.id, "ensure")
+        assert ensure_phases == ["intent", "ambiguous"]
+        settled = [e for e in await ledger.history(allocation.id) if e.phase is Phase.AMBIGUOUS]
+        assert settled[0].instance_id == "fresh"
+
+        orphan.cancel()
+        gate.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await orphan
+        await abandoned.drain()
+
+    async def test_admission_is_bounded(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """With max_concurrent_claims=1, a second claim is not admitted while one runs."""
+        settings = ReconcilerSettings(
+            lease_duration=30, connect_timeout=30, operation_timeout=10, max_concurrent_claims=1
+        )
+        reconciler = make_reconciler(db, router, provisioner, settings=settings)
+        gate = Gate()
+        provisioner.ensure_script.append(gate)
+        await store.request(provisioner_id="fake")
+        await store.request(provisioner_id="fake")
+        running = asyncio.create_task(reconciler.reconcile_next())
+        await gate.started.wait()
+        assert not await reconciler.reconcile_next()
+        gate.release.set()
+        assert await running
+        assert await reconciler.reconcile_next()
+
+    async def test_plugin_ignoring_cancellation_keeps_allocation_excluded(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """An ensure that ignores cancellation after its timeout keeps its allocation out of new
+        claims (and counts against capacity) until it finally settles."""
+        settings = ReconcilerSettings(
+            lease_duration=6, connect_timeout=30, operation_timeout=0.5, max_concurrent_claims=1
+        )
+        reconciler = make_reconciler(db, router, provisioner, settings=settings)
+        gate = Gate(ignore_cancel=True)
+        provisioner.ensure_script.append(gate)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()  # times out, replaces, claim ends
+        assert gate.cancelled.is_set()
+        assert allocation.id in reconciler.busy_allocations()
+        await age_row(db, allocation.id, 5)
+        assert not await reconciler.reconcile_next()  # no capacity while it runs
+        gate.release.set()
+        await gate.finished.wait()
+        await poll_until(lambda: _not_busy(reconciler, allocation.id))
+        assert await reconciler.reconcile_next()
+
+
+async def _not_busy(reconciler: Reconciler, allocation_id: str) -> bool:
+    return allocation_id not in reconciler.busy_allocations()
+
+
+class TestQueue:
+    async def test_events_are_ordered_and_queue_dropped(
+        self, store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
+    ) -> None:
+        """Connect and disconnect events of one allocation apply in arrival order, and the
+        queue is gone once they settle."""
+        ready = await to_ready(store, reconciler, router)
+        target = Target(ready.id, ready.generation)
+        router.disconnect(target)
+        await asyncio.gather(
+            reconciler.handle_disconnect(target), reconciler.handle_connected(target)
+        )
+        after = await store.get(ready.id)
+        assert not after.ready
+        assert after.next_attempt_at is not None
+        assert after.next_attempt_at < after.connect_deadline  # woken after the loss
+        assert reconciler.queue_depth == 0
+
+
+class TestRepair:
+    async def test_initialize_marks_unconnected_lost_and_wakes_unscheduled(
+        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: MemoryRouter
+    ) -> None:
+        """Start-up repair treats an allocated sidecar without a connection as lost (keeping a
+        deadline) and wakes an active row that nothing scheduled."""
+        ready = await to_ready(store, reconciler, router)
+        router.disconnect(Target(ready.id, ready.generation))
+        unscheduled = await store.request(provisioner_id="fake")
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET next_attempt_at = NULL WHERE id = $1", unscheduled.id
+            )
+        await reconciler.initialize()
+        lost = await store.get(ready.id)
+        assert not lost.ready
+        assert lost.next_attempt_at is not None
+        assert (await store.get(unscheduled.id)).next_attempt_at is not None
+        assert Target(ready.id, ready.generation) in router.fenced
+
+    async def test_repair_schedules_only_unconnected(
+        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: MemoryRouter
+    ) -> None:
+        """The repair sweep schedules a ready-looking row whose sidecar is not connected, leaves
+        connected ones alone, and leaves rows alone while readiness is unknown."""
+        ready = await to_ready(store, reconciler, router)
+        assert await reconciler.repair_unscheduled_connections() == 0
+        router.disconnect(Target(ready.id, ready.generation))
+        router.unavailable = True
+        assert await reconciler.repair_unscheduled_connections() == 0
+        router.unavailable = False
+        assert await reconciler.repair_unscheduled_connections() == 1
+        assert (await store.get(ready.id)).next_attempt_at is not None
+
+
+def _kinds(history: list[LedgerEntry]) -> list[str]:
+    return [e.kind for e in history]
+
+
+_ = (_kinds, accept, Destroyed, SETTINGS)
