@@ -57,6 +57,7 @@ from hubd.reconciler.decisions import (
     step_for,
     unavailable_provisioner,
 )
+from hubd.reconciler.lease import LeaseKeeper
 from hubd.routing import Router, SidecarNotConnected, Target
 from hubd.store.allocations import AllocationStore, AttemptKind, ParkMode
 from hubd.store.ledger import LedgerStore, new_effect_id
@@ -106,7 +107,7 @@ class _Claim:
 
     allocation: Allocation
     lease_id: str
-    deadline: float
+    lease: LeaseKeeper
     db_anchor: datetime
     local_anchor: float
     log: Any
@@ -387,18 +388,27 @@ class Reconciler:
             # rather than put another write behind that work.
             bound.info("claim raced local work; leaving its lease to expire")
             return
+        aid = allocation.id
+        lease = LeaseKeeper(
+            renew=lambda: self._store.renew_lease(aid, lease_id, self.settings.lease_duration),
+            clock=self._clock,
+            lease_duration=self.settings.lease_duration,
+            started=started,
+            spawn=lambda coro: self._spawn(coro, allocation_id=aid, name="lease renewal"),
+            on_lost=lambda cause: self._abort(claim, cause),
+        )
         claim = _Claim(
             allocation=allocation,
             lease_id=lease_id,
-            deadline=started + self.settings.lease_duration,
+            lease=lease,
             db_anchor=allocation.updated_at,
             local_anchor=self._clock.monotonic(),
             log=bound,
         )
-        self._active[allocation.id] = claim
-        body = self._spawn(self._reconcile(claim), allocation_id=allocation.id, name="claim body")
+        self._active[aid] = claim
+        body = self._spawn(self._reconcile(claim), allocation_id=aid, name="claim body")
         claim.task = body
-        keeper = self._spawn(self._keep_lease(claim), allocation_id=None, name="lease keeper")
+        keeper = self._spawn(lease.run(), allocation_id=None, name="lease keeper")
         try:
             try:
                 await asyncio.wait({body})
@@ -413,7 +423,7 @@ class Reconciler:
                 await self._park_after_error(claim, failure)
         finally:
             keeper.cancel()
-            del self._active[allocation.id]
+            del self._active[aid]
 
     async def _park_after_error(self, claim: _Claim, error: BaseException) -> None:
         claim.log.error("reconciliation failed", error=f"{type(error).__name__}: {error}")
@@ -434,49 +444,6 @@ class Reconciler:
             # The row keeps its past schedule; once the lease expires any claimer retries it.
             claim.log.warning("could not park after an error", error=str(exc))
 
-    async def _keep_lease(self, claim: _Claim) -> None:
-        """Renew the lease every lease_duration / 3; abort the claim when ownership is in doubt.
-
-        The local deadline is counted from the *start* of the last successful renewal: the
-        database granted the lease during the request, so counting from the answer would extend
-        ownership by the answer's transit time.
-        """
-        interval = self.settings.lease_duration / 3
-        next_renewal = self._clock.monotonic() + interval
-        aid = claim.allocation.id
-        while claim.lost is None:
-            now = self._clock.monotonic()
-            await self._clock.sleep(min(next_renewal, claim.deadline) - now)
-            if self._clock.monotonic() >= claim.deadline:
-                self._abort(claim, LeaseLost("the local lease deadline passed"))
-                return
-            if self._clock.monotonic() < next_renewal:
-                continue
-            started = self._clock.monotonic()
-            renewal = self._spawn(
-                self._store.renew_lease(aid, claim.lease_id, self.settings.lease_duration),
-                allocation_id=aid,
-                name="lease renewal",
-            )
-            try:
-                settled = await wait_settled(self._clock, renewal, claim.deadline - started)
-            except asyncio.CancelledError:
-                renewal.cancel()
-                raise
-            if not settled:
-                renewal.cancel()
-                self._abort(claim, LeaseLost("lease renewal did not answer before the deadline"))
-                return
-            error = renewal.exception()
-            if error is not None:
-                self._abort(claim, LeaseLost(f"lease renewal failed: {error}"))
-                return
-            if not renewal.result() or self._clock.monotonic() >= claim.deadline:
-                self._abort(claim, LeaseLost("lease renewal was refused"))
-                return
-            claim.deadline = started + self.settings.lease_duration
-            next_renewal = started + interval
-
     async def _with_lease(
         self,
         claim: _Claim,
@@ -493,7 +460,7 @@ class Reconciler:
             raise LeaseLost(f"the lease could not be confirmed: {exc}") from exc
         if not current:
             raise LeaseLost("the lease is no longer current")
-        if self._clock.monotonic() >= claim.deadline:
+        if claim.lease.expired:
             cause = LeaseLost("the local lease deadline passed")
             self._abort(claim, cause)
             raise cause
