@@ -7,7 +7,9 @@ from hubd.store import Database
 
 
 async def age_row(db: Database, allocation_id: str, seconds: float) -> None:
-    """Make ``seconds`` pass for one allocation's schedule, lease and connect deadline."""
+    """Make ``seconds`` pass for one active allocation's schedule, lease and connect deadline.
+
+    Terminal rows keep their timestamps: nothing about them depends on time any more."""
     async with db.pool.acquire() as conn:
         await conn.execute(
             """
@@ -16,6 +18,7 @@ async def age_row(db: Database, allocation_id: str, seconds: float) -> None:
                 lease_expires_at = lease_expires_at - make_interval(secs => $2),
                 connect_deadline = connect_deadline - make_interval(secs => $2)
             WHERE id = $1
+              AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
             """,
             allocation_id,
             float(seconds),

@@ -1,0 +1,312 @@
+"""Random interleavings of claims, plugin outcomes, connection events, time, releases and
+restarts against the real store, with the reconciler's safety properties checked after every
+step.
+
+Properties: generation never decreases; no claim writes after a newer lease has written; every
+active allocation is leased, scheduled, or ready with its sidecar connected (never stranded);
+terminal rows never change; at most one live lease per allocation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Coroutine
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from hubd.plugins.protocol import Accepted
+from hubd.reconciler.engine import Reconciler, ReconcilerSettings
+from hubd.routing import MemoryRouter, Target
+from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
+from tests.pgtime import age_row
+from tests.reconcilerkit import (
+    Behaviour,
+    Gate,
+    ScriptedProvisioner,
+    accept,
+    destroyed,
+    fail,
+    garbage,
+    make_reconciler,
+    reject,
+    reject_destroy,
+)
+
+T = TypeVar("T")
+OUTCOMES: dict[str, int] = {}
+
+EXAMPLES = int(os.environ.get("HUBD_HYPOTHESIS_EXAMPLES", "200"))
+SETTINGS = ReconcilerSettings(
+    lease_duration=60, connect_timeout=30, operation_timeout=0.5, max_concurrent_claims=4
+)
+
+ENSURES: dict[str, Behaviour] = {
+    "accept": accept(),
+    "reject_retryable": reject("quota", retryable=True),
+    "reject_permanent": reject("bad_spec", retryable=False),
+    "raise": fail(RuntimeError("provider error")),
+    "garbage": garbage({"not": "a result"}),
+}
+DESTROYS: dict[str, Behaviour] = {
+    "destroyed": destroyed(),
+    "raise": fail(OSError("provider down")),
+    "reject_retryable": reject_destroy("busy", retryable=True),
+    "reject_permanent": reject_destroy("forbidden", retryable=False),
+}
+
+
+@attrs.define
+class Harness:
+    runner: asyncio.Runner
+    db: Database
+    slow_db: Database
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        async def bounded() -> T:
+            async with asyncio.timeout(30):
+                return await coro
+
+        return self.runner.run(bounded())
+
+
+@attrs.define
+class SlowClaim:
+    """A claim on another reconciler whose ensure blocks until released."""
+
+    reconciler: Reconciler
+    gate: Gate
+    task: asyncio.Task[bool]
+
+
+class ReconcilerMachine(RuleBasedStateMachine):
+    harness: ClassVar[Harness]
+
+    def __init__(self) -> None:
+        super().__init__()
+        h = self.harness
+        h.run(self._truncate())
+        self.router = MemoryRouter()
+        self.provisioner = ScriptedProvisioner()
+        self.restarts = 0
+        self.reconciler = self._new_reconciler()
+        self.store = AllocationStore(h.db, instance_id="app")
+        self.ledger = LedgerStore(h.db, instance_id="app")
+        self.ids: list[str] = []
+        self.generations: dict[str, int] = {}
+        self.terminal: dict[str, dict[str, Any]] = {}
+        self.slow: SlowClaim | None = None
+
+    async def _truncate(self) -> None:
+        async with self.harness.db.pool.acquire() as conn:
+            await conn.execute(
+                "TRUNCATE hubd_allocation_ledger, hubd_sidecar_connections, hubd_allocations"
+            )
+
+    def _new_reconciler(self) -> Reconciler:
+        self.restarts += 1
+        return make_reconciler(
+            self.harness.db,
+            self.router,
+            self.provisioner,
+            instance_id=f"hub{self.restarts}",
+            settings=SETTINGS,
+        )
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.harness.run(coro)
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.ids) < 4)
+    @rule()
+    def request(self) -> None:
+        allocation = self.run(self.store.request(provisioner_id="fake"))
+        self.ids.append(allocation.id)
+
+    @rule(kind=st.sampled_from(sorted(ENSURES)))
+    def script_ensure(self, kind: str) -> None:
+        self.provisioner.ensure_script.append(ENSURES[kind])
+
+    @rule(kind=st.sampled_from(sorted(DESTROYS)))
+    def script_destroy(self, kind: str) -> None:
+        self.provisioner.destroy_script.append(DESTROYS[kind])
+
+    @rule()
+    def claim(self) -> None:
+        self.run(self.reconciler.reconcile_next())
+
+    @precondition(lambda self: self.ids)
+    @rule(index=st.integers(0, 3))
+    def connect(self, index: int) -> None:
+        allocation = self.run(self.store.get(self.ids[index % len(self.ids)]))
+        if allocation.status not in (Status.PROVISIONING, Status.ALLOCATED):
+            return
+        target = Target(allocation.id, allocation.generation)
+        self.router.connect(target)
+        self.run(self.reconciler.handle_connected(target))
+
+    @precondition(lambda self: self.ids)
+    @rule(index=st.integers(0, 3))
+    def disconnect(self, index: int) -> None:
+        allocation_id = self.ids[index % len(self.ids)]
+        for target in [t for t in self.router.connected if t.allocation_id == allocation_id]:
+            self.router.disconnect(target)
+            self.run(self.reconciler.handle_disconnect(target))
+
+    @precondition(lambda self: self.ids)
+    @rule(index=st.integers(0, 3), seconds=st.sampled_from([2.0, 31.0, 61.0]))
+    def pass_time(self, index: int, seconds: float) -> None:
+        self.run(age_row(self.harness.db, self.ids[index % len(self.ids)], seconds))
+
+    @precondition(lambda self: self.ids)
+    @rule(index=st.integers(0, 3))
+    def release(self, index: int) -> None:
+        self.run(self.store.release(self.ids[index % len(self.ids)]))
+
+    @rule()
+    def restart(self) -> None:
+        self.reconciler = self._new_reconciler()
+        self.run(self.reconciler.initialize())
+
+    @rule()
+    def repair(self) -> None:
+        self.run(self.reconciler.repair_unscheduled_connections())
+
+    @precondition(lambda self: self.slow is None)
+    @rule()
+    def start_slow_claim(self) -> None:
+        provisioner = ScriptedProvisioner()
+        gate = Gate(Accepted("slow"))
+        provisioner.ensure_script.append(gate)
+        slow = make_reconciler(
+            self.harness.slow_db, self.router, provisioner, instance_id="slow", settings=SETTINGS
+        )
+
+        async def start() -> asyncio.Task[bool]:
+            task = asyncio.create_task(slow.reconcile_next())
+            started = asyncio.create_task(gate.started.wait())
+            await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+            started.cancel()
+            return task
+
+        self.slow = SlowClaim(slow, gate, self.run(start()))
+
+    @precondition(lambda self: self.slow is not None)
+    @rule()
+    def outlive_slow_claim(self) -> None:
+        """The slow claim's lease runs out (its process stalled) and this hub claims the row."""
+        assert self.slow is not None
+        for allocation_id in self.slow.reconciler.busy_allocations():
+            self.run(age_row(self.harness.db, allocation_id, SETTINGS.lease_duration + 1))
+        self.run(self.reconciler.reconcile_next())
+
+    @precondition(lambda self: self.slow is not None)
+    @rule()
+    def finish_slow_claim(self) -> None:
+        assert self.slow is not None
+        slow, self.slow = self.slow, None
+        slow.gate.release.set()
+        self.run(self._settle(slow))
+
+    async def _settle(self, slow: SlowClaim) -> None:
+        await asyncio.wait({slow.task})
+        await slow.reconciler.drain()
+        async with self.harness.db.pool.acquire() as conn:
+            fenced_out = await conn.fetchval(
+                "SELECT count(*) FROM hubd_allocation_ledger WHERE instance_id <> 'slow' "
+                "AND error_code = 'outcome_unknown'"
+            )
+        label = "slow claim outlived by a newer lease" if fenced_out else "slow claim finished"
+        event(label)
+        OUTCOMES[label] = OUTCOMES.get(label, 0) + 1
+
+    def teardown(self) -> None:
+        if self.slow is not None:
+            self.slow.gate.release.set()
+            self.run(self._settle(self.slow))
+        self.run(self.reconciler.drain())
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def safety(self) -> None:
+        self.run(self._check())
+
+    async def _check(self) -> None:
+        async with self.harness.db.pool.acquire() as conn:
+            now = await conn.fetchval("SELECT now()")
+            rows = await conn.fetch("SELECT * FROM hubd_allocations ORDER BY id")
+            ledger = await conn.fetch(
+                "SELECT allocation_id, lease_id, error_code FROM hubd_allocation_ledger "
+                "ORDER BY seq"
+            )
+        for row in rows:
+            aid = row["id"]
+            assert row["generation"] >= self.generations.get(aid, 1), "generation went back"
+            self.generations[aid] = row["generation"]
+            if aid in self.terminal:
+                assert dict(row) == self.terminal[aid], "a terminal row changed"
+                continue
+            status = Status(row["status"])
+            if status.terminal:
+                self.terminal[aid] = dict(row)
+                continue
+            leased = row["lease_expires_at"] is not None and row["lease_expires_at"] > now
+            scheduled = row["next_attempt_at"] is not None
+            connected = (
+                status is Status.ALLOCATED
+                and row["connection_ready"]
+                and Target(aid, row["generation"]) in self.router.connected
+            )
+            assert leased or scheduled or connected, f"{aid} is stranded in {status}"
+
+        # A lease that has been superseded on an allocation never writes there again. Rows
+        # that settle an earlier lease's open call carry that lease's id, written by the new
+        # owner, and are left out.
+        leases: dict[str, list[str]] = {}
+        for entry in ledger:
+            lease = entry["lease_id"]
+            if lease is None or entry["error_code"] == "outcome_unknown":
+                continue
+            seen = leases.setdefault(entry["allocation_id"], [])
+            if seen and seen[-1] == lease:
+                continue
+            assert lease not in seen, "a claim wrote after a newer lease had written"
+            seen.append(lease)
+
+
+@pytest.mark.timeout(900)
+def test_reconciler_state_machine(database_url: str) -> None:
+    """No interleaving of claims, outcomes, events, time, releases and restarts breaks the
+    reconciler's safety properties."""
+    with asyncio.Runner() as runner:
+        db = runner.run(connect_database(database_url, pool_size=8))
+        slow_db = runner.run(connect_database(database_url, pool_size=4))
+        ReconcilerMachine.harness = Harness(runner=runner, db=db, slow_db=slow_db)
+        try:
+            run_state_machine_as_test(
+                ReconcilerMachine,
+                settings=settings(
+                    max_examples=EXAMPLES,
+                    stateful_step_count=30,
+                    deadline=None,
+                    database=None,
+                    suppress_health_check=[HealthCheck.too_slow],
+                ),
+            )
+            print("slow claims:", OUTCOMES)
+        finally:
+            runner.run(db.close())
+            runner.run(slow_db.close())
