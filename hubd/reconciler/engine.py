@@ -58,6 +58,7 @@ from hubd.reconciler.decisions import (
     unavailable_provisioner,
 )
 from hubd.reconciler.lease import LeaseKeeper
+from hubd.reconciler.observer import NullObserver, ReconcilerObserver
 from hubd.routing import Router, SidecarNotConnected, Target
 from hubd.store.allocations import AllocationStore, AttemptKind, ParkMode
 from hubd.store.ledger import LedgerStore, new_effect_id
@@ -146,6 +147,7 @@ class Reconciler:
         create_lease_id: Callable[[], str] = new_lease_id,
         create_sidecar_id: Callable[[], str] = new_sidecar_id,
         create_token: Callable[[], str] = new_token,
+        observer: ReconcilerObserver | None = None,
     ) -> None:
         self._store = store
         self._ledger = ledger
@@ -159,6 +161,7 @@ class Reconciler:
         self._create_lease_id = create_lease_id
         self._create_sidecar_id = create_sidecar_id
         self._create_token = create_token
+        self._observer: ReconcilerObserver = observer or NullObserver()
 
         self._active: dict[str, _Claim] = {}
         self._queues: dict[str, asyncio.Task[None]] = {}
@@ -245,6 +248,8 @@ class Reconciler:
         return updated
 
     def _track(self, claim: _Claim, allocation: Allocation) -> None:
+        if allocation.status is not claim.allocation.status:
+            self._observer.transition(str(claim.allocation.status), str(allocation.status))
         if allocation.generation != claim.allocation.generation:
             claim.pending_connect = None
         claim.allocation = allocation
@@ -319,8 +324,11 @@ class Reconciler:
                 and pending.generation == claim.allocation.generation
                 and claim.allocation.status is Status.ALLOCATED
             )
-            if await write(connected) is None:
+            updated = await write(connected)
+            if updated is None:
                 claim.log.info("final write matched nothing; the claim was lost")
+            elif updated.status is not claim.allocation.status:
+                self._observer.transition(str(claim.allocation.status), str(updated.status))
 
         await self._queue_step(claim, step)
 
@@ -406,6 +414,7 @@ class Reconciler:
             log=bound,
         )
         self._active[aid] = claim
+        self._observer.claimed()
         body = self._spawn(self._reconcile(claim), allocation_id=aid, name="claim body")
         claim.task = body
         keeper = self._spawn(lease.run(), allocation_id=None, name="lease keeper")
@@ -417,6 +426,7 @@ class Reconciler:
                 raise
             failure = None if body.cancelled() else body.exception()
             if body.cancelled() or isinstance(failure, LeaseLost):
+                self._observer.lease_lost()
                 cause = claim.lost or failure
                 claim.log.info("claim stopped: lease no longer held", reason=str(cause))
             elif failure is not None:
@@ -623,6 +633,9 @@ class Reconciler:
         except Exception as exc:  # noqa: BLE001 -- any failure of a plugin is an outcome
             outcome = Raised(f"{type(exc).__name__}: {exc}")
         duration_ms = (self._clock.monotonic() - started) * 1000
+        self._observer.plugin_call(
+            claim.allocation.provisioner_id, kind, duration_ms / 1000, type(outcome).__name__
+        )
         code, message = _outcome_text(kind, outcome)
         recorded = await self._op(
             claim,
@@ -837,6 +850,7 @@ class Reconciler:
                     expected_initialization_lease_id=expected_init,
                 )
             if updated is not None:
+                self._observer.transition(str(a.status), str(updated.status))
                 # Advance the fence before this step settles and the allocation becomes
                 # claimable again, so the abandoned sidecar cannot linger connected.
                 self._router.fence(updated.id, updated.generation)

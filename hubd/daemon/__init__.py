@@ -1,0 +1,1 @@
+"""The daemon an operator runs: wiring, background tasks, signals, listeners."""

@@ -1,0 +1,97 @@
+"""Prometheus metrics of one daemon, on a registry of its own (no process-global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+_PLUGIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """The daemon's metrics; also the reconciler's observer."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.claims = Counter("hubd_claims", "Claims taken by this daemon", registry=r)
+        self.transitions = Counter(
+            "hubd_transitions",
+            "Status transitions made here",
+            ["from_status", "to_status"],
+            registry=r,
+        )
+        self.plugin_seconds = Histogram(
+            "hubd_plugin_call_seconds",
+            "Plugin call latency",
+            ["plugin", "operation"],
+            buckets=_PLUGIN_BUCKETS,
+            registry=r,
+        )
+        self.plugin_outcomes = Counter(
+            "hubd_plugin_outcomes",
+            "Plugin call outcomes",
+            ["plugin", "operation", "outcome"],
+            registry=r,
+        )
+        self.lease_losses = Counter(
+            "hubd_lease_losses", "Claims stopped because their lease was lost", registry=r
+        )
+        self.active_claims = Gauge("hubd_active_claims", "Claims in progress", registry=r)
+        self.queue_depth = Gauge(
+            "hubd_queue_depth", "Allocations with queued connection events or steps", registry=r
+        )
+        self.connected_sidecars = Gauge(
+            "hubd_connected_sidecars", "Sidecar sockets open on this daemon", registry=r
+        )
+        self.allocations = Gauge(
+            "hubd_allocations", "Allocations by status (whole database)", ["status"], registry=r
+        )
+        self.database_up = Gauge("hubd_database_up", "1 when the database answers", registry=r)
+        self.listener_up = Gauge(
+            "hubd_listener_up", "1 when the LISTEN connection is up and verified", registry=r
+        )
+        self.selfcheck_failures = Counter(
+            "hubd_notification_selfcheck_failures",
+            "Self-notifications that did not come back in time",
+            registry=r,
+        )
+        self.loop_errors = Counter(
+            "hubd_claim_loop_errors", "Errors the claim loop recovered from", ["kind"], registry=r
+        )
+
+    def bind_gauges(
+        self,
+        *,
+        active_claims: Callable[[], float],
+        queue_depth: Callable[[], float],
+        connected_sidecars: Callable[[], float],
+    ) -> None:
+        self.active_claims.set_function(active_claims)
+        self.queue_depth.set_function(queue_depth)
+        self.connected_sidecars.set_function(connected_sidecars)
+
+    def set_allocation_counts(self, counts: Mapping[str, int], statuses: list[str]) -> None:
+        for status in statuses:
+            self.allocations.labels(status=status).set(counts.get(status, 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- ReconcilerObserver ---------------------------------------------------------------
+
+    def claimed(self) -> None:
+        self.claims.inc()
+
+    def lease_lost(self) -> None:
+        self.lease_losses.inc()
+
+    def transition(self, from_status: str, to_status: str) -> None:
+        self.transitions.labels(from_status=from_status, to_status=to_status).inc()
+
+    def plugin_call(self, plugin: str, operation: str, seconds: float, outcome: str) -> None:
+        self.plugin_seconds.labels(plugin=plugin, operation=operation).observe(seconds)
+        self.plugin_outcomes.labels(plugin=plugin, operation=operation, outcome=outcome).inc()

@@ -1,0 +1,140 @@
+"""Waking the claim loop: LISTEN/NOTIFY as a hint, never as the only path.
+
+A dedicated connection listens for ``hubd_wake`` (new request, release, sidecar connected) and
+``hubd_connected`` (a sidecar connected to some replica). When that connection is lost it is
+re-opened with backoff and a full poll follows, since notifications sent meanwhile are gone. A
+self-notification sent through the ordinary pool every ``selfcheck_interval`` proves the path end
+to end; when it does not come back in time the connection is recycled and readiness reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import structlog
+
+from hubd.store.database import Database, init_connection
+
+__all__ = ["NotificationListener", "Waker"]
+
+log = structlog.get_logger(__name__)
+
+WAKE_CHANNEL = "hubd_wake"
+CONNECTED_CHANNEL = "hubd_connected"
+SELFCHECK_CHANNEL = "hubd_selfcheck"
+
+
+class Waker:
+    """Wakes every worker waiting for work."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def wake(self) -> None:
+        # set() wakes every current waiter; clearing at once keeps later waits waiting.
+        self._event.set()
+        self._event.clear()
+
+    async def wait(self, limit: float) -> None:
+        """Return when woken or after ``limit`` seconds (the poll fallback)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit):
+                await self._event.wait()
+
+
+class NotificationListener:
+    def __init__(
+        self,
+        *,
+        dsn: str,
+        db: Database,
+        on_wake: Callable[[], None],
+        on_connected: Callable[[str], None],
+        selfcheck_interval: float = 10.0,
+        selfcheck_timeout: float = 5.0,
+        on_selfcheck_failure: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._dsn = dsn
+        self._db = db
+        self._on_wake = on_wake
+        self._on_connected = on_connected
+        self._selfcheck_interval = selfcheck_interval
+        self._selfcheck_timeout = selfcheck_timeout
+        self._on_selfcheck_failure = on_selfcheck_failure
+        self._nonces: dict[str, asyncio.Future[None]] = {}
+        self.healthy = False
+
+    def _notified(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
+        if channel == WAKE_CHANNEL:
+            self._on_wake()
+        elif channel == CONNECTED_CHANNEL:
+            self._on_connected(payload)
+            self._on_wake()
+        elif channel == SELFCHECK_CHANNEL:
+            waiter = self._nonces.get(payload)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def run(self) -> None:
+        """Listen forever; reconnect with capped backoff whenever the connection is lost."""
+        backoff = 0.5
+        while True:
+            conn: asyncpg.Connection | None = None
+            try:
+                conn = await asyncpg.connect(self._dsn, timeout=10)
+                await init_connection(conn)
+                lost = asyncio.Event()
+                conn.add_termination_listener(_setter(lost))
+                for channel in (WAKE_CHANNEL, CONNECTED_CHANNEL, SELFCHECK_CHANNEL):
+                    await conn.add_listener(channel, self._notified)
+                self.healthy = True
+                backoff = 0.5
+                log.info("listening for wake-ups")
+                # Anything notified while we were not listening is lost: poll everything once.
+                self._on_wake()
+                await self._watch(lost)
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning("wake-up listener lost its connection", error=str(exc))
+            finally:
+                self.healthy = False
+                if conn is not None:
+                    conn.terminate()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+    async def _watch(self, lost: asyncio.Event) -> None:
+        """Return when the connection is lost or stops delivering our own notifications."""
+        while not lost.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._selfcheck_interval):
+                    await lost.wait()
+            if lost.is_set():
+                return
+            if not await self._selfcheck():
+                self._on_selfcheck_failure()
+                log.warning("wake-up self-check did not come back; reconnecting the listener")
+                return
+
+    async def _selfcheck(self) -> bool:
+        nonce = secrets.token_hex(8)
+        arrived: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._nonces[nonce] = arrived
+        try:
+            async with asyncio.timeout(self._selfcheck_timeout):
+                async with self._db.pool.acquire() as conn:
+                    await conn.execute("SELECT pg_notify($1, $2)", SELFCHECK_CHANNEL, nonce)
+                await arrived
+            return True
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            return False
+        finally:
+            del self._nonces[nonce]
+
+
+def _setter(event: asyncio.Event) -> Callable[[Any], None]:
+    return lambda _conn: event.set()
