@@ -148,6 +148,7 @@ class Reconciler:
         create_sidecar_id: Callable[[], str] = new_sidecar_id,
         create_token: Callable[[], str] = new_token,
         observer: ReconcilerObserver | None = None,
+        on_settled: Callable[[], None] | None = None,
     ) -> None:
         self._store = store
         self._ledger = ledger
@@ -162,6 +163,9 @@ class Reconciler:
         self._create_sidecar_id = create_sidecar_id
         self._create_token = create_token
         self._observer: ReconcilerObserver = observer or NullObserver()
+        # Called when an allocation's last local work settles: it was excluded from claims
+        # until now and may be due, with no notification coming to say so.
+        self._on_settled = on_settled or (lambda: None)
 
         self._active: dict[str, _Claim] = {}
         self._queues: dict[str, asyncio.Task[None]] = {}
@@ -207,6 +211,7 @@ class Reconciler:
                     self._inflight[allocation_id] = remaining
                 else:
                     del self._inflight[allocation_id]
+                    self._on_settled()
             if not done.cancelled() and done.exception() is not None:
                 # Retrieved here so a task whose awaiter gave up never logs "never retrieved";
                 # whoever awaited it has already handled the error.
@@ -285,6 +290,7 @@ class Reconciler:
             # The queue is dropped once its last step settles: idle allocations keep no memory.
             if self._queues.get(allocation_id) is done:
                 del self._queues[allocation_id]
+                self._on_settled()
 
         task.add_done_callback(settled)
         return task
@@ -718,6 +724,21 @@ class Reconciler:
         db_now = claim.db_anchor + timedelta(seconds=elapsed)
         return (moment - db_now).total_seconds()
 
+    async def _wait_for_connect(
+        self, claim: _Claim, target: Target, within: float, remaining: float
+    ) -> None:
+        if within <= 0:
+            # The look-up just before said "not connected" and no time is left to wait.
+            raise SidecarNotConnected(
+                f"the sidecar did not connect before its deadline ({-remaining:.0f}s ago)"
+            )
+        await self._with_lease(
+            claim,
+            "sidecar connection",
+            lambda _ctx: self._router.wait_ready(target, within),
+            limit=within + self.settings.operation_timeout,
+        )
+
     async def _wait_until_ready(self, claim: _Claim, *, connection_ready: bool = False) -> None:
         a = claim.allocation
         target = claim.target
@@ -728,12 +749,7 @@ class Reconciler:
         if not ready:
             within = max(0.0, min(remaining, self.settings.operation_timeout))
             try:
-                await self._with_lease(
-                    claim,
-                    "sidecar connection",
-                    lambda _ctx: self._router.wait_ready(target, within),
-                    limit=within + self.settings.operation_timeout,
-                )
+                await self._wait_for_connect(claim, target, within, remaining)
             except SidecarNotConnected as exc:
                 if remaining > within:
                     # The deadline is further away than one wait: give the slot back and come
