@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
@@ -22,6 +23,7 @@ from hubd.errors import (
     EmbeddedPostgresError,
     HubdError,
     InvalidRequest,
+    PluginLoadError,
 )
 from hubd.logs import configure_logging
 from hubd.presentation import allocation_json, next_step, rfc3339
@@ -80,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(config=None)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
+    commands.add_parser("run", help="run the daemon", parents=[common])
+    commands.add_parser(
+        "dev",
+        help="run the daemon with the embedded database, the local provisioner and a demo",
+        parents=[common],
+    )
+    commands.add_parser(
+        "sidecar", help="the reference sidecar (reads HUBD_* variables)", parents=[common]
+    )
     commands.add_parser("migrate", help="apply schema migrations", parents=[common])
     commands.add_parser(
         "check-config", help="validate and print the effective config", parents=[common]
@@ -268,26 +279,44 @@ def _print_show(allocation: Any, history: Sequence[Any]) -> None:
         )
 
 
+def _run_daemon(config: Config, *, dev: bool) -> int:
+    from hubd.daemon.dev import run_dev
+    from hubd.daemon.service import Daemon
+
+    return asyncio.run(run_dev(config) if dev else Daemon(config).run())
+
+
 # -- entry point -------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "sidecar":
+        # The sidecar is configured by its HUBD_* variables only, never by the hub's config.
+        from hubd.sidecar.client import run_sidecar
+
+        return run_sidecar(os.environ)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         print(f"hubd: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.command == "dev":
+        from hubd.daemon.dev import dev_config
+
+        config = dev_config(config)
     configure_logging(fmt=config.log.format, level=config.log.level)
     try:
+        if args.command in ("run", "dev"):
+            return _run_daemon(config, dev=args.command == "dev")
         if args.command == "check-config":
             return cmd_check_config(config, args)
         if args.command == "migrate":
             return asyncio.run(cmd_migrate(config, args))
         if args.command == "alloc":
             return asyncio.run(cmd_alloc(config, args))
-    except (InvalidRequest, ConfigError) as exc:
+    except (InvalidRequest, ConfigError, PluginLoadError) as exc:
         print(f"hubd: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except AllocationNotFound as exc:

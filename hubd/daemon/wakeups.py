@@ -68,6 +68,7 @@ class NotificationListener:
         self._on_selfcheck_failure = on_selfcheck_failure
         self._nonces: dict[str, asyncio.Future[None]] = {}
         self.healthy = False
+        self.up = asyncio.Event()  # set once the first connection listens
 
     def _notified(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
         if channel == WAKE_CHANNEL:
@@ -93,6 +94,7 @@ class NotificationListener:
                 for channel in (WAKE_CHANNEL, CONNECTED_CHANNEL, SELFCHECK_CHANNEL):
                     await conn.add_listener(channel, self._notified)
                 self.healthy = True
+                self.up.set()
                 backoff = 0.5
                 log.info("listening for wake-ups")
                 # Anything notified while we were not listening is lost: poll everything once.

@@ -7,19 +7,35 @@ SELECT id, status, generation, sidecar_id, token_hash
 FROM hubd_allocations WHERE id = $1;
 
 -- name: record
--- The newest connection of an allocation replaces the older one, unless it names an older
--- generation than the record it would replace.
-INSERT INTO hubd_sidecar_connections
-    (connection_id, allocation_id, generation, sidecar_id, instance_id)
-VALUES ($1, $2, $3, $4, $5)
-ON CONFLICT (allocation_id) DO UPDATE SET
-    connection_id = EXCLUDED.connection_id,
-    generation = EXCLUDED.generation,
-    sidecar_id = EXCLUDED.sidecar_id,
-    instance_id = EXCLUDED.instance_id,
-    connected_at = now()
-WHERE hubd_sidecar_connections.generation <= EXCLUDED.generation
-RETURNING connection_id;
+-- Connection $1 of allocation $2, generation $3, sidecar $4 on instance $5 becomes the current one,
+-- and 'hubd_connected' is notified with '<allocation>:<generation>' in the same statement, so a
+-- replica that hears it can trust the record is committed. Written only while the allocation still
+-- accepts exactly that sidecar (current generation and identity, provisioning or allocated), and
+-- never over the record of a newer generation. FOR SHARE makes a concurrent transition that
+-- abandons the sidecar either wait for this statement or be seen by it: a record can never
+-- survive its own fencing. Returns the allocation's status and generation (no row: no such
+-- allocation) and whether the record was written.
+WITH alloc AS (
+    SELECT id, status, generation, sidecar_id FROM hubd_allocations WHERE id = $2 FOR SHARE
+), written AS (
+    INSERT INTO hubd_sidecar_connections
+        (connection_id, allocation_id, generation, sidecar_id, instance_id)
+    SELECT $1, alloc.id, $3, $4, $5 FROM alloc
+    WHERE alloc.generation = $3 AND alloc.sidecar_id = $4
+      AND alloc.status IN ('provisioning', 'allocated')
+    ON CONFLICT (allocation_id) DO UPDATE SET
+        connection_id = EXCLUDED.connection_id,
+        generation = EXCLUDED.generation,
+        sidecar_id = EXCLUDED.sidecar_id,
+        instance_id = EXCLUDED.instance_id,
+        connected_at = now()
+    WHERE hubd_sidecar_connections.generation <= EXCLUDED.generation
+    RETURNING allocation_id, generation
+), notified AS (
+    SELECT pg_notify('hubd_connected', allocation_id || ':' || generation) FROM written
+)
+SELECT alloc.status, alloc.generation, (SELECT count(*) FROM notified) > 0 AS recorded
+FROM alloc;
 
 -- name: clear
 -- Forget a connection only if it is still the current one: a takeover must not be undone by the
@@ -46,4 +62,5 @@ SELECT EXISTS (
 SELECT c.allocation_id, c.generation, c.connection_id, c.instance_id
 FROM hubd_sidecar_connections AS c
 LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
-WHERE i.id IS NULL OR i.heartbeat_at <= now() - make_interval(secs => $1);
+WHERE i.id IS NULL OR i.heartbeat_at <= now() - make_interval(secs => $1)
+ORDER BY c.allocation_id;

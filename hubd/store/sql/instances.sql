@@ -1,18 +1,25 @@
 -- Statements on hubd_instances: one row per running daemon, kept alive by a heartbeat.
 
 -- name: register
+-- Announce instance $1 (host $2, pid $3, sidecar URL $4); registering again refreshes the row.
 INSERT INTO hubd_instances (id, hostname, pid, ws_url) VALUES ($1, $2, $3, $4)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now();
+ON CONFLICT (id) DO UPDATE SET
+    hostname = EXCLUDED.hostname,
+    pid = EXCLUDED.pid,
+    ws_url = EXCLUDED.ws_url,
+    heartbeat_at = now();
 
 -- name: heartbeat
 -- Returns no row when the instance was removed (by an operator, or as dead by a peer).
 UPDATE hubd_instances SET heartbeat_at = now() WHERE id = $1 RETURNING heartbeat_at;
 
 -- name: remove
+-- A clean stop: the instance's connection records become stale at once (see stale in
+-- connections.sql), so peers sweep them without waiting for the heartbeat to expire.
 DELETE FROM hubd_instances WHERE id = $1;
 
 -- name: list
 -- Every instance and whether its heartbeat is within $1 seconds by the database clock.
 SELECT id, hostname, pid, ws_url, started_at, heartbeat_at,
        heartbeat_at > now() - make_interval(secs => $1) AS alive
-FROM hubd_instances ORDER BY started_at;
+FROM hubd_instances ORDER BY started_at, id;

@@ -1,0 +1,385 @@
+"""``hubd run``: every part wired together, supervised, and shut down in order.
+
+Start-up order: plugins (a bad plugin is a config error, before anything starts), the database
+(embedded or external) and migrations, the instance row, the sidecar listener, the reconciler's
+start-up repair, the admin listener; then ``READY=1``. Background tasks live in one TaskGroup:
+if any of them dies, the group cancels the rest and the daemon exits loudly with code 1.
+
+Shutdown (SIGTERM / SIGINT): stop claiming, give in-flight claims ``shutdown_grace`` to finish
+(then cancel them: their leases expire, nothing is written half-way), close sidecar sockets with
+1001, remove the instance row, close the pools, and let go of the embedded server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import asyncpg
+import structlog
+
+from hubd.config import Config
+from hubd.daemon.admin import AdminServer
+from hubd.daemon.metrics import Metrics
+from hubd.daemon.systemd import notify, watchdog_interval
+from hubd.daemon.wakeups import NotificationListener, Waker
+from hubd.errors import DatabaseUnavailable, OperationTimeout, StoreError
+from hubd.plugins.protocol import Provisioner
+from hubd.plugins.registry import load_provisioners
+from hubd.reconciler.engine import Hook, Reconciler, ReconcilerSettings
+from hubd.server.router import SocketRouter
+from hubd.server.websocket import SidecarServer
+from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
+from hubd.store.connect import resolve_dsn
+from hubd.store.connections import ConnectionStore, parse_connected_payload
+from hubd.store.instances import InstanceStore
+from hubd.store.migrate import apply_migrations
+
+__all__ = ["Daemon", "new_instance_id"]
+
+log = structlog.get_logger(__name__)
+
+_COUNT_BY_STATUS = "SELECT status, count(*) AS n FROM hubd_allocations GROUP BY status"
+
+
+def new_instance_id() -> str:
+    host = socket.gethostname().split(".")[0][:32] or "host"
+    return f"in_{host}_{os.getpid()}_{os.urandom(3).hex()}"
+
+
+class _Stop(Exception):
+    """Raised inside the TaskGroup to end it on purpose (a signal arrived)."""
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        on_ready: Hook | None = None,
+        on_started: Callable[[Daemon], Coroutine[Any, Any, None]] | None = None,
+        on_stopping: Callable[[Daemon], Coroutine[Any, Any, None]] | None = None,
+    ) -> None:
+        self.config = config
+        self.instance_id = new_instance_id()
+        self.metrics = Metrics()
+        self._on_ready = on_ready
+        self._on_started = on_started
+        self._on_stopping = on_stopping
+        self._stopping = asyncio.Event()
+        self._waker = Waker()
+        self._listener: NotificationListener | None = None
+        self._db: Database | None = None
+        self._server: SidecarServer | None = None
+        self.reconciler: Reconciler | None = None
+        self.admin: AdminServer | None = None
+        self.hub_ws_url = ""
+        self.store: AllocationStore | None = None
+        self._announcement: dict[str, object] = {}
+
+    def stop(self) -> None:
+        """Ask the daemon to shut down (what SIGTERM does)."""
+        self._stopping.set()
+
+    async def run(self) -> int:
+        provisioners = load_provisioners(self.config.provisioners, state_dir=self.config.state_path)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.stop)
+        try:
+            async with resolve_dsn(self.config.database.url, self.config.state_path) as dsn:
+                return await self._run_with(dsn, provisioners)
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+
+    async def _run_with(self, dsn: str, provisioners: dict[str, Provisioner]) -> int:
+        cfg = self.config
+        rc = cfg.reconciler
+        db = await connect_database(
+            dsn, pool_size=cfg.database.pool_size, command_timeout=rc.operation_timeout
+        )
+        self._db = db
+        try:
+            async with db.connection("migrate") as conn:
+                applied = await apply_migrations(conn)
+            if applied:
+                log.info("schema migrated", applied=[m.name for m in applied])
+            return await self._serve(db, dsn, provisioners)
+        finally:
+            # Pools close before the embedded server is let go, or its shutdown would wait on
+            # our connections.
+            await db.close()
+
+    async def _serve(self, db: Database, dsn: str, provisioners: dict[str, Provisioner]) -> int:
+        cfg = self.config
+        rc = cfg.reconciler
+        instances = InstanceStore(db)
+        connections = ConnectionStore(db, instance_id=self.instance_id)
+        router = SocketRouter(
+            connections,
+            instance_ttl=cfg.instance.ttl,
+            event_timeout=rc.operation_timeout,
+        )
+        server = SidecarServer.from_config(cfg.server, router=router, connections=connections)
+        self._server = server
+        await server.start()
+        self.hub_ws_url = cfg.server.public_url or cfg.server.public_url_for(server.port)
+        await instances.register(
+            self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
+        )
+        store = AllocationStore(db, instance_id=self.instance_id)
+        self.store = store
+        reconciler = Reconciler(
+            store=store,
+            ledger=LedgerStore(db, instance_id=self.instance_id),
+            provisioners=provisioners,
+            router=router,
+            hub_ws_url=self.hub_ws_url,
+            settings=ReconcilerSettings(
+                lease_duration=rc.lease_duration,
+                connect_timeout=rc.connect_timeout,
+                operation_timeout=rc.operation_timeout,
+                max_concurrent_claims=rc.max_concurrent_claims,
+                automatic_replacement_recovery=rc.automatic_replacement_recovery,
+            ),
+            on_ready=self._on_ready,
+            observer=self.metrics,
+            on_settled=self._waker.wake,
+        )
+        self.reconciler = reconciler
+        router.attach(reconciler)
+        self.metrics.bind_gauges(
+            active_claims=lambda: reconciler.active_claims,
+            queue_depth=lambda: reconciler.queue_depth,
+            connected_sidecars=lambda: router.connection_count,
+        )
+        self._listener = NotificationListener(
+            dsn=dsn,
+            db=db,
+            on_wake=self._waker.wake,
+            on_connected=lambda payload: _notify_router(router, payload),
+            selfcheck_interval=max(rc.poll_interval * 2, 5.0),
+            on_selfcheck_failure=self.metrics.selfcheck_failures.inc,
+        )
+        admin = AdminServer(
+            host=cfg.admin.host,
+            port=cfg.admin.port,
+            readiness=self._readiness,
+            metrics=self.metrics.render,
+        )
+        self.admin = admin
+        try:
+            await self._initialize(reconciler)
+            await admin.start()
+            self._announcement = {
+                "instance_id": self.instance_id,
+                "sidecar_url": self.hub_ws_url,
+                "admin": f"http://{cfg.admin.host}:{admin.port}",
+                "provisioners": sorted(provisioners),
+            }
+            return await self._supervise(db, reconciler, instances, connections)
+        finally:
+            notify("STOPPING=1")
+            await self._shutdown(server, admin, instances, connections)
+
+    async def _initialize(self, reconciler: Reconciler) -> None:
+        # A database that is briefly away at start is waited for, not fatal.
+        delay = 0.5
+        while True:
+            try:
+                await reconciler.initialize()
+                return
+            except DatabaseUnavailable as exc:
+                log.warning("start-up repair waits for the database", error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _supervise(
+        self,
+        db: Database,
+        reconciler: Reconciler,
+        instances: InstanceStore,
+        connections: ConnectionStore,
+    ) -> int:
+        assert self._listener is not None
+        workers: set[asyncio.Task[None]] = set()
+        try:
+            async with asyncio.TaskGroup() as group:
+                for index in range(self.config.reconciler.max_concurrent_claims):
+                    workers.add(
+                        group.create_task(self._claim_loop(reconciler), name=f"claim-{index}")
+                    )
+                group.create_task(self._listener.run(), name="wake-listener")
+                group.create_task(self._announce_ready(), name="announce-ready")
+                group.create_task(self._heartbeat(instances), name="heartbeat")
+                group.create_task(self._repair_loop(reconciler, connections), name="repair")
+                group.create_task(self._count_loop(db), name="allocation-counts")
+                group.create_task(self._watchdog(), name="watchdog")
+                group.create_task(self._stop_when_asked(workers), name="shutdown")
+        except* _Stop:
+            log.info("claim loops stopped")
+        return 0
+
+    async def _announce_ready(self) -> None:
+        """READY=1 once every listener serves: sidecars, admin, and the wake-up LISTEN."""
+        assert self._listener is not None
+        await self._listener.up.wait()
+        notify("READY=1")
+        log.info("hubd running", **self._announcement)
+        if self._on_started is not None:
+            await self._on_started(self)
+
+    async def _stop_when_asked(self, workers: set[asyncio.Task[None]]) -> None:
+        await self._stopping.wait()
+        log.info("stopping: no new claims; waiting for claims in progress")
+        self._waker.wake()
+        grace = self.config.reconciler.shutdown_grace
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace):
+                await asyncio.wait(workers)
+        unfinished = [w for w in workers if not w.done()]
+        if unfinished:
+            log.warning(
+                "grace period over; abandoning claims in progress (their leases will expire)",
+                claims=len(unfinished),
+            )
+        raise _Stop
+
+    async def _claim_loop(self, reconciler: Reconciler) -> None:
+        """One claim slot: reconcile while there is work, sleep until woken or the next poll."""
+        poll = self.config.reconciler.poll_interval
+        backoff = 0.5
+        while not self._stopping.is_set():
+            try:
+                worked = await reconciler.reconcile_next()
+                backoff = 0.5
+            except (DatabaseUnavailable, OperationTimeout) as exc:
+                self.metrics.loop_errors.labels(kind=type(exc).__name__).inc()
+                log.warning("claim loop waits for the database", error=str(exc))
+                await self._pause(backoff)
+                backoff = min(backoff * 2, poll)
+                continue
+            except StoreError as exc:
+                self.metrics.loop_errors.labels(kind=type(exc).__name__).inc()
+                log.exception("claim failed in the store")
+                await self._pause(poll)
+                continue
+            if not worked:
+                await self._waker_or_stop(poll)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
+
+    async def _waker_or_stop(self, seconds: float) -> None:
+        if not self._stopping.is_set():
+            await self._waker.wait(seconds)
+
+    async def _heartbeat(self, instances: InstanceStore) -> None:
+        interval = self.config.instance.heartbeat_interval
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if not await instances.heartbeat(self.instance_id):
+                    # Removed by an operator or judged dead by a peer: come back, since our
+                    # sockets are real; peers re-check readiness on their next look.
+                    await instances.register(
+                        self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
+                    )
+                    log.warning("instance row was missing; registered again")
+                self.metrics.database_up.set(1)
+            except StoreError as exc:
+                self.metrics.database_up.set(0)
+                log.warning("heartbeat failed", error=str(exc))
+
+    async def _repair_loop(self, reconciler: Reconciler, connections: ConnectionStore) -> None:
+        interval = self.config.reconciler.repair_interval
+        ttl = self.config.instance.ttl
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                for stale in await connections.stale(ttl):
+                    # The instance that held this socket is gone: its sidecar is disconnected,
+                    # and gets the usual connect deadline to come back to a live replica.
+                    if await connections.clear(stale.target.allocation_id, stale.connection_id):
+                        await reconciler.handle_disconnect(stale.target)
+                repaired = await reconciler.repair_unscheduled_connections()
+                if repaired:
+                    log.info("repaired unscheduled allocations", count=repaired)
+            except StoreError as exc:
+                log.warning("repair sweep failed", error=str(exc))
+
+    async def _count_loop(self, db: Database) -> None:
+        statuses = [str(s) for s in Status]
+        while True:
+            try:
+                async with db.connection("count allocations") as conn:
+                    rows = await conn.fetch(_COUNT_BY_STATUS)
+                self.metrics.set_allocation_counts({r["status"]: r["n"] for r in rows}, statuses)
+                self.metrics.database_up.set(1)
+            except StoreError:
+                self.metrics.database_up.set(0)
+            self.metrics.listener_up.set(1 if self._listener and self._listener.healthy else 0)
+            await asyncio.sleep(self.config.reconciler.poll_interval)
+
+    async def _watchdog(self) -> None:
+        interval = watchdog_interval()
+        if interval is None:
+            return
+        while True:
+            notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    async def _readiness(self) -> str | None:
+        """``None`` when ready; otherwise what is missing."""
+        if self._stopping.is_set():
+            return "shutting down"
+        if self._db is None or self._server is None:
+            return "starting"
+        try:
+            async with asyncio.timeout(2.0), self._db.connection("readiness") as conn:
+                await conn.fetchval("SELECT 1")
+        except (TimeoutError, StoreError):
+            return "database unreachable"
+        if self._listener is None or not self._listener.healthy:
+            return "wake-up listener down"
+        return None
+
+    async def _shutdown(
+        self,
+        server: SidecarServer,
+        admin: AdminServer,
+        instances: InstanceStore,
+        connections: ConnectionStore,
+    ) -> None:
+        started = time.monotonic()
+        if self._on_stopping is not None:
+            try:
+                async with asyncio.timeout(self.config.reconciler.shutdown_grace):
+                    await self._on_stopping(self)
+            except (TimeoutError, StoreError) as exc:
+                log.warning("stop hook did not finish", error=str(exc))
+        await server.close()
+        with contextlib.suppress(StoreError, OSError, asyncpg.PostgresError):
+            await connections.clear_instance(self.instance_id)
+            await instances.remove(self.instance_id)
+        if self.reconciler is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self.reconciler.drain()
+        await admin.close()
+        log.info("hubd stopped", seconds=round(time.monotonic() - started, 2))
+
+
+def _notify_router(router: SocketRouter, payload: str) -> None:
+    target = parse_connected_payload(payload)
+    if target is not None:
+        router.notify_connected(target)

@@ -1,0 +1,17 @@
+"""The sidecar websocket server: handshake decisions, the socket router, the listener."""
+
+from hubd.server.handshake import CONNECT_PATH, SUBPROTOCOL, CloseCode, HandshakeRequest, Rejection
+from hubd.server.router import SocketEntry, SocketRouter
+from hubd.server.websocket import ServerStats, SidecarServer
+
+__all__ = [
+    "CONNECT_PATH",
+    "SUBPROTOCOL",
+    "CloseCode",
+    "HandshakeRequest",
+    "Rejection",
+    "ServerStats",
+    "SidecarServer",
+    "SocketEntry",
+    "SocketRouter",
+]

@@ -1,0 +1,411 @@
+"""SocketRouter: the registry of live sidecar sockets, and the :class:`~hubd.routing.Router` the
+reconciler talks to.
+
+What it keeps, per allocation: the sockets open on this instance. What it writes: one durable
+connection record per allocation (through :class:`~hubd.store.connections.ConnectionStore`), so
+that readiness is answered from the database and any replica gives the same answer.
+
+Connect and disconnect steps of one allocation run one at a time, in the order the sockets
+opened and closed (a FIFO lock per allocation, forgotten when idle). Without it, the disconnect
+of an old socket could reach the reconciler after the connect of its successor and mark a
+connected sidecar lost.
+
+Which closes count as a disconnect:
+
+* a close the sidecar or the network started, one websockets sends by itself (1009, keepalive
+  timeout), and a 1008/1011 close by the hub: yes — the record is cleared if it is still this
+  socket's, and only then is ``handle_disconnect`` called (a sidecar that meanwhile reconnected
+  to another replica owns the record and is not lost);
+* ``4000 superseded``: no — the socket that took over owns the record now;
+* ``4001 retired`` / ``4002 fenced``: the record is cleared, no event — the reconciler closed the
+  socket because it already moved the allocation on;
+* ``1001`` at shutdown: nothing is cleared and no event is sent. Each socket's own clear would
+  race the shutdown, and its event would reach a reconciler that is stopping. The records are the
+  daemon's to settle as the instance stops: removing the instance row makes them read as "not
+  connected" on every replica at once (``is_connected`` joins live instances), and the stale
+  sweep of a surviving or restarted daemon (or ``clear_instance`` followed by the repair sweep)
+  gives each allocation the usual connect deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import attrs
+import structlog
+
+from hubd.errors import DatabaseUnavailable, StoreError
+from hubd.redaction import scrub
+from hubd.routing import ConnectionEvents, SidecarNotConnected, Target
+from hubd.server.handshake import CloseCode, HandshakeRequest
+from hubd.store.connections import ConnectionStore, RecordOutcome
+
+__all__ = ["SidecarSocket", "SocketEntry", "SocketRouter", "new_connection_id"]
+
+log = structlog.get_logger(__name__)
+
+
+def new_connection_id() -> str:
+    return f"cn_{secrets.token_hex(16)}"
+
+
+class SidecarSocket(Protocol):
+    """What the router needs of a websocket connection."""
+
+    async def send(self, message: str) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+@attrs.define(eq=False)
+class SocketEntry:
+    """One accepted socket, from registration until its handler is done with it."""
+
+    connection_id: str
+    target: Target
+    sidecar_id: str
+    ws: SidecarSocket = attrs.field(repr=False)
+    log: Any = attrs.field(repr=False)
+    closed_by_hub: CloseCode | None = None
+    """Set (before the close frame is sent) when the hub closes the socket, and why."""
+    recorded: bool = False
+    superseded: SocketEntry | None = attrs.field(default=None, repr=False)
+    """The socket this one took over from; its record is this one's to clean up if this one
+    never manages to write its own."""
+
+
+@attrs.define(eq=False)
+class _Slot:
+    lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
+    users: int = 0
+
+
+class _KeyedFifo:
+    """One FIFO lock per key, forgotten as soon as nobody holds or waits for it.
+
+    ``asyncio.Lock`` hands itself to waiters in the order they called ``acquire``; callers
+    reach ``acquire`` without yielding after the event they serialize, so the order of the steps
+    is the order of the events.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[str, _Slot] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = _Slot()
+        slot.users += 1
+        try:
+            async with slot.lock:
+                yield
+        finally:
+            slot.users -= 1
+            if slot.users == 0:
+                del self._slots[key]
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+
+class SocketRouter:
+    """Live sockets of this instance, their durable records, and readiness waits."""
+
+    def __init__(
+        self,
+        connections: ConnectionStore,
+        *,
+        events: ConnectionEvents | None = None,
+        instance_ttl: float = 20.0,
+        event_timeout: float = 30.0,
+        clear_budget: float = 30.0,
+    ) -> None:
+        self._connections = connections
+        self._events = events
+        self._instance_ttl = instance_ttl
+        self._event_timeout = event_timeout
+        self._clear_budget = clear_budget
+        self._sockets: dict[str, dict[str, SocketEntry]] = {}
+        self._waiters: dict[Target, set[asyncio.Future[None]]] = {}
+        self._serial = _KeyedFifo()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    def attach(self, events: ConnectionEvents) -> None:
+        """Name the sink of connection events (the reconciler, built after the router)."""
+        self._events = events
+
+    # -- the Router seam ------------------------------------------------------------------------
+
+    def fence(self, allocation_id: str, generation: int) -> None:
+        for entry in self._open_entries(allocation_id):
+            if entry.target.generation < generation:
+                self._close(entry, CloseCode.FENCED)
+
+    def retire(self, allocation_id: str, generation: int) -> None:
+        # Every socket goes, whatever its generation: no sidecar of a finished allocation stays.
+        del generation
+        for entry in self._open_entries(allocation_id):
+            self._close(entry, CloseCode.RETIRED)
+
+    async def is_ready(self, target: Target) -> bool:
+        return await self._connections.is_connected(target, self._instance_ttl)
+
+    async def wait_ready(self, target: Target, within: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        waiter: asyncio.Future[None] = loop.create_future()
+        # The waiter is registered before the database is asked: a connect that lands between
+        # the question and the wait then resolves the waiter instead of being missed.
+        self._waiters.setdefault(target, set()).add(waiter)
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    ready = await self.is_ready(target)
+            except TimeoutError:
+                # The database did not answer in time: that is "unknown", not "not connected".
+                raise DatabaseUnavailable("readiness check did not finish in time") from None
+            if ready:
+                return
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except TimeoutError:
+                raise SidecarNotConnected(
+                    f"sidecar of {target.allocation_id} generation {target.generation} "
+                    f"did not connect within {within:g}s"
+                ) from None
+        finally:
+            waiters = self._waiters.get(target)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[target]
+
+    def notify_connected(self, target: Target) -> None:
+        """A ``hubd_connected`` notification arrived (from any replica, this one included)."""
+        for waiter in self._waiters.get(target, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- the server side ------------------------------------------------------------------------
+
+    def register(self, ws: SidecarSocket, request: HandshakeRequest, **context: Any) -> SocketEntry:
+        """Take an authenticated socket into the registry; older sockets of the allocation go.
+
+        Synchronous on purpose: the takeover decision and the registration happen with no yield
+        in between, so two sockets racing for one allocation are ordered here.
+        """
+        target = Target(request.allocation_id, request.generation)
+        connection_id = new_connection_id()
+        entry = SocketEntry(
+            connection_id=connection_id,
+            target=target,
+            sidecar_id=request.sidecar_id,
+            ws=ws,
+            log=log.bind(
+                allocation_id=target.allocation_id,
+                generation=target.generation,
+                sidecar_id=request.sidecar_id,
+                connection_id=connection_id,
+                **context,
+            ),
+        )
+        if self._closing:
+            self._close(entry, CloseCode.GOING_AWAY)
+            return entry
+        peers = self._sockets.setdefault(target.allocation_id, {})
+        live = [other for other in peers.values() if other.closed_by_hub is None]
+        newest = max((other.target.generation for other in live), default=0)
+        peers[connection_id] = entry
+        if newest > target.generation:
+            # This socket authenticated against a generation that another socket has already
+            # moved past (its handshake overlapped a replacement): it is the stale one.
+            self._close(entry, CloseCode.FENCED)
+            return entry
+        for other in live:
+            if other.target.generation == target.generation:
+                entry.superseded = other
+                self._close(other, CloseCode.SUPERSEDED)
+            else:
+                self._close(other, CloseCode.FENCED)
+        entry.log.info("sidecar_connected")
+        return entry
+
+    async def open(self, entry: SocketEntry, *, welcome: str) -> bool:
+        """Record the connection, send the welcome, then tell the reconciler.
+
+        The record is written before anything else learns of the connection: readiness must be
+        visible from the database by the time anyone acts on it. ``False`` when the socket did
+        not make it (closed by the hub, or gone); the socket is then already being closed.
+        """
+        async with self._serial.hold(entry.target.allocation_id):
+            if entry.closed_by_hub is not None:
+                return False
+            try:
+                async with asyncio.timeout(self._event_timeout):
+                    outcome = await self._connections.record(
+                        entry.connection_id, entry.target, entry.sidecar_id
+                    )
+            except (StoreError, TimeoutError) as exc:
+                entry.log.warning("connection_not_recorded", error=_describe(exc))
+                self._close(entry, CloseCode.INTERNAL_ERROR)
+                return False
+            if outcome is not RecordOutcome.RECORDED:
+                entry.log.info("connection_refused_by_record", outcome=str(outcome))
+                code = CloseCode.RETIRED if outcome is RecordOutcome.RETIRED else CloseCode.FENCED
+                self._close(entry, code)
+                return False
+            entry.recorded = True
+            # The record replaced whatever the superseded socket had written: nothing left to
+            # clean up for it, and no chain of old sockets kept alive by a flapping sidecar.
+            entry.superseded = None
+            self.notify_connected(entry.target)
+            if entry.closed_by_hub is not None:
+                return False
+            try:
+                async with asyncio.timeout(self._event_timeout):
+                    await entry.ws.send(welcome)
+            except Exception as exc:  # noqa: BLE001 -- a peer that vanished is not an error
+                entry.log.info("welcome_not_sent", error=_describe(exc))
+                return False
+            await self._deliver(entry, "handle_connected")
+            return True
+
+    async def unregister(self, entry: SocketEntry) -> None:
+        """The socket's handler is done: forget it, clear its record, report the disconnect."""
+        peers = self._sockets.get(entry.target.allocation_id)
+        if peers is not None:
+            peers.pop(entry.connection_id, None)
+            if not peers:
+                del self._sockets[entry.target.allocation_id]
+        code = entry.closed_by_hub
+        entry.log.info("sidecar_disconnected", closed_by_hub=int(code) if code else None)
+        if self._closing or code is CloseCode.GOING_AWAY or code is CloseCode.SUPERSEDED:
+            return
+        async with self._serial.hold(entry.target.allocation_id):
+            if code in (CloseCode.FENCED, CloseCode.RETIRED):
+                if entry.recorded:
+                    await self._clear(entry, entry)
+                return
+            cleared: bool | None = False
+            if entry.recorded:
+                cleared = await self._clear(entry, entry)
+            else:
+                # Never recorded (the record write failed): whatever it took over from is gone
+                # too, so the record that socket left behind must go now.
+                previous = entry.superseded
+                while previous is not None and not previous.recorded:
+                    previous = previous.superseded
+                if previous is not None:
+                    cleared = await self._clear(entry, previous)
+            # ``None`` (the clear kept failing): the socket is gone all the same, so report it.
+            if cleared is not False:
+                await self._deliver(entry, "handle_disconnect")
+
+    def close_socket(self, entry: SocketEntry, code: CloseCode) -> None:
+        """Close one socket on the hub's initiative (policy, internal error)."""
+        self._close(entry, code)
+
+    async def close_all(self, code: CloseCode = CloseCode.GOING_AWAY) -> None:
+        """Shutdown: close every socket with ``code`` and wait for the close tasks to finish.
+
+        From here on, no close counts as a disconnect and new sockets are closed at once.
+        """
+        self._closing = True
+        for peers in list(self._sockets.values()):
+            for entry in list(peers.values()):
+                self._close(entry, code)
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def sockets(self, allocation_id: str) -> list[SocketEntry]:
+        """The sockets of an allocation that the hub has not started closing."""
+        return self._open_entries(allocation_id)
+
+    @property
+    def connection_count(self) -> int:
+        return sum(len(peers) for peers in self._sockets.values())
+
+    @property
+    def waiter_count(self) -> int:
+        return sum(len(waiters) for waiters in self._waiters.values())
+
+    @property
+    def busy_allocations(self) -> int:
+        """Allocations with a connect or disconnect step running or queued."""
+        return len(self._serial)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _open_entries(self, allocation_id: str) -> list[SocketEntry]:
+        peers = self._sockets.get(allocation_id, {})
+        return [entry for entry in peers.values() if entry.closed_by_hub is None]
+
+    def _close(self, entry: SocketEntry, code: CloseCode) -> None:
+        if entry.closed_by_hub is not None:
+            return
+        # Marked before the close frame goes out, so the socket's own handler, whenever it
+        # sees the close, knows it was the hub's doing and why.
+        entry.closed_by_hub = code
+        entry.log.info("closing_sidecar", code=int(code), reason=code.reason)
+        self._spawn(entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("router_task_failed", task=task.get_name(), error=_describe(exc))
+
+    async def _clear(self, entry: SocketEntry, holder: SocketEntry) -> bool | None:
+        """Clear ``holder``'s record, retrying a failing database within the clear budget.
+
+        ``None`` when it could not be cleared: the record then outlives the socket until its
+        instance stops heartbeating, so this is logged as an error.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._clear_budget
+        delay = 0.05
+        while True:
+            try:
+                async with asyncio.timeout(self._event_timeout):
+                    return await self._connections.clear(
+                        holder.target.allocation_id, holder.connection_id
+                    )
+            except (StoreError, TimeoutError) as exc:
+                if loop.time() + delay >= deadline:
+                    # The message says it all; a traceback would add nothing.
+                    entry.log.error(  # noqa: TRY400
+                        "connection_record_left_behind", error=_describe(exc)
+                    )
+                    return None
+                entry.log.warning("connection_clear_retry", error=_describe(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _deliver(self, entry: SocketEntry, event: str) -> None:
+        if self._events is None:
+            return
+        handler: Callable[[Target], Awaitable[None]] = getattr(self._events, event)
+        try:
+            async with asyncio.timeout(self._event_timeout):
+                await handler(entry.target)
+        except Exception as exc:
+            # Logged, not raised: the socket stays, and the reconciler's poll repairs a lost event.
+            entry.log.exception("connection_event_failed", event=event, error=_describe(exc))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)

@@ -1,0 +1,21 @@
+"""The reference sidecar (``hubd sidecar``) and its reconnect policy."""
+
+from hubd.sidecar.client import (
+    SidecarClient,
+    SidecarConfigError,
+    SidecarExit,
+    SidecarSettings,
+    run_sidecar,
+)
+from hubd.sidecar.policy import Action, Backoff, Decision
+
+__all__ = [
+    "Action",
+    "Backoff",
+    "Decision",
+    "SidecarClient",
+    "SidecarConfigError",
+    "SidecarExit",
+    "SidecarSettings",
+    "run_sidecar",
+]

@@ -1,0 +1,339 @@
+"""The reference sidecar: dial the hub, hold the connection, reconnect with jitter, stop when told.
+
+Configured by the environment the local provisioner gives it (``HUBD_URL``, ``HUBD_TOKEN``,
+``HUBD_ALLOCATION_ID``, ``HUBD_SIDECAR_ID``, ``HUBD_GENERATION``). The token travels only in the
+``Authorization`` header of the handshake; it is never logged, printed or put in an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import secrets
+import signal
+import ssl
+import sys
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import attrs
+import structlog
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.typing import Subprotocol
+
+from hubd.sidecar.policy import (
+    EXIT_OK,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    Action,
+    Backoff,
+    Decision,
+    after_close,
+    after_connect_error,
+    after_http_status,
+    parse_retry_after,
+)
+from hubd.tokens import token_is_well_formed
+
+__all__ = [
+    "CONNECT_PATH",
+    "SUBPROTOCOL",
+    "SidecarClient",
+    "SidecarConfigError",
+    "SidecarExit",
+    "SidecarSettings",
+    "connect_url",
+    "run_sidecar",
+]
+
+log = structlog.get_logger(__name__)
+
+# The protocol's constants, repeated rather than imported: the sidecar is a client program and
+# must not pull in the hub's server and store (the tests hold the two equal).
+CONNECT_PATH: Final = "/v1/sidecars/connect"
+SUBPROTOCOL: Final = "hubd.sidecar.v1"
+_MAX_MESSAGE_SIZE: Final = 64 * 1024
+
+
+class SidecarConfigError(ValueError):
+    """The sidecar's environment is missing a variable or has a malformed one."""
+
+
+class _WireLogger(logging.LoggerAdapter[logging.Logger]):
+    """websockets logs every handshake header at DEBUG, ``Authorization`` included; this
+    logger lets through warnings and errors only, whatever level is configured."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("hubd.sidecar.wire"), {})
+
+    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 -- overrides logging's name
+        return level >= logging.WARNING and self.logger.isEnabledFor(level)
+
+
+def connect_url(base: str) -> str:
+    """``base`` with the connect endpoint appended when it names no path."""
+    parts = urllib.parse.urlsplit(base)
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise SidecarConfigError("HUBD_URL must be a ws:// or wss:// URL with a host")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path=CONNECT_PATH)
+    return urllib.parse.urlunsplit(parts)
+
+
+@attrs.frozen(kw_only=True)
+class SidecarSettings:
+    url: str
+    token: str = attrs.field(repr=False)
+    allocation_id: str
+    sidecar_id: str
+    generation: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SidecarSettings:
+        """Read the ``HUBD_*`` variables; messages name the variable, never a token."""
+
+        def need(name: str) -> str:
+            value = env.get(name, "").strip()
+            if not value:
+                raise SidecarConfigError(f"{name} is not set")
+            return value
+
+        url = connect_url(need("HUBD_URL"))
+        token = need("HUBD_TOKEN")
+        if not token_is_well_formed(token):
+            raise SidecarConfigError("HUBD_TOKEN is malformed: expected hubd_sc_ and 64 hex digits")
+        allocation_id = need("HUBD_ALLOCATION_ID")
+        sidecar_id = need("HUBD_SIDECAR_ID")
+        generation_text = need("HUBD_GENERATION")
+        if not generation_text.isdigit() or int(generation_text) < 1:
+            raise SidecarConfigError("HUBD_GENERATION must be a positive integer")
+        return cls(
+            url=url,
+            token=token,
+            allocation_id=allocation_id,
+            sidecar_id=sidecar_id,
+            generation=int(generation_text),
+        )
+
+
+@attrs.frozen
+class SidecarExit:
+    """How :meth:`SidecarClient.run` ended: an exit code and a one-line reason."""
+
+    code: int
+    reason: str
+
+
+@attrs.frozen
+class _Ended:
+    decision: Decision
+    retry_after: float | None = None
+    welcomed: bool = False
+
+
+class SidecarClient:
+    """One sidecar's connection to the hub, kept until the hub or :meth:`stop` ends it."""
+
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        *,
+        backoff: Backoff | None = None,
+        random: Callable[[], float] | None = None,
+        open_timeout: float = 10.0,
+        ping_interval: float = 20.0,
+        ping_timeout: float = 20.0,
+        close_timeout: float = 10.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self._settings = settings
+        self._backoff = backoff or Backoff()
+        self._random = random or secrets.SystemRandom().random
+        self._open_timeout = open_timeout
+        self._ping_interval = ping_interval
+        self._ping_timeout = ping_timeout
+        self._close_timeout = close_timeout
+        self._ssl = ssl_context
+        self._stop = asyncio.Event()
+        self._ws: ClientConnection | None = None
+        self._closer: asyncio.Task[None] | None = None
+        self._log = log.bind(
+            allocation_id=settings.allocation_id,
+            sidecar_id=settings.sidecar_id,
+            generation=settings.generation,
+        )
+        self.attempts = 0
+        """Connection attempts made so far."""
+        self.welcomes = 0
+        """Welcomes received so far (one per successful connection)."""
+        self.connected = False
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=32)
+        """The latest decisions taken after a connection ended, newest last."""
+
+    def stop(self) -> None:
+        """Close the connection with 1000 and make :meth:`run` return ``EXIT_OK``; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        ws = self._ws
+        if ws is not None:
+            # Closing makes the pending recv() return, which ends the session; run() awaits
+            # this task before it returns, so it is never left behind.
+            self._closer = asyncio.get_running_loop().create_task(
+                ws.close(1000, "sidecar stopping"), name="sidecar-close"
+            )
+
+    async def run(self) -> SidecarExit:
+        """Connect, and reconnect as the policy says, until told to stop for good."""
+        attempt = 0
+        try:
+            while not self._stop.is_set():
+                ended = await self._session()
+                self.decisions.append(ended.decision)
+                if self._stop.is_set():
+                    break
+                if ended.decision.action is Action.STOP:
+                    self._log.warning("sidecar_stopping", reason=ended.decision.reason)
+                    return SidecarExit(EXIT_STOPPED, ended.decision.reason)
+                if ended.welcomed:
+                    attempt = 0
+                delay = self._backoff.delay(attempt, self._random, floor=ended.retry_after or 0.0)
+                attempt += 1
+                self._log.info(
+                    "sidecar_reconnecting",
+                    reason=ended.decision.reason,
+                    attempt=attempt,
+                    delay_s=round(delay, 3),
+                )
+                await self._pause(delay)
+            return SidecarExit(EXIT_OK, "stopped")
+        finally:
+            if self._closer is not None:
+                await self._closer
+
+    async def _pause(self, delay: float) -> None:
+        try:
+            async with asyncio.timeout(delay):
+                await self._stop.wait()
+        except TimeoutError:
+            pass
+
+    async def _session(self) -> _Ended:
+        """One connection, from dialing to its close, reduced to what happens next."""
+        self.attempts += 1
+        welcomed = False
+        try:
+            async with connect(
+                self._settings.url,
+                additional_headers={
+                    "Authorization": f"Bearer {self._settings.token}",
+                    "Hubd-Allocation-Id": self._settings.allocation_id,
+                    "Hubd-Sidecar-Id": self._settings.sidecar_id,
+                    "Hubd-Generation": str(self._settings.generation),
+                },
+                subprotocols=[Subprotocol(SUBPROTOCOL)],
+                compression=None,
+                # Dialed directly: a proxy from the environment would see the bearer token.
+                proxy=None,
+                open_timeout=self._open_timeout,
+                ping_interval=self._ping_interval,
+                ping_timeout=self._ping_timeout,
+                close_timeout=self._close_timeout,
+                max_size=_MAX_MESSAGE_SIZE,
+                logger=_WireLogger(),
+                ssl=self._ssl,
+            ) as ws:
+                self._ws = ws
+                try:
+                    if self._stop.is_set():
+                        return _Ended(Decision(Action.STOP, "stopped"))
+                    interval = await self._welcome(ws)
+                    if interval is None:
+                        await ws.close(1008, "welcome does not match")
+                        mismatch = "the hub's welcome is not for this sidecar"
+                        return _Ended(Decision(Action.STOP, mismatch))
+                    welcomed = True
+                    self.welcomes += 1
+                    self.connected = True
+                    self._log.info("sidecar_welcomed")
+                    await self._hold(ws, interval)
+                finally:
+                    self.connected = False
+                    self._ws = None
+        except ConnectionClosed as exc:
+            code = exc.rcvd.code if exc.rcvd is not None else None
+            return _Ended(after_close(code), welcomed=welcomed)
+        except InvalidStatus as exc:
+            retry_after = parse_retry_after(exc.response.headers.get("Retry-After"))
+            return _Ended(after_http_status(exc.response.status_code), retry_after=retry_after)
+        except InvalidURI:
+            return _Ended(Decision(Action.STOP, "HUBD_URL is not a valid websocket URL"))
+        except (InvalidHandshake, OSError, TimeoutError) as exc:
+            return _Ended(after_connect_error(exc))
+        # _hold only returns once the connection closed without an exception reaching here.
+        return _Ended(after_close(None), welcomed=welcomed)
+
+    async def _welcome(self, ws: ClientConnection) -> float | None:
+        """The heartbeat interval from the hub's welcome; ``None`` if it is not for us."""
+        async with asyncio.timeout(self._open_timeout):
+            message = await ws.recv()
+        try:
+            data: Any = json.loads(message)
+        except ValueError:
+            return None
+        settings = self._settings
+        if not (
+            isinstance(data, dict)
+            and data.get("type") == "welcome"
+            and data.get("allocation_id") == settings.allocation_id
+            and data.get("sidecar_id") == settings.sidecar_id
+            and data.get("generation") == settings.generation
+        ):
+            return None
+        interval = data.get("heartbeat_interval_s")
+        if not isinstance(interval, int | float) or isinstance(interval, bool) or interval <= 0:
+            return None
+        return max(float(interval), 1.0)
+
+    async def _hold(self, ws: ClientConnection, interval: float) -> None:
+        """Stay connected: answer pings (websockets does), send a heartbeat every interval."""
+        heartbeat = json.dumps({"type": "heartbeat"})
+        while True:
+            try:
+                async with asyncio.timeout(interval):
+                    await ws.recv()  # the hub sends nothing else in v1; anything is ignored
+            except TimeoutError:
+                await ws.send(heartbeat)
+
+
+def run_sidecar(env: Mapping[str, str]) -> int:
+    """``hubd sidecar``: run until SIGTERM/SIGINT (exit 0) or until the hub says stop (exit 1).
+
+    A missing or malformed variable exits 2; every failure prints one line on stderr.
+    """
+    try:
+        settings = SidecarSettings.from_env(env)
+    except SidecarConfigError as exc:
+        print(f"hubd sidecar: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    outcome = asyncio.run(_main(settings))
+    if outcome.code != EXIT_OK:
+        print(f"hubd sidecar: {outcome.reason}", file=sys.stderr)
+    return outcome.code
+
+
+async def _main(settings: SidecarSettings) -> SidecarExit:
+    client = SidecarClient(settings)
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
+        loop.add_signal_handler(signum, client.stop)
+    try:
+        return await client.run()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)

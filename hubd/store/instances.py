@@ -1,0 +1,68 @@
+"""InstanceStore: one row per running daemon, kept alive by a heartbeat on the database clock.
+
+A replica whose heartbeat is older than the configured TTL is dead to its peers: its connection
+records count as disconnected. A daemon that stops cleanly removes its row at once.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import attrs
+
+from hubd.store.database import Database, translate_errors
+from hubd.store.queries import load_queries
+
+__all__ = ["Instance", "InstanceStore"]
+
+SQL = load_queries("instances.sql")
+
+
+@attrs.frozen(kw_only=True)
+class Instance:
+    """One row of ``hubd_instances``, with whether its heartbeat is within the TTL asked for."""
+
+    id: str
+    hostname: str
+    pid: int
+    ws_url: str | None
+    started_at: datetime
+    heartbeat_at: datetime
+    alive: bool
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Instance:
+        return cls(**{field.name: row[field.name] for field in attrs.fields(cls)})
+
+
+class InstanceStore:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def register(self, instance_id: str, hostname: str, pid: int, ws_url: str | None) -> None:
+        async with self._db.connection("register instance") as conn:
+            await conn.execute(SQL.register, instance_id, hostname, pid, ws_url)
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        """Refresh the heartbeat; ``False`` when the row is gone (removed, or swept as dead).
+
+        Runs on the lease pool, so a pool saturated by slow work cannot starve it.
+        """
+        with translate_errors("instance heartbeat"):
+            async with self._db.lease_pool.acquire() as conn:
+                beat = await conn.fetchval(SQL.heartbeat, instance_id)
+        return beat is not None
+
+    async def remove(self, instance_id: str) -> None:
+        async with self._db.connection("remove instance") as conn:
+            await conn.execute(SQL.remove, instance_id)
+
+    # ``list`` shadows the builtin inside the class body; annotations say ``builtins.list``.
+    async def list(self, ttl: float) -> builtins.list[Instance]:
+        """Every instance, oldest first, each marked alive when its heartbeat is within ``ttl``."""
+        async with self._db.connection("list instances") as conn:
+            rows = await conn.fetch(SQL.list, float(ttl))
+        return [Instance.from_row(row) for row in rows]

@@ -1,0 +1,217 @@
+"""Running ``hubd run`` as a real child process, and watching what it and its sidecars do."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tests.clikit import hubd_env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_config(
+    path: Path,
+    *,
+    database_url: str = "",
+    state_dir: Path,
+    server_port: int = 0,
+    marker: str,
+    extra: str = "",
+) -> Path:
+    """A config for tests: short timeouts, the local provisioner running the reference sidecar
+    with ``marker`` in its environment so the test can find (and clean up) its processes."""
+    command = json.dumps([sys.executable, "-m", "hubd.cli", "sidecar"])
+    path.write_text(
+        f"""
+[database]
+url = "{database_url}"
+[state]
+dir = "{state_dir}"
+[server]
+listen = "127.0.0.1:{server_port}"
+[admin]
+listen = "127.0.0.1:0"
+[reconciler]
+lease_duration = "10s"
+connect_timeout = "30s"
+operation_timeout = "5s"
+max_concurrent_claims = 8
+poll_interval = "1s"
+repair_interval = "2s"
+shutdown_grace = "5s"
+[instance]
+heartbeat_interval = "1s"
+ttl = "5s"
+[[provisioners]]
+id = "local"
+plugin = "local"
+[provisioners.options]
+command = {command}
+grace = 2
+[provisioners.options.env]
+HUBD_TEST_MARKER = "{marker}"
+[log]
+format = "json"
+level = "info"
+{extra}
+"""
+    )
+    return path
+
+
+def new_marker() -> str:
+    return f"hubd-test-{uuid.uuid4().hex[:12]}"
+
+
+def sidecar_pids(marker: str) -> set[int]:
+    """Live processes whose environment carries ``marker``."""
+    found: set[int] = set()
+    needle = f"HUBD_TEST_MARKER={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and ") Z " not in stat:
+            found.add(int(entry.name))
+    return found
+
+
+def sidecar_generations(marker: str) -> list[tuple[str, str]]:
+    """(allocation id, generation) of every live sidecar process carrying ``marker``."""
+    result = []
+    for pid in sidecar_pids(marker):
+        try:
+            pairs = dict(
+                item.split(b"=", 1)
+                for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if b"=" in item
+            )
+        except OSError:
+            continue
+        result.append(
+            (
+                pairs.get(b"HUBD_ALLOCATION_ID", b"").decode(),
+                pairs.get(b"HUBD_GENERATION", b"").decode(),
+            )
+        )
+    return result
+
+
+def kill_sidecars(marker: str) -> None:
+    for pid in sidecar_pids(marker):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class DaemonProcess:
+    """``hubd run`` in a child process; its JSON log lines are collected as they arrive."""
+
+    def __init__(self, config: Path, env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.env = hubd_env(env)
+        self.process: asyncio.subprocess.Process | None = None
+        self.lines: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        self._reader: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "hubd.cli",
+            "run",
+            "--config",
+            str(self.config),
+            env=self.env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        self._reader = asyncio.create_task(self._read())
+        await self.wait_for_log("hubd running", within=60)
+
+    async def _read(self) -> None:
+        assert self.process is not None
+        assert self.process.stderr is not None
+        async for raw in self.process.stderr:
+            text = raw.decode(errors="replace").rstrip("\n")
+            self.raw.append(text)
+            with contextlib.suppress(ValueError):
+                self.lines.append(json.loads(text))
+            self._changed.set()
+        self._changed.set()
+
+    async def wait_for_log(self, event: str, *, within: float = 30) -> dict[str, Any]:
+        async with asyncio.timeout(within):
+            while True:
+                for line in self.lines:
+                    if line.get("event") == event:
+                        return line
+                if self.process is not None and self.process.returncode is not None:
+                    raise AssertionError(
+                        f"hubd exited {self.process.returncode} before {event!r}:\n"
+                        + "\n".join(self.raw[-30:])
+                    )
+                self._changed.clear()
+                await self._changed.wait()
+
+    @property
+    def admin_url(self) -> str:
+        for line in self.lines:
+            if line.get("event") == "hubd running":
+                return str(line["admin"])
+        raise AssertionError("hubd has not said where its admin listener is")
+
+    async def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    async def wait(self, within: float = 30) -> int:
+        assert self.process is not None
+        async with asyncio.timeout(within):
+            code = await self.process.wait()
+        if self._reader is not None:
+            await self._reader
+        return code
+
+    async def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+        if self._reader is not None:
+            await self._reader
+
+
+async def http_get(url: str) -> tuple[int, str]:
+    """A minimal GET over loopback (the admin listener)."""
+    rest = url.removeprefix("http://")
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"GET /{path} HTTP/1.1\r\nHost: {hostport}\r\n\r\n".encode())
+        await writer.drain()
+        data = await reader.read()
+    finally:
+        writer.close()
+    head, _, body = data.decode().partition("\r\n\r\n")
+    return int(head.split(" ")[1]), body

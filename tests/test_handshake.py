@@ -1,0 +1,271 @@
+"""The handshake decisions as pure functions: no loop, no socket, no database."""
+
+from __future__ import annotations
+
+import pytest
+from websockets.datastructures import Headers
+
+from hubd.routing import Target
+from hubd.server.handshake import (
+    CONNECT_PATH,
+    SUBPROTOCOL,
+    CloseCode,
+    HandshakeRequest,
+    Rejection,
+    authorize,
+    check_origin,
+    close_reason,
+    parse_request,
+    unavailable,
+)
+from hubd.server.websocket import MessageBudget, is_loopback_host
+from hubd.store.connections import SidecarIdentity, parse_connected_payload
+from hubd.store.models import Status
+from hubd.tokens import hash_token, new_token
+
+TOKEN = new_token()
+ALLOCATION = "al_" + "a" * 32
+SIDECAR = "sc_" + "b" * 32
+
+
+def headers(**overrides: str | None) -> Headers:
+    values: dict[str, str | None] = {
+        "Authorization": f"Bearer {TOKEN}",
+        "Hubd-Allocation-Id": ALLOCATION,
+        "Hubd-Sidecar-Id": SIDECAR,
+        "Hubd-Generation": "3",
+        "Sec-WebSocket-Protocol": SUBPROTOCOL,
+    }
+    values.update({name.replace("_", "-"): value for name, value in overrides.items()})
+    return Headers([(name, value) for name, value in values.items() if value is not None])
+
+
+def request(**changes: object) -> HandshakeRequest:
+    values: dict[str, object] = {
+        "allocation_id": ALLOCATION,
+        "sidecar_id": SIDECAR,
+        "generation": 3,
+        "token": TOKEN,
+        "origin": None,
+    }
+    values.update(changes)
+    return HandshakeRequest(**values)  # type: ignore[arg-type]
+
+
+def identity(**changes: object) -> SidecarIdentity:
+    values: dict[str, object] = {
+        "allocation_id": ALLOCATION,
+        "status": Status.ALLOCATED,
+        "generation": 3,
+        "sidecar_id": SIDECAR,
+        "token_hash": hash_token(TOKEN),
+    }
+    values.update(changes)
+    return SidecarIdentity(**values)  # type: ignore[arg-type]
+
+
+class TestParseRequest:
+    def test_well_formed(self) -> None:
+        """Four well-formed headers and the subprotocol make a typed request."""
+        parsed = parse_request(CONNECT_PATH, headers())
+        assert parsed == request()
+
+    def test_query_string_ignored(self) -> None:
+        """A query string does not change which endpoint is asked for."""
+        assert isinstance(parse_request(CONNECT_PATH + "?x=1", headers()), HandshakeRequest)
+
+    def test_bearer_scheme_case_insensitive(self) -> None:
+        """The bearer scheme is matched without regard to case, as HTTP auth schemes are."""
+        parsed = parse_request(CONNECT_PATH, headers(Authorization=f"bearer {TOKEN}"))
+        assert isinstance(parsed, HandshakeRequest)
+
+    @pytest.mark.parametrize("path", ["/", "/v1/sidecars", "/v1/sidecars/connect/x", "/v2/x"])
+    def test_other_paths_404(self, path: str) -> None:
+        """Any path but the connect endpoint is 404."""
+        assert parse_request(path, headers()) == Rejection(status=404, reason="not found")
+
+    @pytest.mark.parametrize(
+        "name", ["Authorization", "Hubd-Allocation-Id", "Hubd-Sidecar-Id", "Hubd-Generation"]
+    )
+    def test_missing_header_400(self, name: str) -> None:
+        """Each missing handshake header is a 400 that names it."""
+        parsed = parse_request(CONNECT_PATH, headers(**{name: None}))
+        assert parsed == Rejection(status=400, reason=f"missing {name} header")
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("Authorization", f"Basic {TOKEN}"),
+            ("Authorization", TOKEN),
+            ("Authorization", "Bearer hubd_sc_short"),
+            ("Authorization", "Bearer " + TOKEN.upper()),
+            ("Authorization", f"Bearer {TOKEN} extra"),
+            ("Hubd-Allocation-Id", "al_123"),
+            ("Hubd-Allocation-Id", "x" * 35),
+            ("Hubd-Sidecar-Id", "sc with spaces"),
+            ("Hubd-Sidecar-Id", "s" * 200),
+            ("Hubd-Generation", "0"),
+            ("Hubd-Generation", "-1"),
+            ("Hubd-Generation", "01"),
+            ("Hubd-Generation", "abc"),
+            ("Hubd-Generation", "2147483648"),
+        ],
+    )
+    def test_malformed_header_400(self, name: str, value: str) -> None:
+        """A malformed header is a 400 naming the header, never repeating its value."""
+        parsed = parse_request(CONNECT_PATH, headers(**{name: value}))
+        assert isinstance(parsed, Rejection)
+        assert parsed.status == 400
+        assert name in parsed.reason
+        assert value not in parsed.reason
+        assert TOKEN not in parsed.reason
+
+    def test_repeated_header_400(self) -> None:
+        """A handshake header given twice is ambiguous and refused."""
+        raw = headers()
+        raw["Hubd-Generation"] = "4"
+        parsed = parse_request(CONNECT_PATH, raw)
+        assert isinstance(parsed, Rejection)
+        assert parsed.status == 400
+
+    def test_missing_subprotocol_400(self) -> None:
+        """A client that does not speak hubd.sidecar.v1 is refused before any look-up."""
+        parsed = parse_request(CONNECT_PATH, headers(**{"Sec-WebSocket-Protocol": "chat"}))
+        assert parsed == Rejection(status=400, reason=f"missing subprotocol {SUBPROTOCOL}")
+
+    def test_origin_carried(self) -> None:
+        """The Origin header, when present, is carried for the origin check."""
+        parsed = parse_request(CONNECT_PATH, headers(Origin="https://app.example"))
+        assert isinstance(parsed, HandshakeRequest)
+        assert parsed.origin == "https://app.example"
+
+    def test_token_not_in_repr(self) -> None:
+        """A parsed request never shows its token in repr."""
+        assert TOKEN not in repr(request())
+
+
+class TestOrigin:
+    def test_absent_origin_allowed(self) -> None:
+        """Sidecars are not browsers and send no Origin: that is accepted."""
+        assert check_origin(None, ()) is None
+
+    def test_listed_origin_allowed(self) -> None:
+        """An origin listed in the config is accepted."""
+        assert check_origin("https://ok.example", ("https://ok.example",)) is None
+
+    def test_other_origin_403(self) -> None:
+        """Any other origin is 403."""
+        assert check_origin("https://evil.example", ("https://ok.example",)) == Rejection(
+            status=403, reason="origin not allowed"
+        )
+
+
+class TestAuthorize:
+    def test_current_identity_accepted(self) -> None:
+        """The current sidecar with its token is accepted while provisioning or allocated."""
+        assert authorize(request(), identity()) is None
+        assert authorize(request(), identity(status=Status.PROVISIONING)) is None
+
+    def test_unknown_allocation_401(self) -> None:
+        """No allocation with that id is 401."""
+        assert authorize(request(), None) == Rejection(status=401, reason="unknown allocation")
+
+    def test_wrong_token_401(self) -> None:
+        """A well-formed token of the right length that does not match is 401."""
+        rejection = authorize(request(token=new_token()), identity())
+        assert rejection == Rejection(status=401, reason="unknown sidecar or wrong token")
+
+    def test_wrong_sidecar_401(self) -> None:
+        """Another sidecar id with the right token is 401, with the same reason as a bad token."""
+        rejection = authorize(request(sidecar_id="sc_other"), identity())
+        assert rejection == Rejection(status=401, reason="unknown sidecar or wrong token")
+
+    def test_newer_generation_401(self) -> None:
+        """A generation newer than the allocation's is no identity the hub knows: 401."""
+        assert isinstance(authorize(request(generation=4), identity()), Rejection)
+        assert authorize(request(generation=4), identity()).status == 401  # type: ignore[union-attr]
+
+    def test_no_identity_bound_401(self) -> None:
+        """A pending allocation has no identity yet: 401."""
+        rejection = authorize(
+            request(), identity(status=Status.PENDING, sidecar_id=None, token_hash=None)
+        )
+        assert rejection is not None
+        assert rejection.status == 401
+
+    def test_stale_generation_409(self) -> None:
+        """An older generation is 409 whatever the token: the sidecar was replaced."""
+        rejection = authorize(request(generation=2, token=new_token()), identity())
+        assert rejection == Rejection(
+            status=409, reason="stale generation: this sidecar was replaced"
+        )
+
+    @pytest.mark.parametrize(
+        "status",
+        [Status.REPLACING, Status.RELEASING, Status.RELEASED, Status.FAILED, Status.DESTROY_FAILED],
+    )
+    def test_not_accepting_409(self, status: Status) -> None:
+        """Terminal, replacing and releasing allocations accept no sidecar: 409."""
+        rejection = authorize(request(), identity(status=status))
+        assert rejection == Rejection(status=409, reason="allocation no longer accepts sidecars")
+
+    def test_unavailable_503(self) -> None:
+        """Identity that cannot be checked is 503 with a Retry-After, never 401."""
+        assert unavailable(7) == Rejection(
+            status=503, reason="sidecar identity cannot be checked now", retry_after=7
+        )
+
+
+class TestCloseCodes:
+    def test_codes(self) -> None:
+        """The close codes are the protocol's."""
+        assert [int(code) for code in CloseCode] == [1000, 1001, 1008, 1009, 1011, 4000, 4001, 4002]
+
+    def test_reasons(self) -> None:
+        """Each code the hub sends carries a short reason; unknown codes carry none."""
+        assert close_reason(4000) == "superseded"
+        assert close_reason(4001) == "retired"
+        assert close_reason(4002) == "fenced"
+        assert close_reason(1001) == "going away"
+        assert close_reason(4999) == ""
+
+
+class TestSmallDecisions:
+    @pytest.mark.parametrize(
+        ("host", "loopback"),
+        [
+            ("127.0.0.1", True),
+            ("::1", True),
+            ("[::1]", True),
+            ("localhost", True),
+            ("0.0.0.0", False),  # noqa: S104 -- a value, not a bind
+            ("10.0.0.1", False),
+            ("hub.example", False),
+            ("", False),
+        ],
+    )
+    def test_loopback(self, host: str, loopback: bool) -> None:
+        """Only loopback listeners may go without TLS silently."""
+        assert is_loopback_host(host) is loopback
+
+    def test_message_budget(self) -> None:
+        """The message budget allows a burst, then refills at its rate."""
+        budget = MessageBudget(rate=2.0, burst=3, now=0.0)
+        assert [budget.take(0.0) for _ in range(4)] == [True, True, True, False]
+        assert budget.take(0.5) is True
+        assert budget.take(0.5) is False
+
+    @pytest.mark.parametrize(
+        ("payload", "target"),
+        [
+            (f"{ALLOCATION}:3", Target(ALLOCATION, 3)),
+            (f"{ALLOCATION}:0", None),
+            (f"{ALLOCATION}:", None),
+            (ALLOCATION, None),
+            (":3", None),
+            (f"{ALLOCATION}:x", None),
+        ],
+    )
+    def test_connected_payload(self, payload: str, target: Target | None) -> None:
+        """A hubd_connected payload names one target, or nothing when malformed."""
+        assert parse_connected_payload(payload) == target

@@ -1,0 +1,238 @@
+"""Helpers for the websocket tests: sidecar identities, a running hub, real clients, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+import attrs
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Subprotocol
+
+from hubd.routing import Target
+from hubd.server import CONNECT_PATH, SUBPROTOCOL, SidecarServer, SocketRouter
+from hubd.server.websocket import WireLogger
+from hubd.store import AllocationStore, Database, Fence, Status
+from hubd.store.connections import ConnectionStore
+from hubd.store.database import init_connection
+from hubd.store.instances import InstanceStore
+from hubd.tokens import hash_token, new_sidecar_id, new_token
+from tests.storekit import drive_to
+
+INSTANCE_ID = "in_test"  # the conftest store's instance id
+
+
+@attrs.frozen(kw_only=True)
+class Sidecar:
+    """A sidecar identity as the provisioner hands it out: the raw token included."""
+
+    allocation_id: str
+    sidecar_id: str
+    generation: int
+    token: str = attrs.field(repr=False)
+
+    @property
+    def target(self) -> Target:
+        return Target(self.allocation_id, self.generation)
+
+    def headers(self, **overrides: str | None) -> dict[str, str]:
+        """Handshake headers; an override of ``None`` drops that header."""
+        headers: dict[str, str | None] = {
+            "Authorization": f"Bearer {self.token}",
+            "Hubd-Allocation-Id": self.allocation_id,
+            "Hubd-Sidecar-Id": self.sidecar_id,
+            "Hubd-Generation": str(self.generation),
+        }
+        headers.update(overrides)
+        return {name: value for name, value in headers.items() if value is not None}
+
+    def env(self, url: str) -> dict[str, str]:
+        return {
+            "HUBD_URL": url,
+            "HUBD_TOKEN": self.token,
+            "HUBD_ALLOCATION_ID": self.allocation_id,
+            "HUBD_SIDECAR_ID": self.sidecar_id,
+            "HUBD_GENERATION": str(self.generation),
+        }
+
+
+async def bind_identity(db: Database, allocation_id: str, *, token: str | None = None) -> Sidecar:
+    """Give an allocation a sidecar identity whose raw token the test knows."""
+    token = token or new_token()
+    async with db.pool.acquire() as conn:
+        generation = await conn.fetchval(
+            """
+            UPDATE hubd_allocations SET sidecar_id = $2, token_hash = $3 WHERE id = $1
+            RETURNING generation
+            """,
+            allocation_id,
+            new_sidecar_id(),
+            hash_token(token),
+        )
+        sidecar_id = await conn.fetchval(
+            "SELECT sidecar_id FROM hubd_allocations WHERE id = $1", allocation_id
+        )
+    return Sidecar(
+        allocation_id=allocation_id, sidecar_id=sidecar_id, generation=generation, token=token
+    )
+
+
+async def sidecar_in(
+    store: AllocationStore,
+    db: Database,
+    status: Status = Status.ALLOCATED,
+    *,
+    token: str | None = None,
+) -> tuple[Sidecar, Fence]:
+    """A new allocation in ``status`` with a known sidecar identity, and its claim's fence."""
+    fence = await drive_to(store, db, status)
+    return await bind_identity(db, fence.allocation_id, token=token), fence
+
+
+@attrs.define
+class RecordingEvents:
+    """A ConnectionEvents sink that remembers what it was told, and optionally forwards it."""
+
+    connected: list[Target] = attrs.field(factory=list)
+    disconnected: list[Target] = attrs.field(factory=list)
+    forward: Any = None
+
+    async def handle_connected(self, target: Target) -> None:
+        self.connected.append(target)
+        if self.forward is not None:
+            await self.forward.handle_connected(target)
+
+    async def handle_disconnect(self, target: Target) -> None:
+        self.disconnected.append(target)
+        if self.forward is not None:
+            await self.forward.handle_disconnect(target)
+
+
+@attrs.define
+class Hub:
+    """A started sidecar server with its router, stores and event sink."""
+
+    server: SidecarServer
+    router: SocketRouter
+    connections: ConnectionStore
+    events: RecordingEvents
+
+    @property
+    def url(self) -> str:
+        return self.server.url + CONNECT_PATH
+
+
+@asynccontextmanager
+async def running_hub(
+    db: Database,
+    *,
+    lookup_db: Database | None = None,
+    records_db: Database | None = None,
+    port: int = 0,
+    router_options: Mapping[str, Any] | None = None,
+    **server_options: Any,
+) -> AsyncIterator[Hub]:
+    """A hub on 127.0.0.1 whose instance row is registered (readiness needs a live instance).
+
+    ``lookup_db`` serves the handshake's identity look-ups and ``records_db`` the router's
+    connection records, so a test can take either away.
+    """
+    await InstanceStore(db).register(INSTANCE_ID, "localhost", 1, None)
+    connections = ConnectionStore(records_db or db, instance_id=INSTANCE_ID)
+    events = RecordingEvents()
+    router = SocketRouter(connections, events=events, **(router_options or {}))
+    lookups = ConnectionStore(lookup_db or db, instance_id=INSTANCE_ID)
+    server = SidecarServer(
+        router=router, connections=lookups, host="127.0.0.1", port=port, **server_options
+    )
+    async with server:
+        yield Hub(server=server, router=router, connections=connections, events=events)
+
+
+def dial(url: str, headers: Mapping[str, str], **options: Any) -> Any:
+    """A real websocket client (use as ``async with``), quiet about its headers."""
+    options.setdefault("subprotocols", [Subprotocol(SUBPROTOCOL)])
+    return connect(
+        url,
+        additional_headers=dict(headers),
+        compression=None,
+        proxy=None,
+        logger=WireLogger("tests.client"),
+        open_timeout=10,
+        **options,
+    )
+
+
+async def welcome_of(ws: ClientConnection) -> dict[str, Any]:
+    async with asyncio.timeout(10):
+        message = await ws.recv()
+    data: dict[str, Any] = json.loads(message)
+    return data
+
+
+async def rejection(url: str, headers: Mapping[str, str], **options: Any) -> InvalidStatus:
+    """Dial and return the HTTP refusal; fails the test if the hub upgraded instead."""
+    try:
+        async with dial(url, headers, **options):
+            pass
+    except InvalidStatus as exc:
+        return exc
+    raise AssertionError("the hub accepted a handshake it should have refused")
+
+
+async def close_code_of(ws: ClientConnection) -> int | None:
+    """Wait for the hub to close ``ws`` and return the code it sent."""
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                await ws.recv()
+    except ConnectionClosed as exc:
+        return exc.rcvd.code if exc.rcvd is not None else None
+
+
+async def eventually(
+    check: Callable[[], bool | Awaitable[bool]], *, within: float = 10.0, what: str = "condition"
+) -> None:
+    """Poll ``check`` until it holds; fail after ``within`` seconds (a deadline, not a sleep)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def wrong_token() -> str:
+    """A well-formed token of the right length that matches nothing."""
+    return "hubd_sc_" + secrets.token_hex(32)
+
+
+async def record_row(db: Database, allocation_id: str) -> dict[str, Any] | None:
+    async with db.pool.acquire() as conn:
+        row = await conn.fetchrow(
+            "SELECT * FROM hubd_sidecar_connections WHERE allocation_id = $1", allocation_id
+        )
+    return dict(row) if row is not None else None
+
+
+async def take_away(database: Database) -> None:
+    """Close the ordinary pool: every statement on it now fails as "database unavailable"."""
+    await database.pool.close()
+
+
+async def bring_back(database: Database, database_url: str) -> None:
+    """Give ``database`` a working ordinary pool again."""
+    database.pool = await asyncpg.create_pool(
+        database_url, min_size=1, max_size=4, init=init_connection
+    )
