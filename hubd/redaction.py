@@ -16,8 +16,8 @@ REDACTED: Final = "***"
 _SECRETS: Final = re.compile(
     r"hubd_sc_[0-9A-Za-z]{8,}"  # sidecar tokens, and anything shaped like one
     r"|(?i:bearer)\s+[^\s,;\"']+"  # Authorization header values
-    r"|(?<=://)[^/\s:@]*:[^/\s@]+(?=@)"  # user:password in URLs
 )
+_URL_PASSWORD: Final = re.compile(r"(?<=://)([^/\s:@]*):[^/\s@]+(?=@)")
 
 
 _QUERY_PASSWORD: Final = re.compile(r"((?:^|&)password=)[^&#]*", re.IGNORECASE)
@@ -28,7 +28,8 @@ _CONNINFO_PASSWORD: Final = re.compile(
 
 def scrub(text: str) -> str:
     """``text`` with anything that looks like a token or a credential replaced."""
-    return _SECRETS.sub(REDACTED, text)
+    # A URL keeps its user name, so a message still says who connected where.
+    return _URL_PASSWORD.sub(rf"\1:{REDACTED}", _SECRETS.sub(REDACTED, text))
 
 
 def redact_dsn(dsn: str) -> str:

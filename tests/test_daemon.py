@@ -53,13 +53,18 @@ async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
         await db.close()
 
 
-async def request_many(count: int, env: dict[str, str]) -> list[str]:
+async def request_many(count: int, env: dict[str, str], *, wait: bool = False) -> list[str]:
     gate = asyncio.Semaphore(5)
+    extra = ["--wait", "--timeout", "60s"] if wait else []
 
     async def one() -> str:
         async with gate:
-            result = await run_hubd_async("alloc", "request", "--provisioner", "local", env=env)
+            result = await run_hubd_async(
+                "alloc", "request", "--provisioner", "local", *extra, env=env
+            )
         assert result.code == 0, result.err
+        if wait:
+            assert ": ready (generation 1)" in result.err
         return result.out.strip()
 
     return list(await asyncio.gather(*(one() for _ in range(count))))
@@ -165,8 +170,8 @@ class TestLifecycle:
         daemon = DaemonProcess(config)
         await daemon.start()
         try:
-            ids = await request_many(3, env)
-            await poll_until(lambda: all_ready(observer, ids), within=60, every=0.2)
+            ids = await request_many(3, env, wait=True)  # --wait returns once each is ready
+            assert await all_ready(observer, ids)
             before = {i: (await observer.get(i)).generation for i in ids}
             pids = sidecar_pids(marker)
             await daemon.signal(signal.SIGTERM)

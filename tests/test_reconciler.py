@@ -765,3 +765,93 @@ def _kinds(history: list[LedgerEntry]) -> list[str]:
 
 
 _ = (_kinds, accept, Destroyed, SETTINGS)
+
+
+class TestStalledSteps:
+    async def test_stalled_step_aborts_claim_but_stays_queued(
+        self,
+        store: AllocationStore,
+        db: Database,
+        database_url: str,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A queued write that outlives operation_timeout (its row locked elsewhere) aborts the
+        claim without another write; the step stays queued, keeping the allocation out of
+        claims, and when it finally runs it sees the claim is gone and writes nothing."""
+        import asyncpg
+
+        settings = ReconcilerSettings(lease_duration=6, connect_timeout=30, operation_timeout=0.5)
+        reconciler = make_reconciler(db, router, provisioner, settings=settings)
+        ready = await to_ready(store, reconciler, router)
+        target = Target(ready.id, ready.generation)
+        blocker = await asyncpg.connect(database_url)
+        try:
+            tx = blocker.transaction()
+            await tx.start()
+            await blocker.execute(
+                "SELECT 1 FROM hubd_allocations WHERE id = $1 FOR UPDATE", ready.id
+            )
+            router.disconnect(target)
+            disconnect = asyncio.create_task(reconciler.handle_disconnect(target))
+            await poll_until(lambda: _busy(reconciler, ready.id))
+            assert not disconnect.done()
+            assert reconciler.queue_depth == 1
+            await tx.rollback()
+            await disconnect
+        finally:
+            await blocker.close()
+        await poll_until(lambda: _not_busy(reconciler, ready.id))
+        lost = await store.get(ready.id)
+        assert not lost.ready
+        assert lost.next_attempt_at is not None
+
+    async def test_stalled_claim_step_aborts_the_claim(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        database_url: str,
+        router: MemoryRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """When the claim's queued write cannot finish within operation_timeout (its row locked
+        elsewhere), the claim is aborted and writes nothing more; the step stays queued, keeping
+        the allocation out of claims, and settles as the one write it already was."""
+        import asyncpg
+
+        settings = ReconcilerSettings(lease_duration=6, connect_timeout=30, operation_timeout=0.5)
+        reconciler = make_reconciler(db, router, provisioner, settings=settings)
+        gate = Gate()
+        provisioner.ensure_script.append(gate)
+        allocation = await store.request(provisioner_id="fake")
+        claim = asyncio.create_task(reconciler.reconcile_next())
+        await gate.started.wait()
+        blocker = await asyncpg.connect(database_url)
+        try:
+            tx = blocker.transaction()
+            await tx.start()
+            await blocker.execute(
+                "SELECT 1 FROM hubd_allocations WHERE id = $1 FOR UPDATE", allocation.id
+            )
+            gate.release.set()
+            assert await claim
+            assert allocation.id in reconciler.busy_allocations()
+            assert not await reconciler.reconcile_next()  # excluded while its step is stuck
+            await tx.rollback()
+        finally:
+            await blocker.close()
+        await poll_until(lambda: _not_busy(reconciler, allocation.id))
+        kinds = [(e.kind, str(e.phase)) for e in await ledger.history(allocation.id)]
+        # The ensure's outcome could not be recorded (the row was locked) and was abandoned;
+        # the park already in flight when the claim gave up is the only later write.
+        assert kinds == [
+            ("request", "committed"),
+            ("bind_sidecar", "committed"),
+            ("ensure", "intent"),
+            ("park_retry_after_error", "committed"),
+        ]
+
+
+async def _busy(reconciler: Reconciler, allocation_id: str) -> bool:
+    return allocation_id in reconciler.busy_allocations()

@@ -622,3 +622,21 @@ class TestLedger:
             )
         assert canary not in dump
         assert "***" in dump
+
+
+class TestLeasePool:
+    async def test_renewal_does_not_wait_behind_a_saturated_pool(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """With every connection of the ordinary pool held by slow work, lease renewals still
+        go through on the lease pool."""
+        allocation = await store.request(provisioner_id="fake")
+        fence = await claim_one(store, allocation.id)
+        held = [await db.pool.acquire() for _ in range(db.pool.get_max_size())]
+        try:
+            async with asyncio.timeout(5):
+                assert await store.renew_lease(allocation.id, fence.lease_id, LEASE_SECONDS)
+                assert await store.lease_is_current(fence)
+        finally:
+            for conn in held:
+                await db.pool.release(conn)

@@ -1,7 +1,9 @@
 -- Statements on hubd_allocations. Every transition appends its ledger row in the same statement
 -- (a data-modifying CTE), so a transition and its evidence commit or vanish together.
 -- Claim-owned writes are fenced: $1 id, $2 lease id, $3 generation, and a lease still live by the
--- database clock; $4 is the hub instance written to the ledger.
+-- database clock; $4 is the hub instance written to the ledger. The fence reads clock_timestamp(),
+-- not now(): a write that waited on a row lock is re-checked at the moment it proceeds, not at
+-- the moment its statement started.
 
 -- name: insert_allocation
 -- A new request, due at once; the wake-up is delivered when the caller's transaction commits.
@@ -73,14 +75,14 @@ RETURNING a.*;
 -- Extend a lease that is still ours and still live; returns no row when it is not.
 UPDATE hubd_allocations
 SET lease_expires_at = now() + make_interval(secs => $3)
-WHERE id = $1 AND lease_id = $2 AND lease_expires_at > now()
+WHERE id = $1 AND lease_id = $2 AND lease_expires_at > clock_timestamp()
 RETURNING lease_expires_at;
 
 -- name: lease_is_current
 -- Whether the claim ($2, generation $3) still owns the row.
 SELECT EXISTS (
     SELECT 1 FROM hubd_allocations
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
 );
 
 -- name: bind_initial_sidecar
@@ -97,7 +99,7 @@ WITH updated AS (
         connect_deadline = now() + make_interval(secs => $7),
         connection_ready = false,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = 'pending'
     RETURNING *
 ), logged AS (
@@ -118,7 +120,7 @@ WITH updated AS (
         connect_deadline = now() + make_interval(secs => $7),
         connection_ready = false,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = 'replacing'
     RETURNING *
 ), logged AS (
@@ -133,7 +135,7 @@ SELECT * FROM updated;
 -- provisioning → allocated: the provisioner accepted ensure ($5 external reference).
 WITH updated AS (
     UPDATE hubd_allocations SET status = 'allocated', external_ref = $5, updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = 'provisioning'
     RETURNING *
 ), logged AS (
@@ -149,7 +151,7 @@ SELECT * FROM updated;
 -- before mark_connection_ready leaves the marker for the next claim to find.
 WITH updated AS (
     UPDATE hubd_allocations SET initialization_lease_id = $2, updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = 'allocated' AND initialization_lease_id IS NULL
     RETURNING *
 ), logged AS (
@@ -176,7 +178,7 @@ WITH updated AS (
         failure_code = NULL,
         failure_message = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = 'allocated'
       AND (initialization_lease_id IS NULL OR initialization_lease_id = $2)
     RETURNING *
@@ -225,7 +227,7 @@ WITH updated AS (
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = $5
     RETURNING *
 ), logged AS (
@@ -250,7 +252,7 @@ WITH updated AS (
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
     RETURNING *
 ), logged AS (
@@ -277,7 +279,7 @@ WITH updated AS (
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = $5
       AND (NOT $9 OR (initialization_lease_id IS NOT NULL
                       AND initialization_lease_id = COALESCE($10, initialization_lease_id)))
@@ -305,7 +307,7 @@ WITH updated AS (
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = 'allocated'
       AND (NOT $7 OR (initialization_lease_id IS NOT NULL
                       AND initialization_lease_id = COALESCE($8, initialization_lease_id)))
@@ -333,7 +335,7 @@ WITH updated AS (
         lease_expires_at = NULL,
         finished_at = now(),
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = $5
     RETURNING *
 ), logged AS (
@@ -347,7 +349,7 @@ SELECT * FROM updated;
 -- replacing/releasing → destroy_failed ($5/$6): an operator must look, infrastructure may leak.
 WITH prior AS (
     SELECT id, status FROM hubd_allocations
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status IN ('replacing', 'releasing')
     FOR UPDATE
 ), updated AS (
@@ -383,7 +385,7 @@ WITH updated AS (
         lease_expires_at = NULL,
         finished_at = now(),
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = 'releasing'
     RETURNING *
 ), logged AS (

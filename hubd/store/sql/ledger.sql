@@ -9,7 +9,7 @@ INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instanc
     kind, from_status, to_status, phase, error_code, message, duration_ms)
 SELECT id, generation, $2, $4, $5, $6, $11, $11, $7, $8, $9, $10
 FROM hubd_allocations
-WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now()
+WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
 RETURNING seq;
 
 -- name: settle_open_effects
@@ -29,7 +29,7 @@ WHERE i.allocation_id = $1
       WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id AND o.phase <> 'intent')
   AND EXISTS (
       SELECT 1 FROM hubd_allocations
-      WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > now())
+      WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp())
 RETURNING seq;
 
 -- name: history

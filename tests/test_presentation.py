@@ -1,0 +1,112 @@
+"""What operators read: the next step in words, and log redaction."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import UTC, datetime, timedelta
+
+import attrs
+import structlog
+
+from hubd.logs import configure_logging
+from hubd.presentation import allocation_json, next_step
+from hubd.store import Allocation, Status
+
+NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+
+
+def allocation(**changes: object) -> Allocation:
+    base = Allocation(
+        id="al_" + "a" * 32,
+        status=Status.PENDING,
+        generation=1,
+        provisioner_id="local",
+        provisioner_api_version=None,
+        provisioner_binding_fingerprint=None,
+        tenant_id=None,
+        session_id=None,
+        spec={},
+        sidecar_id=None,
+        token_hash=None,
+        external_ref=None,
+        connect_deadline=None,
+        connection_ready=False,
+        initialization_lease_id=None,
+        ensure_attempts=0,
+        destroy_attempts=0,
+        next_attempt_at=NOW,
+        lease_id=None,
+        lease_expires_at=None,
+        failure_code=None,
+        failure_message=None,
+        created_at=NOW,
+        updated_at=NOW,
+        finished_at=None,
+    )
+    return attrs.evolve(base, **changes)  # type: ignore[arg-type]
+
+
+class TestNextStep:
+    def test_waiting_for_connect(self) -> None:
+        """An allocated, parked allocation says until when it waits for its sidecar."""
+        a = allocation(
+            status=Status.ALLOCATED,
+            connect_deadline=NOW + timedelta(minutes=3, seconds=41),
+            next_attempt_at=NOW + timedelta(minutes=3, seconds=41),
+        )
+        assert next_step(a, NOW) == "waiting for the sidecar to connect until 12:03:41Z"
+
+    def test_retrying_with_attempt_and_error(self) -> None:
+        """A destroy retry names the time, the attempt and the last error."""
+        a = allocation(
+            status=Status.RELEASING,
+            destroy_attempts=2,
+            next_attempt_at=NOW + timedelta(seconds=4),
+            failure_code="busy",
+            failure_message="provider busy",
+        )
+        assert next_step(a, NOW) == (
+            "retrying: destroying the sidecar at 12:00:04Z, attempt 3, last error busy: "
+            "provider busy"
+        )
+
+    def test_terminal_and_ready(self) -> None:
+        """Terminal and ready allocations say nothing is planned, and why."""
+        assert next_step(allocation(status=Status.RELEASED, next_attempt_at=None), NOW) == (
+            "nothing: released"
+        )
+        ready = allocation(status=Status.ALLOCATED, connection_ready=True, next_attempt_at=None)
+        assert next_step(ready, NOW) == "nothing: ready, sidecar connected"
+        assert allocation_json(ready)["ready"] is True
+        assert next_step(
+            allocation(
+                status=Status.DESTROY_FAILED, failure_code="forbidden", failure_message="no"
+            ),
+            NOW,
+        ).startswith("an operator must check for leaked infrastructure")
+
+
+class TestLogRedaction:
+    def test_tokens_headers_and_passwords_never_rendered(self) -> None:
+        """The log processor hides token-shaped text, secret-named fields and DSN passwords."""
+        canary = "hubd_sc_" + "c0ffee" * 10 + "abcd"
+        out = io.StringIO()
+        configure_logging(fmt="json", level="debug", stream=out)
+        try:
+            structlog.get_logger("t").info(
+                f"saw {canary}",
+                token=canary,
+                authorization=f"Bearer {canary}",
+                dsn="postgresql://hubd:pw-canary-1@db/hubd",
+                nested={"headers": {"Authorization": f"Bearer {canary}"}},
+                error=RuntimeError(f"boom {canary}"),
+            )
+        finally:
+            structlog.reset_defaults()
+        text = out.getvalue()
+        assert canary not in text
+        assert "pw-canary-1" not in text
+        line = json.loads(text)
+        assert line["token"] == "***"
+        assert "postgresql://hubd:***@db/hubd" in line["dsn"]
