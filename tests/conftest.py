@@ -56,7 +56,7 @@ def postgres_server() -> Iterator[PostgresServer]:
     try:
         yield server
     finally:
-        asyncio.run(_drop_database(server, template))
+        asyncio.run(drop_database(server, template))
         if embedded is not None:
             embedded.stop()
         if tmp is not None:
@@ -64,20 +64,14 @@ def postgres_server() -> Iterator[PostgresServer]:
 
 
 async def _create_template(server: PostgresServer) -> None:
-    conn = await asyncpg.connect(server.maintenance_dsn)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {server.template} WITH (FORCE)")
-        await conn.execute(f"CREATE DATABASE {server.template}")
-    finally:
-        await conn.close()
-    conn = await asyncpg.connect(server.dsn(server.template))
+    conn = await asyncpg.connect(await fresh_database(server, server.template))
     try:
         await apply_migrations(conn)
     finally:
         await conn.close()
 
 
-async def _drop_database(server: PostgresServer, name: str) -> None:
+async def drop_database(server: PostgresServer, name: str) -> None:
     conn = await asyncpg.connect(server.maintenance_dsn)
     try:
         await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
@@ -85,19 +79,27 @@ async def _drop_database(server: PostgresServer, name: str) -> None:
         await conn.close()
 
 
+async def fresh_database(server: PostgresServer, name: str, *, template: str = "") -> str:
+    """An empty database ``name`` (a clone of ``template`` when given); returns its DSN."""
+    conn = await asyncpg.connect(server.maintenance_dsn)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        clone = f" TEMPLATE {template}" if template else ""
+        await conn.execute(f"CREATE DATABASE {name}{clone}")
+    finally:
+        await conn.close()
+    return server.dsn(name)
+
+
 @pytest.fixture
 async def database_url(postgres_server: PostgresServer) -> AsyncIterator[str]:
     """A fresh database cloned from the migrated template, dropped after the test."""
     name = f"hubd_t{os.getpid()}_{next(_counter)}"
-    conn = await asyncpg.connect(postgres_server.maintenance_dsn)
+    dsn = await fresh_database(postgres_server, name, template=postgres_server.template)
     try:
-        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {postgres_server.template}")
+        yield dsn
     finally:
-        await conn.close()
-    try:
-        yield postgres_server.dsn(name)
-    finally:
-        await _drop_database(postgres_server, name)
+        await drop_database(postgres_server, name)
 
 
 @pytest.fixture

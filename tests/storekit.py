@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from hubd.store import AllocationStore, Database, Failure, Fence, Status
+from hubd.store import Allocation, AllocationStore, Database, Failure, Fence, Status
 from tests.pgtime import age_row
 
 LEASE_SECONDS = 60.0
@@ -28,25 +28,8 @@ async def claim_one(store: AllocationStore, allocation_id: str) -> Fence:
     return Fence(allocation_id=claimed.id, lease_id=lease, generation=claimed.generation)
 
 
-async def drive_to(store: AllocationStore, db: Database, status: Status) -> Fence:
-    """A new allocation in ``status``, claimed, with the fence of that claim."""
-    allocation = await store.request(provisioner_id="fake")
-    fence = await claim_one(store, allocation.id)
-    if status is Status.PENDING:
-        return fence
-    if status is Status.RELEASING:
-        await store.bind_initial_sidecar(
-            fence,
-            sidecar_id="sc_" + secrets.token_hex(16),
-            token_hash=token_hash(),
-            connect_timeout=120,
-            api_version="1",
-            binding_fingerprint="fp",
-        )
-        await store.release(allocation.id)
-        await age_row(db, allocation.id, LEASE_SECONDS + 1)
-        return await claim_one(store, allocation.id)
-    bound = await store.bind_initial_sidecar(
+async def _bind(store: AllocationStore, fence: Fence) -> Allocation | None:
+    return await store.bind_initial_sidecar(
         fence,
         sidecar_id="sc_" + secrets.token_hex(16),
         token_hash=token_hash(),
@@ -54,6 +37,19 @@ async def drive_to(store: AllocationStore, db: Database, status: Status) -> Fenc
         api_version="1",
         binding_fingerprint="fp",
     )
+
+
+async def drive_to(store: AllocationStore, db: Database, status: Status) -> Fence:
+    """A new allocation in ``status``, claimed, with the fence of that claim."""
+    allocation = await store.request(provisioner_id="fake")
+    fence = await claim_one(store, allocation.id)
+    if status is Status.PENDING:
+        return fence
+    bound = await _bind(store, fence)
+    if status is Status.RELEASING:
+        await store.release(allocation.id)
+        await age_row(db, allocation.id, LEASE_SECONDS + 1)
+        return await claim_one(store, allocation.id)
     assert bound is not None
     if status is Status.PROVISIONING:
         return fence

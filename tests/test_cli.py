@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.clikit import run_hubd, run_hubd_async
-from tests.conftest import PostgresServer
-from tests.test_migrations import drop_database, fresh_database
+from tests.conftest import PostgresServer, drop_database, fresh_database
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -7,7 +7,7 @@ import asyncio
 import asyncpg
 
 from hubd.store.migrate import apply_migrations, available_migrations, current_schema_sql
-from tests.conftest import PostgresServer
+from tests.conftest import PostgresServer, drop_database, fresh_database
 
 DESCRIBE = {
     "columns": """
@@ -39,24 +39,6 @@ async def describe(dsn: str) -> dict[str, list[tuple[object, ...]]]:
         return {
             name: [tuple(row) for row in await conn.fetch(sql)] for name, sql in DESCRIBE.items()
         }
-    finally:
-        await conn.close()
-
-
-async def fresh_database(server: PostgresServer, name: str) -> str:
-    conn = await asyncpg.connect(server.maintenance_dsn)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    return server.dsn(name)
-
-
-async def drop_database(server: PostgresServer, name: str) -> None:
-    conn = await asyncpg.connect(server.maintenance_dsn)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     finally:
         await conn.close()
 
