@@ -258,7 +258,12 @@ def _print_table(rows: Sequence[Any]) -> None:
 def _print_show(allocation: Any, history: Sequence[Any]) -> None:
     data = allocation_json(allocation)
     for key, value in data.items():
-        print(f"{key + ':':<18}{'-' if value is None else value}")
+        shown = (
+            "-"
+            if value is None
+            else ("yes" if value is True else "no" if value is False else value)
+        )
+        print(f"{key + ':':<18}{shown}")
     print(f"{'next:':<18}{next_step(allocation, datetime.now(UTC))}")
     print("history:")
     for entry in history:
@@ -306,7 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hubd.daemon.dev import dev_config
 
         config = dev_config(config)
-    configure_logging(fmt=config.log.format, level=config.log.level)
+    level = config.log.level
+    if args.command == "alloc" and level in ("info", "warning"):
+        # A command's output is its answer; the daemon's routine news would only bury it.
+        level = "warning"
+    configure_logging(fmt=config.log.format, level=level)
     try:
         if args.command in ("run", "dev"):
             return _run_daemon(config, dev=args.command == "dev")

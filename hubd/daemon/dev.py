@@ -4,7 +4,11 @@ reference sidecar, console logs, and a demo allocation that becomes ready in fro
 from __future__ import annotations
 
 import asyncio
+import os
+import shlex
+import shutil
 import sys
+from pathlib import Path
 
 import attrs
 
@@ -29,6 +33,16 @@ def dev_config(config: Config) -> Config:
     )
 
 
+def _command() -> str:
+    """How to call this hubd from a shell: the script that started us, and our state dir."""
+    script = Path(sys.argv[0])
+    command = "hubd"
+    if script.name == "hubd" and shutil.which("hubd") != str(script.resolve()):
+        command = os.path.relpath(script) if not script.is_absolute() else str(script)
+    state = os.environ.get("HUBD_STATE_DIR")
+    return f"HUBD_STATE_DIR={shlex.quote(state)} {command}" if state else command
+
+
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -48,13 +62,14 @@ async def _demo(daemon: Daemon) -> None:
                 return
             await asyncio.sleep(0.2)
     config = daemon.config
+    hubd = _command()
     _say(
         f"==> {allocation.id} is READY (sidecar {current.sidecar_id} connected)\n\n"
-        "Try, in another terminal (same state dir):\n"
-        "  hubd alloc request --provisioner local --wait\n"
-        "  hubd alloc list\n"
-        f"  hubd alloc show {allocation.id}\n"
-        f"  hubd alloc release {allocation.id}\n"
+        "Try, in another terminal:\n"
+        f"  {hubd} alloc request --provisioner local --wait\n"
+        f"  {hubd} alloc list\n"
+        f"  {hubd} alloc show {allocation.id}\n"
+        f"  {hubd} alloc release {allocation.id}\n"
         f"  curl -s http://{config.admin.host}:{daemon.admin.port if daemon.admin else 0}/metrics\n"
         f"Data: {config.state_path / 'pgdata'}   Stop with Ctrl-C (releases what is running).\n"
     )
