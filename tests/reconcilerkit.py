@@ -15,7 +15,8 @@ from hubd.plugins.protocol import (
     EnsureRequest,
     Rejected,
 )
-from hubd.reconciler.engine import Hook, Reconciler, ReconcilerSettings
+from hubd.reconciler.engine import Reconciler
+from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
 from hubd.store import AllocationStore, Database, LedgerStore
 

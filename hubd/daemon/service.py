@@ -32,7 +32,8 @@ from hubd.daemon.wakeups import NotificationListener, Waker
 from hubd.errors import DatabaseUnavailable, OperationTimeout, StoreError
 from hubd.plugins.protocol import Provisioner
 from hubd.plugins.registry import load_provisioners
-from hubd.reconciler.engine import Hook, Reconciler, ReconcilerSettings
+from hubd.reconciler.engine import Reconciler
+from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server.router import SocketRouter
 from hubd.server.websocket import SidecarServer
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database

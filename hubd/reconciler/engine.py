@@ -6,7 +6,7 @@ that lease and the generation it claimed. A claim that cannot prove it still own
 at once and writes nothing more: the durable schedule survives, and the lease expires on its own.
 
 Work about one allocation that must be ordered with its connection events (connect, disconnect)
-runs through one FIFO queue per allocation (:meth:`Reconciler._enqueue`). Allocations with any
+runs through one FIFO queue per allocation (:mod:`hubd.reconciler.work`). Allocations with any
 local work still running (a queued event, a query or plugin call that outlived its time limit)
 are excluded from claims until that work settles.
 """
@@ -59,6 +59,8 @@ from hubd.reconciler.decisions import (
 )
 from hubd.reconciler.lease import LeaseKeeper
 from hubd.reconciler.observer import NullObserver, ReconcilerObserver
+from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings, hook_call
+from hubd.reconciler.work import LocalWork
 from hubd.routing import Router, SidecarNotConnected, Target
 from hubd.store.allocations import AllocationStore, AttemptKind, ParkMode
 from hubd.store.ledger import LedgerStore, new_effect_id
@@ -70,36 +72,6 @@ __all__ = ["HookContext", "Reconciler", "ReconcilerSettings"]
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
-
-
-@attrs.frozen(kw_only=True)
-class HookContext:
-    """What a hook is told about the claim it runs under."""
-
-    allocation_id: str
-    generation: int
-    lease_id: str
-
-
-Hook = Callable[[Allocation, HookContext], Awaitable[None]]
-
-
-@attrs.frozen(kw_only=True)
-class ReconcilerSettings:
-    lease_duration: float = 60.0
-    connect_timeout: float = 120.0
-    operation_timeout: float = 30.0
-    max_concurrent_claims: int = 16
-    automatic_replacement_recovery: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        for name in ("lease_duration", "connect_timeout", "operation_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.operation_timeout >= self.lease_duration:
-            raise ValueError("operation_timeout must be shorter than lease_duration")
-        if self.max_concurrent_claims < 1:
-            raise ValueError("max_concurrent_claims must be at least 1")
 
 
 @attrs.define(eq=False)
@@ -163,14 +135,9 @@ class Reconciler:
         self._create_sidecar_id = create_sidecar_id
         self._create_token = create_token
         self._observer: ReconcilerObserver = observer or NullObserver()
-        # Called when an allocation's last local work settles: it was excluded from claims
-        # until now and may be due, with no notification coming to say so.
-        self._on_settled = on_settled or (lambda: None)
 
         self._active: dict[str, _Claim] = {}
-        self._queues: dict[str, asyncio.Task[None]] = {}
-        self._inflight: dict[str, int] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._work = LocalWork(on_settled)
         self._admitted = 0
 
     # -- introspection (metrics, tests) ----------------------------------------------------------
@@ -181,44 +148,17 @@ class Reconciler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queues)
+        return self._work.queue_depth
 
     def busy_allocations(self) -> frozenset[str]:
         """Allocations with local work still running; they are excluded from claims."""
-        return frozenset(self._active) | frozenset(self._queues) | frozenset(self._inflight)
+        return frozenset(self._active) | self._work.busy()
 
     async def drain(self) -> None:
         """Wait until every task this reconciler started has settled."""
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
+        await self._work.drain()
 
     # -- task bookkeeping ------------------------------------------------------------------------
-
-    def _spawn(
-        self, coro: Coroutine[Any, Any, T], *, allocation_id: str | None, name: str
-    ) -> asyncio.Task[T]:
-        """Start a tracked task; while it runs, ``allocation_id`` counts as busy."""
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        if allocation_id is not None:
-            self._inflight[allocation_id] = self._inflight.get(allocation_id, 0) + 1
-
-        def settled(done: asyncio.Task[T]) -> None:
-            self._tasks.discard(done)
-            if allocation_id is not None:
-                remaining = self._inflight[allocation_id] - 1
-                if remaining:
-                    self._inflight[allocation_id] = remaining
-                else:
-                    del self._inflight[allocation_id]
-                    self._on_settled()
-            if not done.cancelled() and done.exception() is not None:
-                # Retrieved here so a task whose awaiter gave up never logs "never retrieved";
-                # whoever awaited it has already handled the error.
-                log.debug("tracked task failed", task=done.get_name(), error=done.exception())
-
-        task.add_done_callback(settled)
-        return task
 
     async def _op(
         self, claim: _Claim, coro: Coroutine[Any, Any, T], what: str, limit: float | None = None
@@ -229,7 +169,7 @@ class Reconciler:
         its allocation stays excluded from claims meanwhile.
         """
         limit = self.settings.operation_timeout if limit is None else limit
-        task = self._spawn(
+        task = self._work.spawn(
             coro, allocation_id=claim.allocation.id, name=f"{what} {claim.allocation.id}"
         )
         try:
@@ -272,29 +212,6 @@ class Reconciler:
 
     # -- the per-allocation queue ----------------------------------------------------------------
 
-    def _enqueue(
-        self, allocation_id: str, step: Callable[[], Awaitable[None]], name: str
-    ) -> asyncio.Task[None]:
-        previous = self._queues.get(allocation_id)
-
-        async def run() -> None:
-            if previous is not None:
-                # Ordering only: the previous step's outcome belongs to its own caller.
-                await asyncio.wait({previous})
-            await step()
-
-        task = self._spawn(run(), allocation_id=None, name=f"{name} {allocation_id}")
-        self._queues[allocation_id] = task
-
-        def settled(done: asyncio.Task[None]) -> None:
-            # The queue is dropped once its last step settles: idle allocations keep no memory.
-            if self._queues.get(allocation_id) is done:
-                del self._queues[allocation_id]
-                self._on_settled()
-
-        task.add_done_callback(settled)
-        return task
-
     async def _queue_step(self, claim: _Claim, step: Callable[[], Awaitable[None]]) -> None:
         """Run ``step`` in the allocation's queue, after connection events queued before it."""
         if self._active.get(claim.allocation.id) is not claim:
@@ -305,7 +222,7 @@ class Reconciler:
                 raise claim.lost
             await step()
 
-        task = self._enqueue(claim.allocation.id, guarded, "reconciliation step")
+        task = self._work.enqueue(claim.allocation.id, guarded, "reconciliation step")
         if not await wait_settled(self._clock, task, self.settings.operation_timeout):
             # Stop this claim without queueing another write behind the stalled step. The step
             # itself stays queued until it settles: that keeps its order with later connection
@@ -343,7 +260,7 @@ class Reconciler:
     async def reconcile_next(self) -> bool:
         """Claim one due allocation and reconcile it; ``False`` when there was nothing to do or
         no capacity."""
-        retained = (frozenset(self._queues) | frozenset(self._inflight)) - frozenset(self._active)
+        retained = self._work.busy() - frozenset(self._active)
         if self._admitted + len(retained) >= self.settings.max_concurrent_claims:
             return False
         self._admitted += 1
@@ -351,7 +268,7 @@ class Reconciler:
         try:
             lease_id = self._create_lease_id()
             started = self._clock.monotonic()
-            query = self._spawn(
+            query = self._work.spawn(
                 self._store.claim_next(
                     lease_id=lease_id,
                     lease_duration=self.settings.lease_duration,
@@ -393,11 +310,7 @@ class Reconciler:
         bound = log.bind(
             allocation_id=allocation.id, generation=allocation.generation, lease_id=lease_id
         )
-        if (
-            allocation.id in self._active
-            or allocation.id in self._queues
-            or allocation.id in self._inflight
-        ):
+        if allocation.id in self._active or self._work.is_busy(allocation.id):
             # Local work started after this claim's exclusion snapshot. Let the lease expire
             # rather than put another write behind that work.
             bound.info("claim raced local work; leaving its lease to expire")
@@ -408,7 +321,7 @@ class Reconciler:
             clock=self._clock,
             lease_duration=self.settings.lease_duration,
             started=started,
-            spawn=lambda coro: self._spawn(coro, allocation_id=aid, name="lease renewal"),
+            spawn=lambda coro: self._work.spawn(coro, allocation_id=aid, name="lease renewal"),
             on_lost=lambda cause: self._abort(claim, cause),
         )
         claim = _Claim(
@@ -421,9 +334,9 @@ class Reconciler:
         )
         self._active[aid] = claim
         self._observer.claimed()
-        body = self._spawn(self._reconcile(claim), allocation_id=aid, name="claim body")
+        body = self._work.spawn(self._reconcile(claim), allocation_id=aid, name="claim body")
         claim.task = body
-        keeper = self._spawn(lease.run(), allocation_id=None, name="lease keeper")
+        keeper = self._work.spawn(lease.run(), allocation_id=None, name="lease keeper")
         try:
             try:
                 await asyncio.wait({body})
@@ -515,7 +428,7 @@ class Reconciler:
                 claim.log.warning("earlier plugin calls ended without an outcome", count=settled)
         if a.status is Status.ALLOCATED and self._on_initialization_recovery is not None:
             hook = self._on_initialization_recovery
-            await self._with_lease(claim, "initialization recovery", _hook_call(hook, a))
+            await self._with_lease(claim, "initialization recovery", hook_call(hook, a))
 
         provisioner = self._provisioner_for(a)
         if provisioner is None:
@@ -788,7 +701,7 @@ class Reconciler:
                 claim, self._store.begin_initialization(claim.fence), "begin initialization"
             )
             try:
-                await self._with_lease(claim, "on_ready", _hook_call(hook, marked))
+                await self._with_lease(claim, "on_ready", hook_call(hook, marked))
             except (LeaseLost, asyncio.CancelledError):
                 raise
             except InitializationUncertain as exc:
@@ -949,7 +862,7 @@ class Reconciler:
             await self._store.wake(target.allocation_id, target.generation)
             self._note_connect(target)
 
-        task = self._enqueue(target.allocation_id, step, "connect event")
+        task = self._work.enqueue(target.allocation_id, step, "connect event")
         await asyncio.wait({task})
         task.result()
 
@@ -966,7 +879,7 @@ class Reconciler:
             )
             self._note_disconnect(target, lease_invalidated=lost is not None)
 
-        task = self._enqueue(target.allocation_id, step, "disconnect event")
+        task = self._work.enqueue(target.allocation_id, step, "disconnect event")
         await asyncio.wait({task})
         task.result()
 
@@ -1030,15 +943,6 @@ class Reconciler:
                     error=str(exc),
                 )
         return repaired
-
-
-def _hook_call(
-    hook: Hook, allocation: Allocation
-) -> Callable[[HookContext], Coroutine[Any, Any, None]]:
-    async def call(context: HookContext) -> None:
-        await hook(allocation, context)
-
-    return call
 
 
 def _outcome_text(kind: str, outcome: object) -> tuple[str | None, str | None]:
