@@ -181,6 +181,13 @@ class DaemonProcess:
                 return str(line["admin"])
         raise AssertionError("hubd has not said where its admin listener is")
 
+    @property
+    def sidecar_url(self) -> str:
+        for line in self.lines:
+            if line.get("event") == "hubd running":
+                return str(line["sidecar_url"])
+        raise AssertionError("hubd has not said where sidecars dial")
+
     async def signal(self, signum: int) -> None:
         assert self.process is not None
         self.process.send_signal(signum)

