@@ -113,8 +113,16 @@ class TestFences:
         assert last.instance_id == "in_test"
         assert last.to_status == str(updated.status)
 
-    @pytest.mark.parametrize("variant", ["lease", "generation", "status", "expired"])
-    @pytest.mark.parametrize("name", sorted(TRANSITIONS))
+    @pytest.mark.parametrize(
+        ("name", "variant"),
+        [
+            (name, variant)
+            for name in sorted(TRANSITIONS)
+            for variant in ("lease", "generation", "status", "expired")
+            # park accepts every active status: it has no wrong status to try.
+            if not (variant == "status" and TRANSITIONS[name][0] is None)
+        ],
+    )
     async def test_wrong_fence_changes_nothing(
         self, store: AllocationStore, db: Database, name: str, variant: str
     ) -> None:
@@ -122,8 +130,7 @@ class TestFences:
         expired lease returns None and leaves the row and the ledger as they were."""
         status, call = TRANSITIONS[name]
         if variant == "status":
-            if status is None:
-                pytest.skip("park accepts every active status")
+            assert status is not None
             fence = await drive_to(store, db, WRONG_STATUS[status])
         else:
             fence = await drive_to(store, db, status or Status.ALLOCATED)
