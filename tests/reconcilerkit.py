@@ -72,9 +72,15 @@ def garbage(value: object) -> Behaviour:
 class Gate:
     """A plugin call that blocks until released; records that it started and how it ended."""
 
-    def __init__(self, result: object = None, *, ignore_cancel: bool = False) -> None:
+    def __init__(
+        self,
+        result: object = None,
+        *,
+        ignore_cancel: bool = False,
+        release: asyncio.Event | None = None,
+    ) -> None:
         self.started = asyncio.Event()
-        self.release = asyncio.Event()
+        self.release = release or asyncio.Event()
         self.cancelled = asyncio.Event()
         self.finished = asyncio.Event()
         self.result = result if result is not None else Accepted("gated")

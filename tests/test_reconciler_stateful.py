@@ -26,7 +26,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hubd.plugins.protocol import Accepted
+from hubd.plugins.protocol import Accepted, Destroyed
 from hubd.reconciler.engine import Reconciler, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
@@ -187,18 +187,28 @@ class ReconcilerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.slow is None)
     @rule()
     def start_slow_claim(self) -> None:
+        # Every call of the slow claim blocks, whatever status it claimed: ensure of a pending
+        # or replacing row, destroy of a replacing or releasing one.
         provisioner = ScriptedProvisioner()
         gate = Gate(Accepted("slow"))
-        provisioner.ensure_script.append(gate)
+        provisioner.default_ensure = gate
+        provisioner.default_destroy = Gate(Destroyed(), release=gate.release)
         slow = make_reconciler(
             self.harness.slow_db, self.router, provisioner, instance_id="slow", settings=SETTINGS
         )
 
+        destroy_gate = provisioner.default_destroy
+        assert isinstance(destroy_gate, Gate)
+
         async def start() -> asyncio.Task[bool]:
             task = asyncio.create_task(slow.reconcile_next())
-            started = asyncio.create_task(gate.started.wait())
-            await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
-            started.cancel()
+            started = {
+                asyncio.create_task(gate.started.wait()),
+                asyncio.create_task(destroy_gate.started.wait()),
+            }
+            await asyncio.wait({task, *started}, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in started:
+                waiter.cancel()
             return task
 
         self.slow = SlowClaim(slow, gate, self.run(start()))
