@@ -47,7 +47,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -56,6 +56,7 @@ import structlog
 
 from hubd.config import format_duration, parse_duration
 from hubd.errors import PluginLoadError
+from hubd.plugins.procfs import boot_id, group_members, names_sidecar, read_stat
 from hubd.plugins.protocol import (
     Accepted,
     Destroyed,
@@ -210,68 +211,6 @@ def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> LocalProv
     return LocalProvisioner(id=id, options=parse_options(options), state_dir=state_dir)
 
 
-# ---------------------------------------------------------------------------------------------
-# /proc
-# ---------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class _Stat:
-    state: str
-    ppid: int
-    pgid: int
-    start_time: int
-
-    @property
-    def dead(self) -> bool:
-        return self.state in {"Z", "X", "x"}
-
-
-def _read_stat(pid: int) -> _Stat | None:
-    """``/proc/<pid>/stat``, or ``None`` when there is no such process."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # Field 2 (comm) is free text in parentheses and may hold ") "; it ends at the last ")".
-    fields = data[data.rindex(b")") + 2 :].split()
-    # fields[0] is field 3 of proc(5): state, ppid, pgrp, …, starttime (field 22).
-    return _Stat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
-
-
-def _names_sidecar(pid: int, sidecar_id: str) -> bool | None:
-    """Whether the process's environment names ``sidecar_id``; ``None`` when it cannot be read
-    (another user's process, or a zombie whose memory is gone)."""
-    try:
-        data = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    if not data:
-        return None
-    return f"HUBD_SIDECAR_ID={sidecar_id}".encode() in data.split(b"\0")
-
-
-def _group_members(pgid: int) -> Iterator[tuple[int, _Stat]]:
-    with os.scandir("/proc") as entries:
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            try:
-                stat = _read_stat(pid)
-            except (OSError, ValueError, IndexError):
-                continue
-            if stat is not None and stat.pgid == pgid:
-                yield pid, stat
-
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
-    except OSError:
-        return None
-
-
 def _last_line(path: Path, offset: int = 0) -> str:
     """The last non-blank line written to ``path`` after ``offset``, bounded and scrubbed."""
     try:
@@ -409,7 +348,7 @@ class LocalProvisioner:
         self.options = options
         self.directory = state_dir / "local"
         self._settle = settle
-        self._boot_id = _boot_id()
+        self._boot_id = boot_id()
         # Children this instance started, with the task that awaits (and so reaps) each one.
         self._children: dict[str, tuple[asyncio.subprocess.Process, asyncio.Task[int]]] = {}
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
@@ -534,7 +473,7 @@ class LocalProvisioner:
         # No await from here until the record is on disk: a cancellation cannot land between
         # the start and the record, so there is never a child that no record describes.
         reaper = self._watch(sidecar_id, process)
-        stat = _read_stat(process.pid)
+        stat = read_stat(process.pid)
         record = _Record(
             sidecar_id=sidecar_id,
             pid=process.pid,
@@ -614,21 +553,21 @@ class LocalProvisioner:
             return _Leader.FOREIGN  # never, whatever a record says, signal hubd's own group
         if record.boot_id is not None and record.boot_id != self._boot_id:
             return _Leader.FOREIGN
-        stat = _read_stat(record.pid)
+        stat = read_stat(record.pid)
         if stat is None:
             return _Leader.ABSENT
         if stat.start_time != record.start_time:
             return _Leader.FOREIGN
         # A record rebuilt from an external_ref has no boot id to rule out a process of an
         # earlier boot that happens to match pid and start time; its environment can.
-        if record.boot_id is None and _names_sidecar(record.pid, record.sidecar_id) is False:
+        if record.boot_id is None and names_sidecar(record.pid, record.sidecar_id) is False:
             return _Leader.FOREIGN
         return _Leader.EXITED if stat.dead else _Leader.RUNNING
 
     def _group_is_ours(self, record: _Record) -> bool:
         return any(
-            not stat.dead and _names_sidecar(pid, record.sidecar_id)
-            for pid, stat in _group_members(record.pgid)
+            not stat.dead and names_sidecar(pid, record.sidecar_id)
+            for pid, stat in group_members(record.pgid)
         )
 
     def _group_alive(self, pgid: int) -> bool:
@@ -642,7 +581,7 @@ class LocalProvisioner:
         except PermissionError:
             pass  # a member we may not signal still counts as alive
         alive = False
-        for pid, stat in _group_members(pgid):
+        for pid, stat in group_members(pgid):
             if not stat.dead:
                 alive = True
             elif stat.ppid == os.getpid() and pid != pgid:
