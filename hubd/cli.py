@@ -288,7 +288,12 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
     from hubd.daemon.dev import run_dev
     from hubd.daemon.service import Daemon
 
-    return asyncio.run(run_dev(config) if dev else Daemon(config).run())
+    try:
+        return asyncio.run(run_dev(config) if dev else Daemon(config).run())
+    except ExceptionGroup:
+        # A supervised background task died; the daemon logged which one and why.
+        print("hubd: stopped because a background task failed (see the log)", file=sys.stderr)
+        return EXIT_FAILED
 
 
 # -- entry point -------------------------------------------------------------------------------

@@ -331,3 +331,36 @@ class TestOperatorInterfaces:
         assert result.code == 2
         assert "k8s" in result.err
         assert "no.such.module" in result.err
+
+
+class TestSupervision:
+    async def test_a_dying_task_stops_the_daemon_loudly(
+        self, database_url: str, marker: str, state_dir: Path
+    ) -> None:
+        """When a supervised background task dies, the daemon logs which one, stops the rest,
+        and its run ends with the error instead of carrying on silently."""
+        from structlog.testing import capture_logs
+
+        from hubd.config import load_config
+        from hubd.daemon.service import Daemon
+
+        config = load_config(
+            write_config(
+                state_dir / "hubd.toml",
+                database_url=database_url,
+                state_dir=state_dir,
+                marker=marker,
+            ),
+            env={},
+        )
+
+        async def explode(_daemon: Daemon) -> None:
+            raise RuntimeError("hook exploded")
+
+        daemon = Daemon(config, on_started=explode)
+        with capture_logs() as logs, pytest.raises(ExceptionGroup) as raised:
+            await daemon.run()
+        assert raised.group_contains(RuntimeError, match="hook exploded")
+        died = [e for e in logs if e["event"] == "background task died; stopping hubd"]
+        assert [e["task"] for e in died] == ["announce-ready"]
+        assert any(e["event"] == "hubd stopped" for e in logs)

@@ -26,6 +26,7 @@ import structlog
 
 from hubd.config import Config
 from hubd.daemon.admin import AdminServer
+from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.daemon.wakeups import NotificationListener, Waker
@@ -213,20 +214,33 @@ class Daemon:
         workers: set[asyncio.Task[None]] = set()
         try:
             async with asyncio.TaskGroup() as group:
+
+                def start(name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+                    return group.create_task(self._supervised(name, coro), name=name)
+
                 for index in range(self.config.reconciler.max_concurrent_claims):
-                    workers.add(
-                        group.create_task(self._claim_loop(reconciler), name=f"claim-{index}")
-                    )
-                group.create_task(self._listener.run(), name="wake-listener")
-                group.create_task(self._announce_ready(), name="announce-ready")
-                group.create_task(self._heartbeat(instances), name="heartbeat")
-                group.create_task(self._repair_loop(reconciler, connections), name="repair")
-                group.create_task(self._count_loop(db), name="allocation-counts")
-                group.create_task(self._watchdog(), name="watchdog")
-                group.create_task(self._stop_when_asked(workers), name="shutdown")
+                    workers.add(start(f"claim-{index}", self._claim_loop(reconciler)))
+                start("wake-listener", self._listener.run())
+                start("announce-ready", self._announce_ready())
+                start("heartbeat", self._heartbeat(instances))
+                start("repair", self._repair_loop(reconciler, connections))
+                start("allocation-counts", self._count_loop(db))
+                start("watchdog", self._watchdog())
+                start("shutdown", self._stop_when_asked(workers))
         except* _Stop:
             log.info("claim loops stopped")
         return 0
+
+    async def _supervised(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a background task; if it dies, say which one, loudly, and let the group stop
+        the daemon."""
+        try:
+            await coro
+        except (asyncio.CancelledError, _Stop):
+            raise
+        except BaseException:
+            log.critical("background task died; stopping hubd", task=name, exc_info=True)
+            raise
 
     async def _announce_ready(self) -> None:
         """READY=1 once every listener serves: sidecars, admin, and the wake-up LISTEN."""
@@ -258,6 +272,7 @@ class Daemon:
         poll = self.config.reconciler.poll_interval
         backoff = 0.5
         while not self._stopping.is_set():
+            raise_if_cancelled()
             try:
                 worked = await reconciler.reconcile_next()
                 backoff = 0.5
@@ -287,6 +302,7 @@ class Daemon:
     async def _heartbeat(self, instances: InstanceStore) -> None:
         interval = self.config.instance.heartbeat_interval
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(interval)
             try:
                 if not await instances.heartbeat(self.instance_id):
@@ -305,6 +321,7 @@ class Daemon:
         interval = self.config.reconciler.repair_interval
         ttl = self.config.instance.ttl
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(interval)
             try:
                 for stale in await connections.stale(ttl):
@@ -321,6 +338,7 @@ class Daemon:
     async def _count_loop(self, db: Database) -> None:
         statuses = [str(s) for s in Status]
         while True:
+            raise_if_cancelled()
             try:
                 async with db.connection("count allocations") as conn:
                     rows = await conn.fetch(_COUNT_BY_STATUS)
@@ -336,6 +354,7 @@ class Daemon:
         if interval is None:
             return
         while True:
+            raise_if_cancelled()
             notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 

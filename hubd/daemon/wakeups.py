@@ -18,6 +18,7 @@ from typing import Any
 import asyncpg
 import structlog
 
+from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.store.database import Database, init_connection
 
 __all__ = ["NotificationListener", "Waker"]
@@ -42,6 +43,7 @@ class Waker:
 
     async def wait(self, limit: float) -> None:
         """Return when woken or after ``limit`` seconds (the poll fallback)."""
+        raise_if_cancelled()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(limit):
                 await self._event.wait()
@@ -85,6 +87,7 @@ class NotificationListener:
         """Listen forever; reconnect with capped backoff whenever the connection is lost."""
         backoff = 0.5
         while True:
+            raise_if_cancelled()
             conn: asyncpg.Connection | None = None
             try:
                 conn = await asyncpg.connect(self._dsn, timeout=10)
@@ -112,6 +115,7 @@ class NotificationListener:
     async def _watch(self, lost: asyncio.Event) -> None:
         """Return when the connection is lost or stops delivering our own notifications."""
         while not lost.is_set():
+            raise_if_cancelled()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._selfcheck_interval):
                     await lost.wait()
