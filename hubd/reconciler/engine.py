@@ -168,6 +168,12 @@ class Reconciler:
         A late or cancelled operation is asked to stop, but stays tracked until it settles, so
         its allocation stays excluded from claims meanwhile.
         """
+        # Cancellation is how a lost lease stops the claim, but a library can swallow one (on
+        # Python 3.11 asyncio.wait_for may): the recorded loss is checked as well, so a claim
+        # that lost its lease starts nothing more, whatever became of the cancellation.
+        if claim.lost is not None:
+            coro.close()
+            raise claim.lost
         limit = self.settings.operation_timeout if limit is None else limit
         task = self._work.spawn(
             coro, allocation_id=claim.allocation.id, name=f"{what} {claim.allocation.id}"
