@@ -19,6 +19,7 @@ from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
 from hubd.store import AllocationStore, Database, LedgerStore
+from tests.polling import eventually
 
 Behaviour = Callable[[Any], Awaitable[object]]
 
@@ -152,9 +153,7 @@ async def poll_until(
     check: Callable[[], Awaitable[bool]], *, within: float = 10.0, every: float = 0.02
 ) -> None:
     """Poll ``check`` until it is true; fail the test when ``within`` seconds pass first."""
-    async with asyncio.timeout(within):
-        while not await check():  # noqa: ASYNC110 -- polling the database, not a local event
-            await asyncio.sleep(every)
+    await eventually(check, within=within, every=every)
 
 
 async def connect(reconciler: Reconciler, router: MemoryRouter, target: Target) -> None:

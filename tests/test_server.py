@@ -36,6 +36,7 @@ from hubd.store.connections import (
 from hubd.store.instances import InstanceStore
 from hubd.store.values import new_allocation_id
 from hubd.tokens import hash_token, new_sidecar_id, new_token
+from tests.polling import eventually
 from tests.storekit import claim_one
 from tests.wskit import (
     INSTANCE_ID,
@@ -44,7 +45,6 @@ from tests.wskit import (
     bring_back,
     close_code_of,
     dial,
-    eventually,
     record_row,
     rejection,
     running_hub,

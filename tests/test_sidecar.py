@@ -33,10 +33,10 @@ from hubd.sidecar.policy import (
 )
 from hubd.store import AllocationStore, Database, connect_database
 from hubd.tokens import new_token
+from tests.polling import eventually
 from tests.wskit import (
     Sidecar,
     bring_back,
-    eventually,
     running_hub,
     sidecar_in,
     take_away,

@@ -1,11 +1,11 @@
-"""Helpers for the websocket tests: sidecar identities, a running hub, real clients, polling."""
+"""Helpers for the websocket tests: sidecar identities, a running hub, real clients."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -194,23 +194,6 @@ async def close_code_of(ws: ClientConnection) -> int | None:
                 await ws.recv()
     except ConnectionClosed as exc:
         return exc.rcvd.code if exc.rcvd is not None else None
-
-
-async def eventually(
-    check: Callable[[], bool | Awaitable[bool]], *, within: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll ``check`` until it holds; fail after ``within`` seconds (a deadline, not a sleep)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def wrong_token() -> str:
