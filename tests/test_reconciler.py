@@ -56,6 +56,16 @@ async def effects(ledger: LedgerStore, allocation_id: str, kind: str) -> list[st
     return [str(e.phase) for e in await ledger.history(allocation_id) if e.kind == kind]
 
 
+async def allocated_and_connected(
+    store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
+) -> Allocation:
+    """A new allocation ensured and parked, whose sidecar has just connected (not yet ready)."""
+    allocation = await store.request(provisioner_id="fake")
+    assert await reconciler.reconcile_next()
+    await connect(reconciler, router, Target(allocation.id, 1))
+    return allocation
+
+
 async def to_ready(
     store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
 ) -> Allocation:
@@ -411,9 +421,7 @@ class TestHooks:
             raise RuntimeError("hub busy")
 
         reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
-        await connect(reconciler, router, Target(allocation.id, 1))
+        allocation = await allocated_and_connected(store, reconciler, router)
         assert await reconciler.reconcile_next()
         after = await store.get(allocation.id)
         assert after.status is Status.ALLOCATED
@@ -436,9 +444,7 @@ class TestHooks:
             raise InitializationUncertain("sender may be half deployed")
 
         reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
-        await connect(reconciler, router, Target(allocation.id, 1))
+        allocation = await allocated_and_connected(store, reconciler, router)
         assert await reconciler.reconcile_next()
         after = await store.get(allocation.id)
         assert after.status is Status.RELEASING
@@ -511,9 +517,7 @@ class TestHooks:
                 await reconciler.handle_connected(Target(allocation.id, allocation.generation))
 
         reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
-        await connect(reconciler, router, Target(allocation.id, 1))
+        allocation = await allocated_and_connected(store, reconciler, router)
         assert await reconciler.reconcile_next()
         follow_up = await store.get(allocation.id)
         assert not follow_up.ready
