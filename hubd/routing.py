@@ -1,8 +1,10 @@
 """The seam between the reconciler and whatever carries sidecar connections.
 
-The reconciler asks a :class:`Router` to fence and retire sockets and whether a sidecar is
-ready; the router tells a :class:`ConnectionEvents` sink (the reconciler) when sidecars connect
-and disconnect. Neither side imports the other: both depend on this module only.
+The reconciler asks a :class:`Router` to fence and retire the sockets this process holds and to
+wait for a sidecar's connect notification. Whether a sidecar *is* connected is never asked of a
+router: that is the database's answer (:meth:`hubd.store.connections.ConnectionStore.readiness`),
+the same on every replica. A router may tell a :class:`ConnectionEvents` sink (metrics, tests)
+what its sockets do. Neither side imports the other: both depend on this module only.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Protocol
 
 import attrs
 
-from hubd.errors import DatabaseUnavailable, HubdError
+from hubd.errors import HubdError
 
 __all__ = ["ConnectionEvents", "MemoryRouter", "Router", "SidecarNotConnected", "Target"]
 
@@ -36,16 +38,10 @@ class Router(Protocol):
     def retire(self, allocation_id: str, generation: int) -> None:
         """The allocation is terminal: close its sockets (close code 4001)."""
 
-    async def is_ready(self, target: Target) -> bool:
-        """Whether the target's sidecar holds a current connection, on any replica.
-
-        Raises :class:`hubd.errors.DatabaseUnavailable` when that cannot be known: unknown is
-        never reported as absent.
-        """
-
     async def wait_ready(self, target: Target, within: float) -> None:
-        """Return once the target's sidecar is connected; raise :class:`SidecarNotConnected`
-        when ``within`` seconds pass first."""
+        """Return once a connect of the target's sidecar is announced (on any replica), or
+        at once if one is recorded; raise :class:`SidecarNotConnected` when ``within`` seconds
+        pass first. A hint only: the caller reads the record before acting on it."""
 
 
 class ConnectionEvents(Protocol):
@@ -57,48 +53,27 @@ class ConnectionEvents(Protocol):
 
 
 class MemoryRouter:
-    """A :class:`Router` kept in memory: connections are whatever the owner says they are.
-
-    Used by reconciler tests and by embedders that have no websocket side; ``unavailable``
-    makes readiness unknowable, as a database outage would.
-    """
+    """A :class:`Router` with no sockets: it remembers what it was asked to fence and retire,
+    and its waiters wake when the owner calls :meth:`notify_connected` (as a ``hubd_connected``
+    notification would). Used by reconciler tests and by embedders with no websocket side."""
 
     def __init__(self) -> None:
-        self.connected: set[Target] = set()
         self.fenced: list[Target] = []
         self.retired: list[Target] = []
-        self.unavailable = False
         self._arrivals: dict[Target, asyncio.Event] = {}
 
-    def connect(self, target: Target) -> None:
-        self.connected.add(target)
+    def notify_connected(self, target: Target) -> None:
         arrival = self._arrivals.pop(target, None)
         if arrival is not None:
             arrival.set()
 
-    def disconnect(self, target: Target) -> None:
-        self.connected.discard(target)
-
     def fence(self, allocation_id: str, generation: int) -> None:
         self.fenced.append(Target(allocation_id, generation))
-        self.connected = {
-            t
-            for t in self.connected
-            if t.allocation_id != allocation_id or t.generation >= generation
-        }
 
     def retire(self, allocation_id: str, generation: int) -> None:
         self.retired.append(Target(allocation_id, generation))
-        self.connected = {t for t in self.connected if t.allocation_id != allocation_id}
-
-    async def is_ready(self, target: Target) -> bool:
-        if self.unavailable:
-            raise DatabaseUnavailable("readiness is unknown: the router is unavailable")
-        return target in self.connected
 
     async def wait_ready(self, target: Target, within: float) -> None:
-        if target in self.connected:
-            return
         arrival = self._arrivals.setdefault(target, asyncio.Event())
         try:
             async with asyncio.timeout(within):

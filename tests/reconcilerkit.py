@@ -1,4 +1,5 @@
-"""A scripted provisioner plugin and a reconciler wired to the real store for tests."""
+"""A scripted provisioner plugin, a router that writes real connection records, and a
+reconciler wired to the real store for tests."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from hubd.plugins.protocol import (
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
+from hubd.server.router import new_connection_id
 from hubd.store import AllocationStore, Database, LedgerStore
+from hubd.store.connections import ConnectionStore, RecordOutcome
+from hubd.store.instances import InstanceStore
 from tests.polling import eventually
 
 Behaviour = Callable[[Any], Awaitable[object]]
@@ -127,6 +131,51 @@ class ScriptedProvisioner:
         return await behaviour(request)
 
 
+class RecordingRouter(MemoryRouter):
+    """A router without sockets that writes connection records exactly as the websocket
+    router does (the same statements), on behalf of one hub instance. ``connect`` and
+    ``disconnect`` stand for a sidecar's socket opening and closing on that instance."""
+
+    def __init__(self, db: Database, *, instance_id: str = "in_test") -> None:
+        super().__init__()
+        self.instance_id = instance_id
+        self.connections = ConnectionStore(db, instance_id=instance_id)
+        self._instances = InstanceStore(db)
+        self._db = db
+        self.current: dict[str, tuple[Target, str]] = {}
+        """Allocation id → the target and connection id of the socket open here."""
+
+    async def heartbeat(self) -> None:
+        await self._instances.register(self.instance_id, "test-host", 1, None)
+
+    async def connect(self, target: Target) -> RecordOutcome:
+        """A sidecar of ``target`` opens a socket here (taking over any older one)."""
+        await self.heartbeat()
+        async with self._db.pool.acquire() as conn:
+            sidecar_id = await conn.fetchval(
+                "SELECT sidecar_id FROM hubd_allocations WHERE id = $1", target.allocation_id
+            )
+        connection_id = new_connection_id()
+        record = await self.connections.record(connection_id, target, sidecar_id or "sc_none")
+        if record.outcome is RecordOutcome.RECORDED:
+            self.current[target.allocation_id] = (target, connection_id)
+            self.notify_connected(target)
+        return record.outcome
+
+    async def disconnect(self, target: Target, *, connect_timeout: float = 30.0) -> bool:
+        """The socket of ``target`` open here closes; ``True`` if its record was current."""
+        held = self.current.get(target.allocation_id)
+        if held is None or held[0] != target:
+            return False
+        del self.current[target.allocation_id]
+        return await self.connections.disconnect(
+            target.allocation_id, held[1], connect_timeout=connect_timeout
+        )
+
+    def connected(self) -> set[Target]:
+        return {target for target, _ in self.current.values()}
+
+
 def make_reconciler(
     db: Database,
     router: MemoryRouter,
@@ -140,6 +189,7 @@ def make_reconciler(
     return Reconciler(
         store=AllocationStore(db, instance_id=instance_id),
         ledger=LedgerStore(db, instance_id=instance_id),
+        connections=ConnectionStore(db, instance_id=instance_id),
         provisioners={provisioner.id: provisioner} if provisioner is not None else {},
         router=router,
         hub_ws_url="ws://127.0.0.1:1",
@@ -156,7 +206,8 @@ async def poll_until(
     await eventually(check, within=within, every=every)
 
 
-async def connect(reconciler: Reconciler, router: MemoryRouter, target: Target) -> None:
-    """A sidecar of ``target`` connects, as the websocket router would report it."""
-    router.connect(target)
-    await reconciler.handle_connected(target)
+async def connect(reconciler: Reconciler, router: RecordingRouter, target: Target) -> None:
+    """A sidecar of ``target`` connects: its record is written, as the websocket router
+    writes it, and waiters of ``reconciler`` hear of it."""
+    del reconciler  # the record is the whole event: any reconciler reads it from the database
+    assert await router.connect(target) is RecordOutcome.RECORDED

@@ -84,7 +84,7 @@ class TestMigrate:
         results = await asyncio.gather(*(run_hubd_async("migrate", env=env) for _ in range(2)))
         assert [r.code for r in results] == [0, 0], [r.err for r in results]
         assert sorted(r.out.strip() for r in results) == [
-            "applied 0001_initial",
+            "applied 0001_initial\napplied 0002_connection_truth",
             "schema is up to date",
         ]
 

@@ -19,7 +19,13 @@ from hubd.server.handshake import (
     unavailable,
 )
 from hubd.server.websocket import MessageBudget, is_loopback_host
-from hubd.store.connections import SidecarIdentity, parse_connected_payload
+from hubd.store.connections import (
+    ConnectedNotice,
+    SidecarIdentity,
+    SocketControl,
+    parse_connected_payload,
+    parse_sockets_payload,
+)
 from hubd.store.models import Status
 from hubd.tokens import hash_token, new_token
 
@@ -258,14 +264,33 @@ class TestSmallDecisions:
     @pytest.mark.parametrize(
         ("payload", "target"),
         [
-            (f"{ALLOCATION}:3", Target(ALLOCATION, 3)),
-            (f"{ALLOCATION}:0", None),
-            (f"{ALLOCATION}:", None),
+            (f"{ALLOCATION}:3:7:cn_1", ConnectedNotice(Target(ALLOCATION, 3), 7, "cn_1")),
+            (f"{ALLOCATION}:3:7", None),
+            (f"{ALLOCATION}:3:7:", None),
+            (f"{ALLOCATION}:3", None),
+            (f"{ALLOCATION}:0:1:cn_1", None),
+            (f"{ALLOCATION}::1:cn_1", None),
             (ALLOCATION, None),
-            (":3", None),
-            (f"{ALLOCATION}:x", None),
+            (":3:1:cn_1", None),
+            (f"{ALLOCATION}:x:1:cn_1", None),
+            (f"{ALLOCATION}:3:x:cn_1", None),
         ],
     )
-    def test_connected_payload(self, payload: str, target: Target | None) -> None:
-        """A hubd_connected payload names one target, or nothing when malformed."""
+    def test_connected_payload(self, payload: str, target: ConnectedNotice | None) -> None:
+        """A hubd_connected payload names one target and its record's number, or nothing when
+        malformed."""
         assert parse_connected_payload(payload) == target
+
+    @pytest.mark.parametrize(
+        ("payload", "control"),
+        [
+            (f"{ALLOCATION}:2:fence", SocketControl(ALLOCATION, 2, retire=False)),
+            (f"{ALLOCATION}:2:retire", SocketControl(ALLOCATION, 2, retire=True)),
+            (f"{ALLOCATION}:2:close", None),
+            (f"{ALLOCATION}:0:fence", None),
+            (f"{ALLOCATION}:fence", None),
+        ],
+    )
+    def test_sockets_payload(self, payload: str, control: SocketControl | None) -> None:
+        """A hubd_sockets payload says fence or retire for one generation, or nothing."""
+        assert parse_sockets_payload(payload) == control

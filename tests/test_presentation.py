@@ -32,6 +32,7 @@ def allocation(**changes: object) -> Allocation:
         external_ref=None,
         connect_deadline=None,
         connection_ready=False,
+        connection_seq=0,
         initialization_lease_id=None,
         ensure_attempts=0,
         destroy_attempts=0,

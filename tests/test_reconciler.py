@@ -9,7 +9,7 @@ import pytest
 from hubd.errors import InitializationUncertain
 from hubd.plugins.protocol import Accepted, Destroyed
 from hubd.reconciler.engine import HookContext, Reconciler, ReconcilerSettings
-from hubd.routing import MemoryRouter, Target
+from hubd.routing import Target
 from hubd.store import (
     Allocation,
     AllocationStore,
@@ -25,6 +25,7 @@ from tests.pgtime import age_row, expire_lease
 from tests.reconcilerkit import (
     SETTINGS,
     Gate,
+    RecordingRouter,
     ScriptedProvisioner,
     accept,
     connect,
@@ -38,8 +39,8 @@ from tests.reconcilerkit import (
 
 
 @pytest.fixture
-def router() -> MemoryRouter:
-    return MemoryRouter()
+def router(db: Database) -> RecordingRouter:
+    return RecordingRouter(db)
 
 
 @pytest.fixture
@@ -48,7 +49,9 @@ def provisioner() -> ScriptedProvisioner:
 
 
 @pytest.fixture
-def reconciler(db: Database, router: MemoryRouter, provisioner: ScriptedProvisioner) -> Reconciler:
+def reconciler(
+    db: Database, router: RecordingRouter, provisioner: ScriptedProvisioner
+) -> Reconciler:
     return make_reconciler(db, router, provisioner)
 
 
@@ -57,7 +60,7 @@ async def effects(ledger: LedgerStore, allocation_id: str, kind: str) -> list[st
 
 
 async def allocated_and_connected(
-    store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
+    store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
 ) -> Allocation:
     """A new allocation ensured and parked, whose sidecar has just connected (not yet ready)."""
     allocation = await store.request(provisioner_id="fake")
@@ -67,7 +70,7 @@ async def allocated_and_connected(
 
 
 async def to_ready(
-    store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
+    store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
 ) -> Allocation:
     """A new allocation driven to ready: ensure accepted, parked, sidecar connects, marked ready."""
     allocation = await store.request(provisioner_id="fake")
@@ -87,7 +90,7 @@ class TestHappyPath:
         store: AllocationStore,
         ledger: LedgerStore,
         reconciler: Reconciler,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """A request is bound, ensured and parked until its connect deadline; the sidecar's
@@ -119,7 +122,7 @@ class TestHappyPath:
         self,
         store: AllocationStore,
         reconciler: Reconciler,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """A sidecar that connects while ensure is still running is ready when ensure returns,
@@ -143,7 +146,7 @@ class TestHappyPath:
         store: AllocationStore,
         ledger: LedgerStore,
         reconciler: Reconciler,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """Releasing a ready allocation destroys its sidecar, marks it released and retires its
@@ -161,14 +164,13 @@ class TestHappyPath:
         assert await effects(ledger, ready.id, "destroy") == ["intent", "committed"]
 
     async def test_disconnect_then_reconnect_restores_ready(
-        self, store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
+        self, store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
     ) -> None:
         """A disconnect un-readies the allocation with a connect deadline; a reconnect before it
         makes the allocation ready again under the same generation."""
         ready = await to_ready(store, reconciler, router)
         target = Target(ready.id, ready.generation)
-        router.disconnect(target)
-        await reconciler.handle_disconnect(target)
+        assert await router.disconnect(target)
         lost = await store.get(ready.id)
         assert not lost.ready
         assert lost.connect_deadline is not None
@@ -196,7 +198,7 @@ class TestEnsureOutcomes:
         store: AllocationStore,
         ledger: LedgerStore,
         reconciler: Reconciler,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
         behaviour: object,
         code: str,
@@ -239,7 +241,7 @@ class TestEnsureOutcomes:
         self,
         store: AllocationStore,
         reconciler: Reconciler,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """A non-retryable rejection fails the allocation with the plugin's code and retires it."""
@@ -286,7 +288,7 @@ class TestDestroyOutcomes:
         store: AllocationStore,
         db: Database,
         reconciler: Reconciler,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
         behaviour: object,
     ) -> None:
@@ -309,7 +311,7 @@ class TestDestroyOutcomes:
         self,
         store: AllocationStore,
         reconciler: Reconciler,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """A non-retryable destroy rejection ends in destroy_failed for an operator to check."""
@@ -325,7 +327,7 @@ class TestDestroyOutcomes:
 
 class TestProvisionerAvailability:
     async def test_missing_provisioner_fails_pending(
-        self, store: AllocationStore, db: Database, router: MemoryRouter
+        self, store: AllocationStore, db: Database, router: RecordingRouter
     ) -> None:
         """A pending allocation whose provisioner is not configured fails as
         provisioner_unavailable: nothing was provisioned."""
@@ -337,7 +339,7 @@ class TestProvisionerAvailability:
         assert failed.failure_code == "provisioner_unavailable"
 
     async def test_rebound_provisioner_retries_later(
-        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: MemoryRouter
+        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: RecordingRouter
     ) -> None:
         """An allocation bound to api_version 1 is not handed to a provisioner that now says 2:
         it is retried later, not failed, because its sidecar may exist."""
@@ -358,7 +360,7 @@ class TestConnectDeadline:
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
         recovery: bool,
     ) -> None:
@@ -391,7 +393,7 @@ class TestHooks:
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """on_ready runs after the initialization marker is durable and before ready."""
@@ -412,7 +414,7 @@ class TestHooks:
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """A hook that raises schedules a retry at the capped backoff and clears the marker."""
@@ -434,7 +436,7 @@ class TestHooks:
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """A hook that reports uncertainty abandons the sidecar (a release while automatic
@@ -454,54 +456,73 @@ class TestHooks:
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
-        """A disconnect while on_ready runs stops the claim and leaves the marker; the next
-        claim finds the initialization uncertain and abandons the sidecar."""
+        """A disconnect recorded while on_ready runs leaves the claim's lease alone, and turns
+        its mark-ready into an immediate follow-up; the follow-up finds no sidecar and parks
+        until the new connect deadline, at the same generation."""
         hook_started = asyncio.Event()
-        hook_cancelled = asyncio.Event()
+        hook_may_finish = asyncio.Event()
 
         async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
             hook_started.set()
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                hook_cancelled.set()
-                raise
+            await hook_may_finish.wait()
 
-        settings = ReconcilerSettings(
-            lease_duration=20,
-            connect_timeout=30,
-            operation_timeout=10,
-            automatic_replacement_recovery=True,
-        )
-        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready, settings=settings)
+        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
         allocation = await store.request(provisioner_id="fake")
         assert await reconciler.reconcile_next()
         target = Target(allocation.id, 1)
         await connect(reconciler, router, target)
         claim = asyncio.create_task(reconciler.reconcile_next())
         await hook_started.wait()
-        router.disconnect(target)
-        await reconciler.handle_disconnect(target)
+        claimed = await store.get(allocation.id)
+        assert await router.disconnect(target)
+        lost = await store.get(allocation.id)
+        assert lost.lease_id == claimed.lease_id, "a disconnect must not touch a claim's lease"
+        hook_may_finish.set()
         assert await claim
-        assert hook_cancelled.is_set()
-        marked = await store.get(allocation.id)
-        assert marked.initialization_lease_id is not None
-        assert marked.lease_id is None
-        assert not marked.ready
-        await age_row(db, allocation.id, 31)
+        follow_up = await store.get(allocation.id)
+        assert not follow_up.ready
+        assert follow_up.initialization_lease_id is None
+        assert follow_up.lease_id is None
+        assert follow_up.next_attempt_at is not None
+        assert follow_up.next_attempt_at < follow_up.connect_deadline  # due now, not parked
         assert await reconciler.reconcile_next()
-        replaced = await store.get(allocation.id)
-        assert replaced.status is Status.REPLACING
-        assert replaced.failure_code == "sidecar_initialization_uncertain"
+        parked = await store.get(allocation.id)
+        assert parked.status is Status.ALLOCATED
+        assert parked.generation == 1
+        assert parked.next_attempt_at == parked.connect_deadline
+
+    async def test_timed_out_hook_is_uncertain(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """An on_ready hook that outlives operation_timeout may still be at work: its outcome
+        is uncertain, never a clean failure, so the sidecar is abandoned rather than
+        initialized a second time."""
+
+        async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
+            await asyncio.Event().wait()
+
+        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
+        allocation = await allocated_and_connected(store, reconciler, router)
+        assert await reconciler.reconcile_next()
+        after = await store.get(allocation.id)
+        assert after.status is Status.RELEASING
+        assert after.failure_code == "sidecar_initialization_uncertain"
+        kinds = [e.kind for e in await ledger.history(allocation.id)]
+        assert "schedule_retry" not in kinds
 
     async def test_connect_during_initialization_schedules_follow_up(
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """A connect that lands while on_ready runs schedules an immediate follow-up instead of
@@ -513,8 +534,9 @@ class TestHooks:
             nonlocal calls
             calls += 1
             if calls == 1:
-                assert reconciler is not None
-                await reconciler.handle_connected(Target(allocation.id, allocation.generation))
+                # The sidecar restarted and its new socket took over (on this replica or any
+                # other: the record is the whole event).
+                assert await router.connect(Target(allocation.id, allocation.generation))
 
         reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
         allocation = await allocated_and_connected(store, reconciler, router)
@@ -533,7 +555,7 @@ class TestLeases:
         store: AllocationStore,
         ledger: LedgerStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """When a second reconciler takes the lease while the first is inside ensure, the first
@@ -569,7 +591,7 @@ class TestLeases:
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """When renewal is refused (the row's lease changed), the claim is aborted: the plugin
@@ -594,7 +616,7 @@ class TestLeases:
         self,
         store: AllocationStore,
         database_url: str,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """When renewal fails with a database error, the claim is aborted and makes no write."""
@@ -623,7 +645,7 @@ class TestLeases:
         ledger: LedgerStore,
         db: Database,
         database_url: str,
-        router: MemoryRouter,
+        router: RecordingRouter,
     ) -> None:
         """A reconciler abandoned mid-ensure (its process gone: connections dead, plugin stuck)
         is followed after lease expiry by a fresh one that finds provisioning, replaces it, and
@@ -660,7 +682,7 @@ class TestLeases:
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """With max_concurrent_claims=1, a second claim is not admitted while one runs."""
@@ -683,7 +705,7 @@ class TestLeases:
         self,
         store: AllocationStore,
         db: Database,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """An ensure that ignores cancellation after its timeout keeps its allocation out of new
@@ -710,35 +732,56 @@ async def _not_busy(reconciler: Reconciler, allocation_id: str) -> bool:
     return allocation_id not in reconciler.busy_allocations()
 
 
-class TestQueue:
-    async def test_events_are_ordered_and_queue_dropped(
-        self, store: AllocationStore, reconciler: Reconciler, router: MemoryRouter
+class TestConnectionRaces:
+    async def test_disconnect_and_reconnect_racing_end_ready(
+        self, store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
     ) -> None:
-        """Connect and disconnect events of one allocation apply in arrival order, and the
-        queue is gone once they settle."""
+        """A disconnect and the sidecar's reconnect racing on one allocation, in either order,
+        leave a live record and a row that is due, and the next claim marks it ready at the
+        same generation."""
         ready = await to_ready(store, reconciler, router)
         target = Target(ready.id, ready.generation)
-        router.disconnect(target)
+        old = router.current[ready.id][1]
         await asyncio.gather(
-            reconciler.handle_disconnect(target), reconciler.handle_connected(target)
+            router.connections.disconnect(ready.id, old, connect_timeout=30),
+            router.connect(target),
         )
+        assert await router.connections.is_connected(target, 20)
+        assert await reconciler.reconcile_next()
+        again = await store.get(ready.id)
+        assert again.ready
+        assert again.generation == ready.generation
+
+    async def test_late_disconnect_cannot_undo_a_newer_record(
+        self, store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
+    ) -> None:
+        """The close of a socket whose record another socket already replaced clears nothing
+        and marks nothing lost."""
+        ready = await to_ready(store, reconciler, router)
+        target = Target(ready.id, ready.generation)
+        old = router.current[ready.id][1]
+        await router.connect(target)  # the takeover
+        assert await reconciler.reconcile_next()
+        before = await store.get(ready.id)
+        assert before.ready
+        assert not await router.connections.disconnect(ready.id, old, connect_timeout=30)
         after = await store.get(ready.id)
-        assert not after.ready
-        assert after.next_attempt_at is not None
-        assert after.next_attempt_at < after.connect_deadline  # woken after the loss
-        assert reconciler.queue_depth == 0
+        assert after.ready
+        assert after.connection_seq == before.connection_seq
 
 
 class TestRepair:
     async def test_initialize_marks_unconnected_lost_and_wakes_unscheduled(
-        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: MemoryRouter
+        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: RecordingRouter
     ) -> None:
-        """Start-up repair treats an allocated sidecar without a connection as lost (keeping a
-        deadline) and wakes an active row that nothing scheduled."""
+        """Start-up repair treats a ready-looking allocation whose record is gone (its hub
+        crashed) as lost, keeping a deadline, and wakes an active row that nothing scheduled."""
         ready = await to_ready(store, reconciler, router)
-        router.disconnect(Target(ready.id, ready.generation))
         unscheduled = await store.request(provisioner_id="fake")
         async with db.pool.acquire() as conn:
+            await conn.execute(
+                "DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1", ready.id
+            )
             await conn.execute(
                 "UPDATE hubd_allocations SET next_attempt_at = NULL WHERE id = $1", unscheduled.id
             )
@@ -746,22 +789,48 @@ class TestRepair:
         lost = await store.get(ready.id)
         assert not lost.ready
         assert lost.next_attempt_at is not None
+        assert lost.next_attempt_at == lost.connect_deadline
         assert (await store.get(unscheduled.id)).next_attempt_at is not None
         assert Target(ready.id, ready.generation) in router.fenced
 
     async def test_repair_schedules_only_unconnected(
-        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: MemoryRouter
+        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: RecordingRouter
     ) -> None:
-        """The repair sweep schedules a ready-looking row whose sidecar is not connected, leaves
-        connected ones alone, and leaves rows alone while readiness is unknown."""
+        """The repair sweep leaves a connected sidecar alone and schedules a ready-looking row
+        whose only record sits on an instance that stopped heartbeating."""
         ready = await to_ready(store, reconciler, router)
         assert await reconciler.repair_unscheduled_connections() == 0
-        router.disconnect(Target(ready.id, ready.generation))
-        router.unavailable = True
-        assert await reconciler.repair_unscheduled_connections() == 0
-        router.unavailable = False
+        assert (await store.get(ready.id)).ready
+        async with db.pool.acquire() as conn:
+            await conn.execute("UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour'")
         assert await reconciler.repair_unscheduled_connections() == 1
-        assert (await store.get(ready.id)).next_attempt_at is not None
+        repaired = await store.get(ready.id)
+        assert not repaired.ready
+        assert repaired.next_attempt_at == repaired.connect_deadline
+
+    async def test_repair_leaves_a_claimed_row_to_its_claim(
+        self,
+        store: AllocationStore,
+        db: Database,
+        reconciler: Reconciler,
+        router: RecordingRouter,
+    ) -> None:
+        """A row a claim holds is never repaired, whatever its records say: the claim's lease
+        decides, and a repair write must not touch it."""
+        ready = await to_ready(store, reconciler, router)
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1", ready.id
+            )
+            await conn.execute(
+                "UPDATE hubd_allocations SET lease_id = 'ls_other', "
+                "lease_expires_at = now() + interval '1 minute' WHERE id = $1",
+                ready.id,
+            )
+        assert await reconciler.repair_unscheduled_connections() == 0
+        after = await store.get(ready.id)
+        assert after.ready
+        assert after.lease_id == "ls_other"
 
 
 def _kinds(history: list[LedgerEntry]) -> list[str]:
@@ -772,51 +841,13 @@ _ = (_kinds, accept, Destroyed, SETTINGS)
 
 
 class TestStalledSteps:
-    async def test_stalled_step_aborts_claim_but_stays_queued(
-        self,
-        store: AllocationStore,
-        db: Database,
-        database_url: str,
-        router: MemoryRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
-        """A queued write that outlives operation_timeout (its row locked elsewhere) aborts the
-        claim without another write; the step stays queued, keeping the allocation out of
-        claims, and when it finally runs it sees the claim is gone and writes nothing."""
-        import asyncpg
-
-        settings = ReconcilerSettings(lease_duration=6, connect_timeout=30, operation_timeout=0.5)
-        reconciler = make_reconciler(db, router, provisioner, settings=settings)
-        ready = await to_ready(store, reconciler, router)
-        target = Target(ready.id, ready.generation)
-        blocker = await asyncpg.connect(database_url)
-        try:
-            tx = blocker.transaction()
-            await tx.start()
-            await blocker.execute(
-                "SELECT 1 FROM hubd_allocations WHERE id = $1 FOR UPDATE", ready.id
-            )
-            router.disconnect(target)
-            disconnect = asyncio.create_task(reconciler.handle_disconnect(target))
-            await poll_until(lambda: _busy(reconciler, ready.id))
-            assert not disconnect.done()
-            assert reconciler.queue_depth == 1
-            await tx.rollback()
-            await disconnect
-        finally:
-            await blocker.close()
-        await poll_until(lambda: _not_busy(reconciler, ready.id))
-        lost = await store.get(ready.id)
-        assert not lost.ready
-        assert lost.next_attempt_at is not None
-
     async def test_stalled_claim_step_aborts_the_claim(
         self,
         store: AllocationStore,
         ledger: LedgerStore,
         db: Database,
         database_url: str,
-        router: MemoryRouter,
+        router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
         """When the claim's queued write cannot finish within operation_timeout (its row locked

@@ -2,9 +2,14 @@
 restarts against the real store, with the reconciler's safety properties checked after every
 step.
 
+Two replicas share the database: claims, restarts, connects and disconnects land on either, as
+they would behind a load balancer, and a sidecar may take over its own socket from the other
+replica.
+
 Properties: generation never decreases; no claim writes after a newer lease has written; every
 active allocation is leased, scheduled, or ready with its sidecar connected (never stranded);
-terminal rows never change; at most one live lease per allocation.
+terminal rows never change; at most one live lease per allocation; and no sidecar that holds a
+live record of the current generation is ever abandoned for not connecting.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from hypothesis.stateful import (
 
 from hubd.plugins.protocol import Accepted, Destroyed
 from hubd.reconciler.engine import Reconciler, ReconcilerSettings
-from hubd.routing import MemoryRouter, Target
+from hubd.routing import Target
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
+from hubd.store.connections import RecordOutcome
 from tests.pgtime import age_row
 from tests.reconcilerkit import (
     Behaviour,
     Gate,
+    RecordingRouter,
     ScriptedProvisioner,
     accept,
     destroyed,
@@ -97,10 +104,16 @@ class ReconcilerMachine(RuleBasedStateMachine):
         super().__init__()
         h = self.harness
         h.run(self._truncate())
-        self.router = MemoryRouter()
+        self.routers = [
+            RecordingRouter(h.db, instance_id="hubA"),
+            RecordingRouter(h.db, instance_id="hubB"),
+        ]
         self.provisioner = ScriptedProvisioner()
         self.restarts = 0
-        self.reconciler = self._new_reconciler()
+        self.reconcilers = [self._new_reconciler(0), self._new_reconciler(1)]
+        self.live: dict[str, tuple[int, str]] = {}
+        """Allocation → (generation, replica) of the socket whose record is current."""
+        self.ledger_seen = 0
         self.store = AllocationStore(h.db, instance_id="app")
         self.ledger = LedgerStore(h.db, instance_id="app")
         self.ids: list[str] = []
@@ -111,16 +124,17 @@ class ReconcilerMachine(RuleBasedStateMachine):
     async def _truncate(self) -> None:
         async with self.harness.db.pool.acquire() as conn:
             await conn.execute(
-                "TRUNCATE hubd_allocation_ledger, hubd_sidecar_connections, hubd_allocations"
+                "TRUNCATE hubd_allocation_ledger, hubd_sidecar_connections, hubd_allocations, "
+                "hubd_instances"
             )
 
-    def _new_reconciler(self) -> Reconciler:
+    def _new_reconciler(self, replica: int) -> Reconciler:
         self.restarts += 1
         return make_reconciler(
             self.harness.db,
-            self.router,
+            self.routers[replica],
             self.provisioner,
-            instance_id=f"hub{self.restarts}",
+            instance_id=f"hub{replica}-{self.restarts}",
             settings=SETTINGS,
         )
 
@@ -143,27 +157,38 @@ class ReconcilerMachine(RuleBasedStateMachine):
     def script_destroy(self, kind: str) -> None:
         self.provisioner.destroy_script.append(DESTROYS[kind])
 
-    @rule()
-    def claim(self) -> None:
-        self.run(self.reconciler.reconcile_next())
+    @rule(replica=st.integers(0, 1))
+    def claim(self, replica: int) -> None:
+        self.run(self.reconcilers[replica].reconcile_next())
 
     @precondition(lambda self: self.ids)
-    @rule(index=st.integers(0, 3))
-    def connect(self, index: int) -> None:
+    @rule(index=st.integers(0, 3), replica=st.integers(0, 1))
+    def connect(self, index: int, replica: int) -> None:
+        """The sidecar (re)connects to either replica, taking over any socket it had."""
         allocation = self.run(self.store.get(self.ids[index % len(self.ids)]))
         if allocation.status not in (Status.PROVISIONING, Status.ALLOCATED):
             return
         target = Target(allocation.id, allocation.generation)
-        self.router.connect(target)
-        self.run(self.reconciler.handle_connected(target))
+        if self.run(self.routers[replica].connect(target)) is RecordOutcome.RECORDED:
+            self.live[allocation.id] = (allocation.generation, self.routers[replica].instance_id)
 
     @precondition(lambda self: self.ids)
-    @rule(index=st.integers(0, 3))
-    def disconnect(self, index: int) -> None:
+    @rule(index=st.integers(0, 3), replica=st.integers(0, 1))
+    def disconnect(self, index: int, replica: int) -> None:
+        """A socket on one replica closes; if another socket took over since, this is the late
+        close of the old one and must change nothing."""
         allocation_id = self.ids[index % len(self.ids)]
-        for target in [t for t in self.router.connected if t.allocation_id == allocation_id]:
-            self.router.disconnect(target)
-            self.run(self.reconciler.handle_disconnect(target))
+        router = self.routers[replica]
+        held = router.current.get(allocation_id)
+        if held is None:
+            return
+        if self.run(router.disconnect(held[0])):
+            del self.live[allocation_id]
+
+    @rule()
+    def heartbeat(self) -> None:
+        for router in self.routers:
+            self.run(router.heartbeat())
 
     @precondition(lambda self: self.ids)
     @rule(index=st.integers(0, 3), seconds=st.sampled_from([2.0, 31.0, 61.0]))
@@ -175,14 +200,15 @@ class ReconcilerMachine(RuleBasedStateMachine):
     def release(self, index: int) -> None:
         self.run(self.store.release(self.ids[index % len(self.ids)]))
 
-    @rule()
-    def restart(self) -> None:
-        self.reconciler = self._new_reconciler()
-        self.run(self.reconciler.initialize())
+    @rule(replica=st.integers(0, 1))
+    def restart(self, replica: int) -> None:
+        """A replica's reconciler restarts (its sockets, held by the router, stay open)."""
+        self.reconcilers[replica] = self._new_reconciler(replica)
+        self.run(self.reconcilers[replica].initialize())
 
-    @rule()
-    def repair(self) -> None:
-        self.run(self.reconciler.repair_unscheduled_connections())
+    @rule(replica=st.integers(0, 1))
+    def repair(self, replica: int) -> None:
+        self.run(self.reconcilers[replica].repair_unscheduled_connections())
 
     @precondition(lambda self: self.slow is None)
     @rule()
@@ -194,7 +220,11 @@ class ReconcilerMachine(RuleBasedStateMachine):
         provisioner.default_ensure = gate
         provisioner.default_destroy = Gate(Destroyed(), release=gate.release)
         slow = make_reconciler(
-            self.harness.slow_db, self.router, provisioner, instance_id="slow", settings=SETTINGS
+            self.harness.slow_db,
+            self.routers[1],
+            provisioner,
+            instance_id="slow",
+            settings=SETTINGS,
         )
 
         destroy_gate = provisioner.default_destroy
@@ -220,7 +250,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         assert self.slow is not None
         for allocation_id in self.slow.reconciler.busy_allocations():
             self.run(age_row(self.harness.db, allocation_id, SETTINGS.lease_duration + 1))
-        self.run(self.reconciler.reconcile_next())
+        self.run(self.reconcilers[0].reconcile_next())
 
     @precondition(lambda self: self.slow is not None)
     @rule()
@@ -246,7 +276,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
         if self.slow is not None:
             self.slow.gate.release.set()
             self.run(self._settle(self.slow))
-        self.run(self.reconciler.drain())
+        for reconciler in self.reconcilers:
+            self.run(reconciler.drain())
 
     # -- invariants ------------------------------------------------------------------------
 
@@ -259,9 +290,25 @@ class ReconcilerMachine(RuleBasedStateMachine):
             now = await conn.fetchval("SELECT now()")
             rows = await conn.fetch("SELECT * FROM hubd_allocations ORDER BY id")
             ledger = await conn.fetch(
-                "SELECT allocation_id, lease_id, error_code FROM hubd_allocation_ledger "
-                "ORDER BY seq"
+                "SELECT seq, allocation_id, generation, kind, lease_id, error_code "
+                "FROM hubd_allocation_ledger ORDER BY seq"
             )
+        # A sidecar holding a live record of its generation is never abandoned for not
+        # connecting, whichever replica holds its socket and whichever claimed the row. Rows
+        # are checked as they appear: connects and disconnects happen only between steps.
+        for entry in ledger:
+            if entry["seq"] <= self.ledger_seen:
+                continue
+            if entry["error_code"] == "sidecar_connect_failed" and entry["kind"] in (
+                "begin_replacement",
+                "begin_unrecoverable_release",
+            ):
+                held = self.live.get(entry["allocation_id"])
+                assert held is None or held[0] != entry["generation"] - 1, (
+                    f"{entry['allocation_id']} was abandoned while its sidecar was connected"
+                )
+        if ledger:
+            self.ledger_seen = ledger[-1]["seq"]
         for row in rows:
             aid = row["id"]
             assert row["generation"] >= self.generations.get(aid, 1), "generation went back"
@@ -275,10 +322,12 @@ class ReconcilerMachine(RuleBasedStateMachine):
                 continue
             leased = row["lease_expires_at"] is not None and row["lease_expires_at"] > now
             scheduled = row["next_attempt_at"] is not None
+            held = self.live.get(aid)
             connected = (
                 status is Status.ALLOCATED
                 and row["connection_ready"]
-                and Target(aid, row["generation"]) in self.router.connected
+                and held is not None
+                and held[0] == row["generation"]
             )
             assert leased or scheduled or connected, f"{aid} is stranded in {status}"
 

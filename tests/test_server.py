@@ -381,24 +381,16 @@ class TestRouter:
     async def test_lost_and_reconnected(
         self, db: Database, store: AllocationStore, hub: Hub
     ) -> None:
-        """Through the ConnectionEvents seam, a disconnect marks the allocation lost with a
-        connect deadline, and only a reconnect before it makes it ready again."""
+        """The router's own writes carry the connection facts: a disconnect marks the
+        allocation lost with a connect deadline in the statement that clears the record, and a
+        reconnect before it wakes the allocation in the statement that records it."""
         sidecar, fence = await sidecar_in(store, db)
-
-        class StoreSink:
-            async def handle_connected(self, target: Target) -> None:
-                await store.wake(target.allocation_id, target.generation)
-
-            async def handle_disconnect(self, target: Target) -> None:
-                await store.mark_connection_lost(
-                    target.allocation_id, target.generation, connect_timeout=120
-                )
-
-        hub.events.forward = StoreSink()
         async with dial(hub.url, sidecar.headers()) as ws:
             await welcome_of(ws)
             await eventually(lambda: len(hub.events.connected) == 1)
-            ready = await store.mark_connection_ready(fence)
+            seen = await hub.connections.readiness(sidecar.target, 20)
+            assert seen.connected
+            ready = await store.mark_connection_ready(fence, connection_seq=seen.connection_seq)
             assert ready is not None
             assert ready.ready
         await eventually(lambda: len(hub.events.disconnected) == 1)
@@ -420,7 +412,10 @@ class TestRouter:
             async with db.pool.acquire() as conn:
                 assert await conn.fetchval("SELECT $1::timestamptz <= now()", woken.next_attempt_at)
             # What the reconciler does next: claim the woken allocation and record it ready.
-            again = await store.mark_connection_ready(await claim_one(store, sidecar.allocation_id))
+            seen = await hub.connections.readiness(sidecar.target, 20)
+            again = await store.mark_connection_ready(
+                await claim_one(store, sidecar.allocation_id), connection_seq=seen.connection_seq
+            )
             assert again is not None
             assert again.ready
 
@@ -566,18 +561,18 @@ class TestWaitReady:
 
         def on_notify(_conn: object, _pid: int, _channel: str, payload: str) -> None:
             heard.append(payload)
-            target = parse_connected_payload(payload)
-            if target is not None:
-                router.notify_connected(target)
+            notice = parse_connected_payload(payload)
+            if notice is not None:
+                router.notice_connected(notice)
 
         await listener.add_listener(CONNECTED_CHANNEL, on_notify)
         try:
             waiting = asyncio.create_task(router.wait_ready(sidecar.target, 30))
             await eventually(lambda: router.waiter_count == 1)
-            outcome = await peer.record("cn_peer", sidecar.target, sidecar.sidecar_id)
-            assert outcome is RecordOutcome.RECORDED
+            record = await peer.record("cn_peer", sidecar.target, sidecar.sidecar_id)
+            assert record.outcome is RecordOutcome.RECORDED
             await waiting
-            assert heard == [f"{sidecar.allocation_id}:{sidecar.generation}"]
+            assert heard == [f"{sidecar.allocation_id}:{sidecar.generation}:{record.seq}:cn_peer"]
             assert await router.is_ready(sidecar.target)
         finally:
             await listener.close()
@@ -618,20 +613,21 @@ class TestConnectionStore:
         sidecar, fence = await sidecar_in(store, db)
         assert (
             await connections.record("cn_a", sidecar.target, "sc_someone_else")
-            is RecordOutcome.FENCED
-        )
+        ).outcome is RecordOutcome.FENCED
         stale = Target(sidecar.allocation_id, sidecar.generation + 1)
-        assert await connections.record("cn_b", stale, sidecar.sidecar_id) is RecordOutcome.FENCED
+        assert (
+            await connections.record("cn_b", stale, sidecar.sidecar_id)
+        ).outcome is RecordOutcome.FENCED
         missing = Target(new_allocation_id(), 1)
-        assert await connections.record("cn_c", missing, "sc_x") is RecordOutcome.RETIRED
-        assert await connections.record("cn_d", sidecar.target, sidecar.sidecar_id) is (
-            RecordOutcome.RECORDED
-        )
+        assert (await connections.record("cn_c", missing, "sc_x")).outcome is RecordOutcome.RETIRED
+        assert (
+            await connections.record("cn_d", sidecar.target, sidecar.sidecar_id)
+        ).outcome is RecordOutcome.RECORDED
         released = await store.release(sidecar.allocation_id)
         assert released.status is Status.RELEASING
-        assert await connections.record("cn_e", sidecar.target, sidecar.sidecar_id) is (
-            RecordOutcome.FENCED
-        )
+        assert (
+            await connections.record("cn_e", sidecar.target, sidecar.sidecar_id)
+        ).outcome is RecordOutcome.FENCED
         del fence
 
     async def test_record_retired(self, db: Database, store: AllocationStore) -> None:
@@ -639,9 +635,9 @@ class TestConnectionStore:
         connections = ConnectionStore(db, instance_id=INSTANCE_ID)
         sidecar, fence = await sidecar_in(store, db, Status.RELEASING)
         assert await store.mark_released(fence) is not None
-        assert await connections.record("cn_a", sidecar.target, sidecar.sidecar_id) is (
-            RecordOutcome.RETIRED
-        )
+        assert (
+            await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)
+        ).outcome is RecordOutcome.RETIRED
 
     async def test_clear_only_current(self, db: Database, sidecar: Sidecar) -> None:
         """clear() forgets a record only while it is still the connection's own."""
@@ -654,7 +650,7 @@ class TestConnectionStore:
 
     async def test_instance_liveness(self, db: Database, store: AllocationStore) -> None:
         """Records count only while their instance heartbeats; stale ones are listed for the
-        sweep, and clear_instance forgets an instance's records."""
+        sweep, and release_instance forgets an instance's records and marks them lost."""
         instances = InstanceStore(db)
         await instances.register(INSTANCE_ID, "here", 1, "ws://127.0.0.1:1")
         connections = ConnectionStore(db, instance_id=INSTANCE_ID)
@@ -673,7 +669,7 @@ class TestConnectionStore:
         assert stale.instance_id == INSTANCE_ID
         assert await instances.heartbeat(INSTANCE_ID)
         assert await connections.is_connected(sidecar.target, 20)
-        assert await connections.clear_instance(INSTANCE_ID) == [sidecar.target]
+        assert await connections.release_instance(connect_timeout=60) == [sidecar.target]
         assert not await connections.is_connected(sidecar.target, 20)
 
 

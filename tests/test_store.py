@@ -10,6 +10,7 @@ import asyncpg
 import pytest
 
 from hubd.errors import AllocationNotFound, InvalidRequest
+from hubd.routing import Target
 from hubd.store import (
     AllocationStore,
     AttemptKind,
@@ -21,6 +22,8 @@ from hubd.store import (
     Phase,
     Status,
 )
+from hubd.store.connections import ConnectionStore
+from hubd.store.instances import InstanceStore
 from tests.pgtime import age_row, expire_lease
 from tests.storekit import LEASE_SECONDS, claim_one, drive_to, new_lease, token_hash
 
@@ -48,7 +51,10 @@ TRANSITIONS: dict[str, tuple[Status | None, Transition]] = {
     ),
     "mark_allocated": (Status.PROVISIONING, lambda s, f: s.mark_allocated(f, external_ref="r")),
     "begin_initialization": (Status.ALLOCATED, lambda s, f: s.begin_initialization(f)),
-    "mark_connection_ready": (Status.ALLOCATED, lambda s, f: s.mark_connection_ready(f)),
+    "mark_connection_ready": (
+        Status.ALLOCATED,
+        lambda s, f: s.mark_connection_ready(f, connection_seq=0),
+    ),
     "schedule_retry": (
         Status.REPLACING,
         lambda s, f: s.schedule_retry(
@@ -426,7 +432,7 @@ class TestTransitions:
         """The ledger tells the story of an allocation oldest first with from/to statuses."""
         fence = await drive_to(store, db, Status.ALLOCATED)
         await store.begin_initialization(fence)
-        ready = await store.mark_connection_ready(fence)
+        ready = await store.mark_connection_ready(fence, connection_seq=0)
         assert ready is not None
         assert ready.ready
         assert ready.lease_id is None
@@ -440,26 +446,44 @@ class TestTransitions:
             ("mark_ready", "allocated", "allocated"),
         ]
 
-    async def test_connection_lost_invalidates_claim(
+    async def test_connection_facts_fence_the_claims_writes(
         self, store: AllocationStore, db: Database
     ) -> None:
-        """Losing the connection of the current generation drops any claim's lease, un-readies the
-        allocation and schedules it at the connect deadline; another generation is ignored."""
+        """A connect or disconnect recorded after a claim looked (connection number N) leaves
+        the claim's lease alone, but turns its park into "due now" and its mark-ready into a
+        follow-up; a park at the number it saw waits for the connect deadline."""
         fence = await drive_to(store, db, Status.ALLOCATED)
-        assert (
-            await store.mark_connection_lost(
-                fence.allocation_id, fence.generation + 1, connect_timeout=30
-            )
-            is None
+        row = await store.get(fence.allocation_id)
+        assert row.sidecar_id is not None
+        await InstanceStore(db).register("in_test", "here", 1, None)
+        connections = ConnectionStore(db, instance_id="in_test")
+        target = Target(fence.allocation_id, fence.generation)
+        record = await connections.record("cn_1", target, row.sidecar_id)
+        assert record.seq == row.connection_seq + 1
+        leased = await store.get(fence.allocation_id)
+        assert leased.lease_id == fence.lease_id
+        follow_up = await store.mark_connection_ready(fence, connection_seq=row.connection_seq)
+        assert follow_up is not None
+        assert not follow_up.connection_ready
+        assert follow_up.lease_id is None
+        assert follow_up.next_attempt_at is not None
+        again = await claim_one(store, fence.allocation_id)
+        assert await connections.disconnect(fence.allocation_id, "cn_1", connect_timeout=30)
+        lost = await store.get(fence.allocation_id)
+        assert lost.lease_id == again.lease_id, "a disconnect never touches a claim's lease"
+        stale = await store.park(
+            again, mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=record.seq
         )
-        lost = await store.mark_connection_lost(
-            fence.allocation_id, fence.generation, connect_timeout=30
+        assert stale is not None
+        assert stale.next_attempt_at is not None
+        assert stale.connect_deadline is not None
+        assert stale.next_attempt_at < stale.connect_deadline
+        third = await claim_one(store, fence.allocation_id)
+        parked = await store.park(
+            third, mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=lost.connection_seq
         )
-        assert lost is not None
-        assert lost.lease_id is None
-        assert not lost.connection_ready
-        assert lost.next_attempt_at == lost.connect_deadline
-        assert await store.mark_connection_ready(fence) is None
+        assert parked is not None
+        assert parked.next_attempt_at == parked.connect_deadline
 
     async def test_replacement_only_if_initialization_incomplete(
         self, store: AllocationStore, db: Database
@@ -506,25 +530,26 @@ class TestTransitions:
         assert retried.lease_id is None
 
     async def test_wake_and_reconnect_repair(self, store: AllocationStore, db: Database) -> None:
-        """wake makes a parked row due now; the reconnect repair schedules only an unscheduled,
-        unleased allocated row."""
+        """wake makes a parked row due now; the reconnect repair schedules only an unleased
+        allocated row that reads ready without a live record."""
         fence = await drive_to(store, db, Status.ALLOCATED)
         await store.park(fence, mode=ParkMode.AWAIT_CONNECTION, delay=30)
         assert await store.wake(fence.allocation_id, fence.generation + 1) is False
         assert await store.wake(fence.allocation_id, fence.generation) is True
         again = await claim_one(store, fence.allocation_id)
-        assert (
-            await store.schedule_reconnect_if_unscheduled(
-                fence.allocation_id, fence.generation, connect_timeout=30
-            )
-            is None
-        )  # leased
-        ready = await store.mark_connection_ready(again)
+        ready = await store.mark_connection_ready(again, connection_seq=0)
         assert ready is not None
-        repaired = await store.schedule_reconnect_if_unscheduled(
-            fence.allocation_id, fence.generation, connect_timeout=30
-        )
-        assert repaired is not None
+        assert ready.ready
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET lease_id = 'ls_x', "
+                "lease_expires_at = now() + interval '1 minute' WHERE id = $1",
+                fence.allocation_id,
+            )
+        assert await store.mark_unconnected(instance_ttl=20, connect_timeout=30) == 0  # leased
+        await expire_lease(db, fence.allocation_id)
+        assert await store.mark_unconnected(instance_ttl=20, connect_timeout=30) == 1
+        repaired = await store.get(fence.allocation_id)
         assert repaired.next_attempt_at is not None
         assert not repaired.connection_ready
 
@@ -643,7 +668,6 @@ class TestLeasePool:
         try:
             async with asyncio.timeout(5):
                 assert await store.renew_lease(allocation.id, fence.lease_id, LEASE_SECONDS)
-                assert await store.lease_is_current(fence)
         finally:
             for conn in held:
                 await db.pool.release(conn)

@@ -59,6 +59,29 @@ class Metrics:
             "Self-notifications that did not come back in time",
             registry=r,
         )
+        self.connections_swept = Counter(
+            "hubd_connections_swept",
+            "Connection records of dead instances cleared by this daemon's sweep",
+            registry=r,
+        )
+        self.connections_reasserted = Counter(
+            "hubd_connections_reasserted",
+            "Records of sockets still open here written again after a sweep removed them",
+            registry=r,
+        )
+        self.remote_closes = Counter(
+            "hubd_sockets_closed_for_peers",
+            "Sockets closed here because another replica's write or the socket check said so",
+            registry=r,
+        )
+        self.heartbeat_lapses = Counter(
+            "hubd_heartbeat_lapses",
+            "Times this daemon found its heartbeat older than the instance TTL",
+            registry=r,
+        )
+        self.instances_deleted = Counter(
+            "hubd_dead_instances_deleted", "Rows of long-dead instances deleted", registry=r
+        )
         self.loop_errors = Counter(
             "hubd_claim_loop_errors", "Errors the claim loop recovered from", ["kind"], registry=r
         )

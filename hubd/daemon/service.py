@@ -39,13 +39,20 @@ from hubd.server.router import SocketRouter
 from hubd.server.websocket import SidecarServer
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from hubd.store.connect import resolve_dsn
-from hubd.store.connections import ConnectionStore, parse_connected_payload
+from hubd.store.connections import (
+    ConnectionStore,
+    parse_connected_payload,
+    parse_sockets_payload,
+)
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
 
 __all__ = ["Daemon", "new_instance_id"]
 
 log = structlog.get_logger(__name__)
+
+DEAD_INSTANCE_TTLS = 10
+"""An instance row is deleted once its heartbeat is this many TTLs old."""
 
 _COUNT_BY_STATUS = "SELECT status, count(*) AS n FROM hubd_allocations GROUP BY status"
 
@@ -83,6 +90,9 @@ class Daemon:
         self.admin: AdminServer | None = None
         self.hub_ws_url = ""
         self.store: AllocationStore | None = None
+        self._router: SocketRouter | None = None
+        self._connections: ConnectionStore | None = None
+        self._verify_soon = asyncio.Event()
         self._announcement: dict[str, object] = {}
 
     def stop(self) -> None:
@@ -127,8 +137,11 @@ class Daemon:
         router = SocketRouter(
             connections,
             instance_ttl=cfg.instance.ttl,
+            connect_timeout=rc.connect_timeout,
             event_timeout=rc.operation_timeout,
         )
+        self._router = router
+        self._connections = connections
         server = SidecarServer.from_config(cfg.server, router=router, connections=connections)
         self._server = server
         await server.start()
@@ -141,6 +154,7 @@ class Daemon:
         reconciler = Reconciler(
             store=store,
             ledger=LedgerStore(db, instance_id=self.instance_id),
+            connections=connections,
             provisioners=provisioners,
             router=router,
             hub_ws_url=self.hub_ws_url,
@@ -150,13 +164,13 @@ class Daemon:
                 operation_timeout=rc.operation_timeout,
                 max_concurrent_claims=rc.max_concurrent_claims,
                 automatic_replacement_recovery=rc.automatic_replacement_recovery,
+                instance_ttl=cfg.instance.ttl,
             ),
             on_ready=self._on_ready,
             observer=self.metrics,
             on_settled=self._waker.wake,
         )
         self.reconciler = reconciler
-        router.attach(reconciler)
         self.metrics.bind_gauges(
             active_claims=lambda: reconciler.active_claims,
             queue_depth=lambda: reconciler.queue_depth,
@@ -166,7 +180,9 @@ class Daemon:
             dsn=dsn,
             db=db,
             on_wake=self._waker.wake,
-            on_connected=lambda payload: _notify_router(router, payload),
+            on_connected=self._on_connected_notice,
+            on_sockets=self._on_sockets_notice,
+            on_reconnected=self._verify_soon.set,
             selfcheck_interval=max(rc.poll_interval * 2, 5.0),
             on_selfcheck_failure=self.metrics.selfcheck_failures.inc,
         )
@@ -223,7 +239,8 @@ class Daemon:
                 start("wake-listener", self._listener.run())
                 start("announce-ready", self._announce_ready())
                 start("heartbeat", self._heartbeat(instances))
-                start("repair", self._repair_loop(reconciler, connections))
+                start("repair", self._repair_loop(reconciler, connections, instances))
+                start("socket-check", self._socket_check_loop())
                 start("allocation-counts", self._count_loop(db))
                 start("watchdog", self._watchdog())
                 start("shutdown", self._stop_when_asked(workers))
@@ -301,37 +318,106 @@ class Daemon:
 
     async def _heartbeat(self, instances: InstanceStore) -> None:
         interval = self.config.instance.heartbeat_interval
+        ttl = self.config.instance.ttl
+        last_success = time.monotonic()
         while True:
             raise_if_cancelled()
             await asyncio.sleep(interval)
             try:
-                if not await instances.heartbeat(self.instance_id):
+                present = await instances.heartbeat(self.instance_id)
+                if not present:
                     # Removed by an operator or judged dead by a peer: come back, since our
-                    # sockets are real; peers re-check readiness on their next look.
+                    # sockets are real.
                     await instances.register(
                         self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
                     )
                     log.warning("instance row was missing; registered again")
+                now = time.monotonic()
+                if not present or now - last_success > ttl:
+                    # Peers may have swept our records as dead meanwhile (a database outage, a
+                    # pause, a starved pool): write back the records of every socket still
+                    # open here before anything else, so no healthy sidecar is released.
+                    self.metrics.heartbeat_lapses.inc()
+                    log.warning(
+                        "heartbeat lapsed; re-asserting the sockets held here",
+                        seconds_since_last=round(now - last_success, 1),
+                    )
+                    self._verify_soon.set()
+                last_success = now
                 self.metrics.database_up.set(1)
             except StoreError as exc:
                 self.metrics.database_up.set(0)
                 log.warning("heartbeat failed", error=str(exc))
 
-    async def _repair_loop(self, reconciler: Reconciler, connections: ConnectionStore) -> None:
+    async def _socket_check_loop(self) -> None:
+        """Compare the sockets held here with the database: on demand (a lapsed heartbeat, a
+        re-opened listener) and every repair interval as the fallback for lost notifications."""
+        router, interval = self._router, self.config.reconciler.repair_interval
+        assert router is not None
+        while True:
+            raise_if_cancelled()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._verify_soon.wait()
+            self._verify_soon.clear()
+            try:
+                reasserted, closed = await router.verify()
+            except StoreError as exc:
+                log.warning("socket check failed", error=str(exc))
+                # Try again soon: after an outage this is what restores readiness.
+                await asyncio.sleep(min(interval, 1.0))
+                self._verify_soon.set()
+                continue
+            self.metrics.connections_reasserted.inc(reasserted)
+            self.metrics.remote_closes.inc(closed)
+            if reasserted or closed:
+                log.info("socket check", reasserted=reasserted, closed=closed)
+
+    def _on_connected_notice(self, payload: str) -> None:
+        notice = parse_connected_payload(payload)
+        if notice is None or self._router is None:
+            return
+        before = self._router.remote_closes
+        self._router.notice_connected(notice)
+        self.metrics.remote_closes.inc(self._router.remote_closes - before)
+
+    def _on_sockets_notice(self, payload: str) -> None:
+        control = parse_sockets_payload(payload)
+        if control is None or self._router is None:
+            return
+        before = self._router.remote_closes
+        self._router.apply_control(control)
+        self.metrics.remote_closes.inc(self._router.remote_closes - before)
+
+    async def _repair_loop(
+        self, reconciler: Reconciler, connections: ConnectionStore, instances: InstanceStore
+    ) -> None:
         interval = self.config.reconciler.repair_interval
         ttl = self.config.instance.ttl
         while True:
             raise_if_cancelled()
             await asyncio.sleep(interval)
             try:
-                for stale in await connections.stale(ttl):
-                    # The instance that held this socket is gone: its sidecar is disconnected,
-                    # and gets the usual connect deadline to come back to a live replica.
-                    if await connections.clear(stale.target.allocation_id, stale.connection_id):
-                        await reconciler.handle_disconnect(stale.target)
+                # Records of instances that stopped heartbeating (never our own: our sockets
+                # are open, whatever our heartbeat says) are cleared and their sidecars get the
+                # usual connect deadline to come back to a live replica, in one statement each.
+                swept = await connections.sweep_stale(
+                    ttl, connect_timeout=self.config.reconciler.connect_timeout
+                )
+                if swept:
+                    self.metrics.connections_swept.inc(len(swept))
+                    log.warning(
+                        "swept connection records of dead instances",
+                        count=len(swept),
+                        instances=sorted({s.instance_id for s in swept}),
+                    )
                 repaired = await reconciler.repair_unscheduled_connections()
                 if repaired:
                     log.info("repaired unscheduled allocations", count=repaired)
+                deleted = await instances.delete_dead(ttl * DEAD_INSTANCE_TTLS)
+                if deleted:
+                    self.metrics.instances_deleted.inc(len(deleted))
+                    log.info("deleted rows of dead instances", instances=deleted)
             except StoreError as exc:
                 log.warning("repair sweep failed", error=str(exc))
 
@@ -389,7 +475,12 @@ class Daemon:
                 log.warning("stop hook did not finish", error=str(exc))
         await server.close()
         with contextlib.suppress(StoreError, OSError, asyncpg.PostgresError):
-            await connections.clear_instance(self.instance_id)
+            # Records and their sidecars' connect deadlines settled at once, so no allocation
+            # reads ready behind a socket that is gone; a record a sidecar already wrote on a
+            # peer is not this instance's and is left alone.
+            await connections.release_instance(
+                connect_timeout=self.config.reconciler.connect_timeout
+            )
             await instances.remove(self.instance_id)
         if self.reconciler is not None:
             with contextlib.suppress(TimeoutError):
@@ -397,9 +488,3 @@ class Daemon:
                     await self.reconciler.drain()
         await admin.close()
         log.info("hubd stopped", seconds=round(time.monotonic() - started, 2))
-
-
-def _notify_router(router: SocketRouter, payload: str) -> None:
-    target = parse_connected_payload(payload)
-    if target is not None:
-        router.notify_connected(target)

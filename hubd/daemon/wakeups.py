@@ -1,8 +1,10 @@
 """Waking the claim loop: LISTEN/NOTIFY as a hint, never as the only path.
 
-A dedicated connection listens for ``hubd_wake`` (new request, release, sidecar connected) and
-``hubd_connected`` (a sidecar connected to some replica). When that connection is lost it is
-re-opened with backoff and a full poll follows, since notifications sent meanwhile are gone. A
+A dedicated connection listens for ``hubd_wake`` (new request, release, sidecar connected),
+``hubd_connected`` (a sidecar connected to some replica) and ``hubd_sockets`` (an allocation
+moved to a newer generation or a terminal status: sockets held here may have to close). When
+that connection is lost it is re-opened with backoff and a full poll follows, since
+notifications sent meanwhile are gone. A
 self-notification sent through the ordinary pool every ``selfcheck_interval`` proves the path end
 to end; when it does not come back in time the connection is recycled and readiness reports it.
 """
@@ -27,6 +29,7 @@ log = structlog.get_logger(__name__)
 
 WAKE_CHANNEL = "hubd_wake"
 CONNECTED_CHANNEL = "hubd_connected"
+SOCKETS_CHANNEL = "hubd_sockets"
 SELFCHECK_CHANNEL = "hubd_selfcheck"
 
 
@@ -57,6 +60,8 @@ class NotificationListener:
         db: Database,
         on_wake: Callable[[], None],
         on_connected: Callable[[str], None],
+        on_sockets: Callable[[str], None] = lambda _payload: None,
+        on_reconnected: Callable[[], None] = lambda: None,
         selfcheck_interval: float = 10.0,
         selfcheck_timeout: float = 5.0,
         on_selfcheck_failure: Callable[[], None] = lambda: None,
@@ -65,6 +70,8 @@ class NotificationListener:
         self._db = db
         self._on_wake = on_wake
         self._on_connected = on_connected
+        self._on_sockets = on_sockets
+        self._on_reconnected = on_reconnected
         self._selfcheck_interval = selfcheck_interval
         self._selfcheck_timeout = selfcheck_timeout
         self._on_selfcheck_failure = on_selfcheck_failure
@@ -78,6 +85,8 @@ class NotificationListener:
         elif channel == CONNECTED_CHANNEL:
             self._on_connected(payload)
             self._on_wake()
+        elif channel == SOCKETS_CHANNEL:
+            self._on_sockets(payload)
         elif channel == SELFCHECK_CHANNEL:
             waiter = self._nonces.get(payload)
             if waiter is not None and not waiter.done():
@@ -94,14 +103,21 @@ class NotificationListener:
                 await init_connection(conn)
                 lost = asyncio.Event()
                 conn.add_termination_listener(_setter(lost))
-                for channel in (WAKE_CHANNEL, CONNECTED_CHANNEL, SELFCHECK_CHANNEL):
+                for channel in (
+                    WAKE_CHANNEL,
+                    CONNECTED_CHANNEL,
+                    SOCKETS_CHANNEL,
+                    SELFCHECK_CHANNEL,
+                ):
                     await conn.add_listener(channel, self._notified)
                 self.healthy = True
                 self.up.set()
                 backoff = 0.5
                 log.info("listening for wake-ups")
-                # Anything notified while we were not listening is lost: poll everything once.
+                # Anything notified while we were not listening is lost: poll everything once,
+                # and compare the sockets held here with the database.
                 self._on_wake()
+                self._on_reconnected()
                 await self._watch(lost)
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.warning("wake-up listener lost its connection", error=str(exc))

@@ -5,10 +5,17 @@ allocation through a lease renewed every ``lease_duration / 3``; every write it 
 that lease and the generation it claimed. A claim that cannot prove it still owns the lease stops
 at once and writes nothing more: the durable schedule survives, and the lease expires on its own.
 
-Work about one allocation that must be ordered with its connection events (connect, disconnect)
-runs through one FIFO queue per allocation (:mod:`hubd.reconciler.work`). Allocations with any
-local work still running (a queued event, a query or plugin call that outlived its time limit)
-are excluded from claims until that work settles.
+Connection truth lives in the database, not here. Every look at readiness returns the
+allocation's connection number with the answer, and the writes that act on that look (park
+until the connect deadline, mark ready, give up on a sidecar that never connected) are fenced
+on it: a connect or disconnect recorded on any replica since makes them fall through to "due
+now", so the next claim looks again. Nothing a claim decides rests on which process happened
+to hold the socket.
+
+The claim's final writes run through one FIFO queue per allocation
+(:mod:`hubd.reconciler.work`). Allocations with any local work still running (a queued step, a
+query or plugin call that outlived its time limit) are excluded from claims until that work
+settles.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ import attrs
 import structlog
 
 from hubd.errors import (
-    DatabaseUnavailable,
     InitializationUncertain,
     LeaseLost,
     OperationTimeout,
@@ -63,6 +69,7 @@ from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings, hook
 from hubd.reconciler.work import LocalWork
 from hubd.routing import Router, SidecarNotConnected, Target
 from hubd.store.allocations import AllocationStore, AttemptKind, ParkMode
+from hubd.store.connections import ConnectionStore, Readiness
 from hubd.store.ledger import LedgerStore, new_effect_id
 from hubd.store.models import Allocation, Fence, Phase, Status
 from hubd.store.values import Failure
@@ -84,7 +91,6 @@ class _Claim:
     db_anchor: datetime
     local_anchor: float
     log: Any
-    pending_connect: Target | None = None
     lost: LeaseLost | None = None
     task: asyncio.Task[None] | None = None
 
@@ -109,6 +115,7 @@ class Reconciler:
         *,
         store: AllocationStore,
         ledger: LedgerStore,
+        connections: ConnectionStore,
         provisioners: Mapping[str, Provisioner],
         router: Router,
         hub_ws_url: str,
@@ -124,6 +131,7 @@ class Reconciler:
     ) -> None:
         self._store = store
         self._ledger = ledger
+        self._connections = connections
         self._provisioners = provisioners
         self._router = router
         self._hub_ws_url = hub_ws_url
@@ -201,8 +209,6 @@ class Reconciler:
     def _track(self, claim: _Claim, allocation: Allocation) -> None:
         if allocation.status is not claim.allocation.status:
             self._observer.transition(str(claim.allocation.status), str(allocation.status))
-        if allocation.generation != claim.allocation.generation:
-            claim.pending_connect = None
         claim.allocation = allocation
         claim.db_anchor = allocation.updated_at
         claim.local_anchor = self._clock.monotonic()
@@ -241,25 +247,22 @@ class Reconciler:
     async def _finish(
         self,
         claim: _Claim,
-        write: Callable[[bool], Coroutine[Any, Any, Allocation | None]],
-    ) -> None:
-        """End the claim with a queued write; ``write`` is told whether a connect of this
-        generation arrived during the claim."""
+        write: Callable[[], Coroutine[Any, Any, Allocation | None]],
+    ) -> Allocation | None:
+        """End the claim with a queued write; the row it wrote, or ``None`` if the claim was
+        lost."""
+        written: Allocation | None = None
 
         async def step() -> None:
-            pending = claim.pending_connect
-            connected = (
-                pending is not None
-                and pending.generation == claim.allocation.generation
-                and claim.allocation.status is Status.ALLOCATED
-            )
-            updated = await write(connected)
-            if updated is None:
+            nonlocal written
+            written = await write()
+            if written is None:
                 claim.log.info("final write matched nothing; the claim was lost")
-            elif updated.status is not claim.allocation.status:
-                self._observer.transition(str(claim.allocation.status), str(updated.status))
+            elif written.status is not claim.allocation.status:
+                self._observer.transition(str(claim.allocation.status), str(written.status))
 
         await self._queue_step(claim, step)
+        return written
 
     # -- claims ----------------------------------------------------------------------------------
 
@@ -368,7 +371,7 @@ class Reconciler:
         try:
             await self._finish(
                 claim,
-                lambda _: self._store.park(
+                lambda: self._store.park(
                     claim.fence,
                     mode=ParkMode.RETRY_AFTER_ERROR,
                     delay=retry_delay(MAX_BACKOFF_ATTEMPT),
@@ -445,7 +448,7 @@ class Reconciler:
                 claim.log.warning("provisioner unavailable; retrying later")
                 await self._finish(
                     claim,
-                    lambda _: self._store.schedule_retry(
+                    lambda: self._store.schedule_retry(
                         claim.fence,
                         expected_status=a.status,
                         delay=retry_delay(a.ensure_attempts + a.destroy_attempts),
@@ -611,28 +614,36 @@ class Reconciler:
             self._store.mark_allocated(claim.fence, external_ref=decision.external_ref),
             "mark allocated",
         )
-        if await self._is_ready(claim):
-            await self._wait_until_ready(claim, connection_ready=True)
+        readiness = await self._readiness(claim)
+        if readiness.connected:
+            await self._wait_until_ready(claim, readiness)
             return
         # Acceptance and readiness are separate durable steps. Rather than hold a claim slot
         # for the whole connect timeout, park until the connect deadline; the sidecar's
-        # connect wakes the allocation at once.
-        fence = claim.fence
-        await self._finish(
+        # connect (recorded on any replica) wakes the allocation, and one recorded since the
+        # look above makes the park itself fall through to "due now".
+        await self._park_awaiting_connection(claim, readiness)
+
+    async def _readiness(self, claim: _Claim) -> Readiness:
+        return await self._op(
             claim,
-            lambda connected: (
-                self._store.schedule_retry(fence, expected_status=Status.ALLOCATED, delay=0)
-                if connected
-                else self._store.park(
-                    fence,
-                    mode=ParkMode.AWAIT_CONNECTION,
-                    delay=retry_delay(MAX_BACKOFF_ATTEMPT),
-                )
-            ),
+            self._connections.readiness(claim.target, self.settings.instance_ttl),
+            "readiness check",
         )
 
-    async def _is_ready(self, claim: _Claim) -> bool:
-        return await self._op(claim, self._router.is_ready(claim.target), "readiness check")
+    async def _park_awaiting_connection(self, claim: _Claim, seen: Readiness) -> None:
+        fence = claim.fence
+        parked = await self._finish(
+            claim,
+            lambda: self._store.park(
+                fence,
+                mode=ParkMode.AWAIT_CONNECTION,
+                delay=retry_delay(MAX_BACKOFF_ATTEMPT),
+                connection_seq=seen.connection_seq,
+            ),
+        )
+        if parked is not None and parked.connection_seq != seen.connection_seq:
+            claim.log.info("a connection event arrived while the claim looked; due now")
 
     def _seconds_until(self, claim: _Claim, moment: datetime | None) -> float:
         """Seconds from now to ``moment`` on the database clock, estimated from the last row
@@ -658,14 +669,14 @@ class Reconciler:
             limit=within + self.settings.operation_timeout,
         )
 
-    async def _wait_until_ready(self, claim: _Claim, *, connection_ready: bool = False) -> None:
+    async def _wait_until_ready(self, claim: _Claim, seen: Readiness | None = None) -> None:
         a = claim.allocation
         target = claim.target
         remaining = self._seconds_until(claim, a.connect_deadline)
         # A readiness look-up that fails is not evidence the sidecar missed its deadline: the
         # error propagates and the allocation is retried without giving up the generation.
-        ready = connection_ready or await self._is_ready(claim)
-        if not ready:
+        readiness = seen or await self._readiness(claim)
+        if not readiness.connected:
             within = max(0.0, min(remaining, self.settings.operation_timeout))
             try:
                 await self._wait_for_connect(claim, target, within, remaining)
@@ -673,31 +684,21 @@ class Reconciler:
                 if remaining > within:
                     # The deadline is further away than one wait: give the slot back and come
                     # back at the deadline (or earlier, when the sidecar connects).
-                    fence = claim.fence
-                    await self._finish(
-                        claim,
-                        lambda connected: (
-                            self._store.schedule_retry(
-                                fence, expected_status=Status.ALLOCATED, delay=0
-                            )
-                            if connected
-                            else self._store.park(
-                                fence,
-                                mode=ParkMode.AWAIT_CONNECTION,
-                                delay=retry_delay(MAX_BACKOFF_ATTEMPT),
-                            )
-                        ),
-                    )
+                    await self._park_awaiting_connection(claim, readiness)
                     return
+                # Fenced on the connection number: a sidecar that connected anywhere since the
+                # look above is not abandoned for not connecting.
                 await self._replace_after_failure(
-                    claim, Failure("sidecar_connect_failed", str(exc))
+                    claim,
+                    Failure("sidecar_connect_failed", str(exc)),
+                    expected_connection_seq=readiness.connection_seq,
                 )
                 return
-
-        async def consume_connect() -> None:
-            claim.pending_connect = None
-
-        await self._queue_step(claim, consume_connect)
+            # A notification is a hint: what counts is the record, and its number.
+            readiness = await self._readiness(claim)
+            if not readiness.connected:
+                await self._park_awaiting_connection(claim, readiness)
+                return
 
         if self._on_ready is not None:
             hook = self._on_ready
@@ -710,7 +711,10 @@ class Reconciler:
                 await self._with_lease(claim, "on_ready", hook_call(hook, marked))
             except (LeaseLost, asyncio.CancelledError):
                 raise
-            except InitializationUncertain as exc:
+            except (InitializationUncertain, OperationTimeout) as exc:
+                # A hook that timed out may still be running, or may have done half its work:
+                # its outcome is uncertain, never a clean failure, and the marker stays the
+                # evidence until the replacement settles it.
                 await self._replace_after_failure(
                     claim,
                     Failure("sidecar_initialization_uncertain", str(exc)),
@@ -725,7 +729,7 @@ class Reconciler:
                 # that always fails from becoming a hot loop.
                 await self._finish(
                     claim,
-                    lambda _: self._store.schedule_retry(
+                    lambda: self._store.schedule_retry(
                         fence,
                         expected_status=Status.ALLOCATED,
                         delay=retry_delay(MAX_BACKOFF_ATTEMPT),
@@ -735,20 +739,19 @@ class Reconciler:
                 )
                 return
 
-        # A connect that landed during initialization may be a restarted sidecar whose takeover
-        # hid the disconnect: schedule an immediate follow-up instead of declaring it ready.
-        fence = claim.fence
-        await self._finish(
-            claim,
-            lambda connected: (
-                self._store.schedule_retry(
-                    fence, expected_status=Status.ALLOCATED, delay=0, clear_initialization=True
-                )
-                if connected
-                else self._store.mark_connection_ready(fence)
-            ),
+        # Fenced on the connection number seen above: a connect that landed during
+        # initialization, on any replica, may be a restarted sidecar whose takeover hid the
+        # disconnect, so the write becomes an immediate follow-up instead of "ready".
+        fence, seq = claim.fence, readiness.connection_seq
+        written = await self._finish(
+            claim, lambda: self._store.mark_connection_ready(fence, connection_seq=seq)
         )
-        claim.log.info("ready")
+        if written is None:
+            return
+        if written.connection_ready:
+            claim.log.info("ready")
+        else:
+            claim.log.info("a connection event arrived during initialization; following up")
 
     async def _replace_after_failure(
         self,
@@ -756,14 +759,15 @@ class Reconciler:
         failure: Failure,
         *,
         only_if_initialization_incomplete: bool = False,
+        expected_connection_seq: int | None = None,
     ) -> None:
         a = claim.allocation
         fence = claim.fence
         expected_init = a.initialization_lease_id if only_if_initialization_incomplete else None
-        retry_initialization = False
+        follow_up = False
 
         async def step() -> None:
-            nonlocal retry_initialization
+            nonlocal follow_up
             if replacement_becomes_release(
                 a.status, automatic_recovery=self.settings.automatic_replacement_recovery
             ):
@@ -772,6 +776,7 @@ class Reconciler:
                     failure=Failure(failure.code, AUTOMATIC_RECOVERY_DISABLED + failure.message),
                     only_if_initialization_incomplete=only_if_initialization_incomplete,
                     expected_initialization_lease_id=expected_init,
+                    expected_connection_seq=expected_connection_seq,
                 )
             else:
                 updated = await self._store.begin_replacement(
@@ -783,6 +788,7 @@ class Reconciler:
                     failure=failure,
                     only_if_initialization_incomplete=only_if_initialization_incomplete,
                     expected_initialization_lease_id=expected_init,
+                    expected_connection_seq=expected_connection_seq,
                 )
             if updated is not None:
                 self._observer.transition(str(a.status), str(updated.status))
@@ -793,17 +799,16 @@ class Reconciler:
                     "abandoning the sidecar", code=failure.code, to=str(updated.status)
                 )
             else:
-                retry_initialization = only_if_initialization_incomplete
+                follow_up = only_if_initialization_incomplete or expected_connection_seq is not None
 
         await self._queue_step(claim, step)
-        if retry_initialization:
-            # The initialization completed (or its marker changed hands) since this claim read
-            # it; retry the ordinary path. If the lease was lost instead, this matches nothing.
+        if follow_up:
+            # The initialization completed (or its marker changed hands), or a connection was
+            # recorded, since this claim looked: retry the ordinary path at once. If the lease
+            # was lost instead, this matches nothing.
             await self._finish(
                 claim,
-                lambda _: self._store.schedule_retry(
-                    fence, expected_status=Status.ALLOCATED, delay=0
-                ),
+                lambda: self._store.schedule_retry(fence, expected_status=a.status, delay=0),
             )
 
     async def _destroy_current(self, claim: _Claim, provisioner: Provisioner) -> bool:
@@ -835,7 +840,7 @@ class Reconciler:
         fence, status = claim.fence, a.status
         await self._finish(
             claim,
-            lambda _: self._store.schedule_retry(
+            lambda: self._store.schedule_retry(
                 fence,
                 expected_status=status,
                 delay=retry_delay(a.destroy_attempts),
@@ -845,110 +850,30 @@ class Reconciler:
         )
         return False
 
-    # -- connection events -------------------------------------------------------------------------
-
-    def _note_connect(self, target: Target) -> None:
-        claim = self._active.get(target.allocation_id)
-        if claim is not None and claim.allocation.generation == target.generation:
-            claim.pending_connect = target
-
-    def _note_disconnect(self, target: Target, *, lease_invalidated: bool = False) -> None:
-        claim = self._active.get(target.allocation_id)
-        if claim is None or claim.allocation.generation != target.generation:
-            return
-        claim.pending_connect = None
-        if lease_invalidated or claim.allocation.status is Status.ALLOCATED:
-            self._abort(claim, LeaseLost("the sidecar disconnected"))
-
-    async def handle_connected(self, target: Target) -> None:
-        """A sidecar of ``target`` connected: wake its allocation, in order with other events."""
-        self._note_connect(target)
-
-        async def step() -> None:
-            await self._store.wake(target.allocation_id, target.generation)
-            self._note_connect(target)
-
-        task = self._work.enqueue(target.allocation_id, step, "connect event")
-        await asyncio.wait({task})
-        task.result()
-
-    async def handle_disconnect(self, target: Target) -> None:
-        """The current connection of ``target`` closed: give the sidecar until a new connect
-        deadline, and stop any claim that was counting on the connection."""
-        self._note_disconnect(target)
-
-        async def step() -> None:
-            lost = await self._store.mark_connection_lost(
-                target.allocation_id,
-                target.generation,
-                connect_timeout=self.settings.connect_timeout,
-            )
-            self._note_disconnect(target, lease_invalidated=lost is not None)
-
-        task = self._work.enqueue(target.allocation_id, step, "disconnect event")
-        await asyncio.wait({task})
-        task.result()
-
     # -- start-up and repair -----------------------------------------------------------------------
 
     async def initialize(self) -> None:
         """Start-up repair: fence every active allocation at its generation, treat allocated
-        sidecars that hold no live connection as lost, and schedule anything unscheduled."""
+        sidecars that hold no live connection as lost, and schedule anything unscheduled.
+
+        Safe to run while sockets are already being accepted and while peers claim: each write
+        decides in its own statement (unleased rows only, fenced on the connection number).
+        """
         for allocation in await self._store.list_active():
             self._router.fence(allocation.id, allocation.generation)
-            if allocation.status is Status.ALLOCATED:
-                if allocation.lease_id is not None:
-                    continue  # a claim (here or on a replica) owns it; its lease decides
-                target = Target(allocation.id, allocation.generation)
-                try:
-                    if await self._router.is_ready(target):
-                        continue
-                except DatabaseUnavailable:
-                    continue  # unknown is not absent; the repair sweep looks again
-                await self._store.mark_connection_lost(
-                    allocation.id,
-                    allocation.generation,
-                    connect_timeout=self.settings.connect_timeout,
-                    keep_deadline=True,
-                )
-            elif allocation.next_attempt_at is None:
+            if allocation.status is not Status.ALLOCATED and allocation.next_attempt_at is None:
                 # Only an unscheduled row is woken: moving an existing schedule earlier would
                 # erase a provisioner's backoff on every restart.
                 await self._store.wake(allocation.id, allocation.generation)
+        await self.repair_unscheduled_connections()
 
     async def repair_unscheduled_connections(self) -> int:
-        """Schedule allocated rows that nothing would revisit although their sidecar is not
-        connected; returns how many were repaired."""
-        repaired = 0
-        for allocation in await self._store.list_active():
-            if (
-                allocation.status is not Status.ALLOCATED
-                or allocation.next_attempt_at is not None
-                or allocation.lease_id is not None
-            ):
-                continue
-            target = Target(allocation.id, allocation.generation)
-            try:
-                if await self._router.is_ready(target):
-                    continue
-            except DatabaseUnavailable:
-                # Unknown readiness is not absence: leave it for the next sweep rather than
-                # schedule a reconnect for a sidecar that may be healthy.
-                continue
-            try:
-                if await self._store.schedule_reconnect_if_unscheduled(
-                    allocation.id,
-                    allocation.generation,
-                    connect_timeout=self.settings.connect_timeout,
-                ):
-                    repaired += 1
-            except StoreError as exc:
-                log.warning(
-                    "could not repair a reconnect schedule",
-                    allocation_id=allocation.id,
-                    error=str(exc),
-                )
-        return repaired
+        """Give allocated rows that read ready, or that nothing would revisit, a connect
+        deadline when no live connection record exists; returns how many were repaired."""
+        return await self._store.mark_unconnected(
+            instance_ttl=self.settings.instance_ttl,
+            connect_timeout=self.settings.connect_timeout,
+        )
 
 
 def _outcome_text(kind: str, outcome: object) -> tuple[str | None, str | None]:

@@ -31,9 +31,11 @@ class ReconcilerSettings:
     operation_timeout: float = 30.0
     max_concurrent_claims: int = 16
     automatic_replacement_recovery: bool = False
+    instance_ttl: float = 20.0
+    """A connection record counts only while its instance heartbeated within this time."""
 
     def __attrs_post_init__(self) -> None:
-        for name in ("lease_duration", "connect_timeout", "operation_timeout"):
+        for name in ("lease_duration", "connect_timeout", "operation_timeout", "instance_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.operation_timeout >= self.lease_duration:

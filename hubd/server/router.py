@@ -13,18 +13,22 @@ connected sidecar lost.
 Which closes count as a disconnect:
 
 * a close the sidecar or the network started, one websockets sends by itself (1009, keepalive
-  timeout), and a 1008/1011 close by the hub: yes — the record is cleared if it is still this
-  socket's, and only then is ``handle_disconnect`` called (a sidecar that meanwhile reconnected
-  to another replica owns the record and is not lost);
+  timeout), and a 1008/1011 close by the hub: yes — one statement clears the record and marks
+  the sidecar lost, both only if the record is still this socket's (a sidecar that meanwhile
+  reconnected, to this replica or another, owns the record and is not lost);
 * ``4000 superseded``: no — the socket that took over owns the record now;
-* ``4001 retired`` / ``4002 fenced``: the record is cleared, no event — the reconciler closed the
-  socket because it already moved the allocation on;
-* ``1001`` at shutdown: nothing is cleared and no event is sent. Each socket's own clear would
-  race the shutdown, and its event would reach a reconciler that is stopping. The records are the
-  daemon's to settle as the instance stops: removing the instance row makes them read as "not
-  connected" on every replica at once (``is_connected`` joins live instances), and the stale
-  sweep of a surviving or restarted daemon (or ``clear_instance`` followed by the repair sweep)
-  gives each allocation the usual connect deadline.
+* ``4001 retired`` / ``4002 fenced``: the record is cleared, the sidecar not called lost — the
+  allocation already moved on;
+* ``1001`` at shutdown: nothing per socket. The daemon settles its records as the instance stops
+  (``release_instance``: cleared and marked lost in one statement, so sidecars reconnecting to a
+  peer find a connect deadline, and a peer's fresh record is never touched).
+
+Sockets held here are kept in line with the database from both directions: a ``hubd_sockets``
+notification (a newer generation, a terminal status) or a ``hubd_connected`` one (a newer record
+of the same allocation, on any replica) closes what no longer belongs, and :meth:`verify`
+compares every socket with the database as the fallback for a lost notification. ``verify``
+also writes again the record of an open socket that a peer swept while this instance could not
+heartbeat: a database outage must not turn a healthy sidecar into a lost one.
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ from hubd.errors import DatabaseUnavailable, StoreError
 from hubd.redaction import scrub
 from hubd.routing import ConnectionEvents, SidecarNotConnected, Target
 from hubd.server.handshake import CloseCode, HandshakeRequest
-from hubd.store.connections import ConnectionStore, RecordOutcome
+from hubd.store.connections import (
+    ConnectedNotice,
+    ConnectionStore,
+    RecordOutcome,
+    SocketControl,
+)
+from hubd.store.models import Status
 
 __all__ = ["SidecarSocket", "SocketEntry", "SocketRouter", "new_connection_id"]
 
@@ -73,6 +83,10 @@ class SocketEntry:
     closed_by_hub: CloseCode | None = None
     """Set (before the close frame is sent) when the hub closes the socket, and why."""
     recorded: bool = False
+    seq: int | None = None
+    """The connection number its record was written with (the higher of two sockets wins)."""
+    gone: bool = False
+    """Set when its handler is done with it: no record may be written for it again."""
     superseded: SocketEntry | None = attrs.field(default=None, repr=False)
     """The socket this one took over from; its record is this one's to clean up if this one
     never manages to write its own."""
@@ -122,12 +136,14 @@ class SocketRouter:
         *,
         events: ConnectionEvents | None = None,
         instance_ttl: float = 20.0,
+        connect_timeout: float = 120.0,
         event_timeout: float = 30.0,
         clear_budget: float = 30.0,
     ) -> None:
         self._connections = connections
         self._events = events
         self._instance_ttl = instance_ttl
+        self._connect_timeout = connect_timeout
         self._event_timeout = event_timeout
         self._clear_budget = clear_budget
         self._sockets: dict[str, dict[str, SocketEntry]] = {}
@@ -135,9 +151,11 @@ class SocketRouter:
         self._serial = _KeyedFifo()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self.remote_closes = 0
+        """Sockets closed because another replica's write said they no longer belong."""
 
     def attach(self, events: ConnectionEvents) -> None:
-        """Name the sink of connection events (the reconciler, built after the router)."""
+        """Name the sink of connection events (metrics, tests)."""
         self._events = events
 
     # -- the Router seam ------------------------------------------------------------------------
@@ -155,6 +173,94 @@ class SocketRouter:
 
     async def is_ready(self, target: Target) -> bool:
         return await self._connections.is_connected(target, self._instance_ttl)
+
+    def notice_connected(self, notice: ConnectedNotice) -> None:
+        """A ``hubd_connected`` notification arrived (from any replica, this one included):
+        wake waiters, and close local sockets that the new record superseded or fenced."""
+        self.notify_connected(notice.target)
+        for entry in self._open_entries(notice.target.allocation_id):
+            if entry.target.generation < notice.target.generation:
+                self.remote_closes += 1
+                self._close(entry, CloseCode.FENCED)
+            elif (
+                entry.target.generation == notice.target.generation
+                and entry.connection_id != notice.connection_id
+                and entry.seq is not None
+                and entry.seq < notice.seq
+            ):
+                # Only a recorded socket can be superseded by number: one still recording
+                # gets a higher number than any record written before it.
+                self.remote_closes += 1
+                self._close(entry, CloseCode.SUPERSEDED)
+
+    def apply_control(self, control: SocketControl) -> None:
+        """A ``hubd_sockets`` notification: the allocation moved to a newer generation, or
+        became terminal, on some replica."""
+        before = len(self._open_entries(control.allocation_id))
+        if control.retire:
+            self.retire(control.allocation_id, control.generation)
+        else:
+            self.fence(control.allocation_id, control.generation)
+        self.remote_closes += before - len(self._open_entries(control.allocation_id))
+
+    async def verify(self) -> tuple[int, int]:
+        """Compare every recorded socket held here with the database: close what no longer
+        belongs (retired, fenced, superseded) and write again the records a sweep removed
+        while the socket stayed open. Returns (records written again, sockets closed)."""
+        held = [
+            entry
+            for peers in list(self._sockets.values())
+            for entry in peers.values()
+            if entry.closed_by_hub is None and entry.recorded
+        ]
+        if not held:
+            return 0, 0
+        checks = await self._connections.check_sockets(
+            [(e.target.allocation_id, e.connection_id) for e in held]
+        )
+        by_id = {entry.connection_id: entry for entry in held}
+        reasserted = closed = 0
+        for check in checks:
+            entry = by_id.get(check.connection_id)
+            if entry is None or entry.closed_by_hub is not None:
+                continue
+            if check.status is None or check.status.terminal:
+                self._close(entry, CloseCode.RETIRED)
+                closed += 1
+            elif check.generation is not None and check.generation > entry.target.generation:
+                self._close(entry, CloseCode.FENCED)
+                closed += 1
+            elif check.recorded_connection_id == entry.connection_id:
+                continue
+            elif check.recorded_connection_id is not None:
+                if (check.recorded_seq or 0) > (entry.seq or 0):
+                    self._close(entry, CloseCode.SUPERSEDED)
+                    closed += 1
+            elif check.status in (Status.PROVISIONING, Status.ALLOCATED) and await self._reassert(
+                entry
+            ):
+                reasserted += 1
+        return reasserted, closed
+
+    async def _reassert(self, entry: SocketEntry) -> bool:
+        async with self._serial.hold(entry.target.allocation_id):
+            # Checked under the allocation's lock: a socket whose handler finished meanwhile
+            # has cleared (or is about to clear) its record, and must not get it back.
+            if entry.gone or entry.closed_by_hub is not None:
+                return False
+            try:
+                async with asyncio.timeout(self._event_timeout):
+                    seq = await self._connections.reassert(
+                        entry.connection_id, entry.target, entry.sidecar_id
+                    )
+            except (StoreError, TimeoutError) as exc:
+                entry.log.warning("connection_not_reasserted", error=_describe(exc))
+                return False
+            if seq is None:
+                return False
+            entry.seq = seq
+            entry.log.info("connection_reasserted", seq=seq)
+            return True
 
     async def wait_ready(self, target: Target, within: float) -> None:
         loop = asyncio.get_running_loop()
@@ -249,19 +355,21 @@ class SocketRouter:
                 return False
             try:
                 async with asyncio.timeout(self._event_timeout):
-                    outcome = await self._connections.record(
+                    record = await self._connections.record(
                         entry.connection_id, entry.target, entry.sidecar_id
                     )
             except (StoreError, TimeoutError) as exc:
                 entry.log.warning("connection_not_recorded", error=_describe(exc))
                 self._close(entry, CloseCode.INTERNAL_ERROR)
                 return False
+            outcome = record.outcome
             if outcome is not RecordOutcome.RECORDED:
                 entry.log.info("connection_refused_by_record", outcome=str(outcome))
                 code = CloseCode.RETIRED if outcome is RecordOutcome.RETIRED else CloseCode.FENCED
                 self._close(entry, code)
                 return False
             entry.recorded = True
+            entry.seq = record.seq
             # The record replaced whatever the superseded socket had written: nothing left to
             # clean up for it, and no chain of old sockets kept alive by a flapping sidecar.
             entry.superseded = None
@@ -279,6 +387,7 @@ class SocketRouter:
 
     async def unregister(self, entry: SocketEntry) -> None:
         """The socket's handler is done: forget it, clear its record, report the disconnect."""
+        entry.gone = True
         peers = self._sockets.get(entry.target.allocation_id)
         if peers is not None:
             peers.pop(entry.connection_id, None)
@@ -291,7 +400,7 @@ class SocketRouter:
         async with self._serial.hold(entry.target.allocation_id):
             if code in (CloseCode.FENCED, CloseCode.RETIRED):
                 if entry.recorded:
-                    await self._clear(entry, entry)
+                    await self._clear(entry, entry, lost=False)
                 return
             cleared: bool | None = False
             if entry.recorded:
@@ -368,8 +477,11 @@ class SocketRouter:
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("router_task_failed", task=task.get_name(), error=_describe(exc))
 
-    async def _clear(self, entry: SocketEntry, holder: SocketEntry) -> bool | None:
-        """Clear ``holder``'s record, retrying a failing database within the clear budget.
+    async def _clear(
+        self, entry: SocketEntry, holder: SocketEntry, *, lost: bool = True
+    ) -> bool | None:
+        """Clear ``holder``'s record (and, with ``lost``, mark the sidecar lost in the same
+        statement), retrying a failing database within the clear budget.
 
         ``None`` when it could not be cleared: the record then outlives the socket until its
         instance stops heartbeating, so this is logged as an error.
@@ -380,6 +492,12 @@ class SocketRouter:
         while True:
             try:
                 async with asyncio.timeout(self._event_timeout):
+                    if lost:
+                        return await self._connections.disconnect(
+                            holder.target.allocation_id,
+                            holder.connection_id,
+                            connect_timeout=self._connect_timeout,
+                        )
                     return await self._connections.clear(
                         holder.target.allocation_id, holder.connection_id
                     )

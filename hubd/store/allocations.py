@@ -152,8 +152,10 @@ class AllocationStore:
         return expires is not None
 
     async def lease_is_current(self, fence: Fence) -> bool:
+        # On the main pool: the lease pool is kept for renewals, which must never queue behind
+        # a check that runs before every plugin call.
         with translate_errors("check lease"):
-            async with self._db.lease_pool.acquire() as conn:
+            async with self._db.pool.acquire() as conn:
                 current: bool = await conn.fetchval(
                     SQL.lease_is_current, fence.allocation_id, fence.lease_id, fence.generation
                 )
@@ -200,9 +202,15 @@ class AllocationStore:
     async def begin_initialization(self, fence: Fence) -> Allocation | None:
         return await self._fenced("begin initialization", SQL.begin_initialization, fence)
 
-    async def mark_connection_ready(self, fence: Fence) -> Allocation | None:
-        """Finish initialization and record the sidecar as ready."""
-        return await self._fenced("mark ready", SQL.mark_connection_ready, fence)
+    async def mark_connection_ready(
+        self, fence: Fence, *, connection_seq: int
+    ) -> Allocation | None:
+        """Finish initialization: ready if no connection was recorded or cleared since the claim
+        saw ``connection_seq``, else an immediate follow-up (the row's ``connection_ready`` says
+        which)."""
+        return await self._fenced(
+            "mark ready", SQL.mark_connection_ready, fence, int(connection_seq)
+        )
 
     async def schedule_retry(
         self,
@@ -227,8 +235,16 @@ class AllocationStore:
         )
 
     async def park(
-        self, fence: Fence, *, mode: ParkMode, delay: float, failure: Failure | None = None
+        self,
+        fence: Fence,
+        *,
+        mode: ParkMode,
+        delay: float,
+        failure: Failure | None = None,
+        connection_seq: int | None = None,
     ) -> Allocation | None:
+        """Drop the lease until later. Awaiting a connection, the row is due at once instead if
+        its connection number is no longer ``connection_seq``."""
         return await self._fenced(
             "park",
             SQL.park,
@@ -237,6 +253,7 @@ class AllocationStore:
             float(delay),
             failure.code if failure else None,
             failure.message if failure else None,
+            connection_seq,
         )
 
     async def begin_replacement(
@@ -248,6 +265,7 @@ class AllocationStore:
         failure: Failure,
         only_if_initialization_incomplete: bool = False,
         expected_initialization_lease_id: str | None = None,
+        expected_connection_seq: int | None = None,
     ) -> Allocation | None:
         return await self._fenced(
             "begin replacement",
@@ -259,6 +277,7 @@ class AllocationStore:
             failure.message,
             only_if_initialization_incomplete,
             expected_initialization_lease_id,
+            expected_connection_seq,
         )
 
     async def begin_unrecoverable_release(
@@ -268,6 +287,7 @@ class AllocationStore:
         failure: Failure,
         only_if_initialization_incomplete: bool = False,
         expected_initialization_lease_id: str | None = None,
+        expected_connection_seq: int | None = None,
     ) -> Allocation | None:
         return await self._fenced(
             "begin unrecoverable release",
@@ -277,6 +297,7 @@ class AllocationStore:
             failure.message,
             only_if_initialization_incomplete,
             expected_initialization_lease_id,
+            expected_connection_seq,
         )
 
     async def fail_without_infrastructure(
@@ -301,25 +322,6 @@ class AllocationStore:
 
     # -- connection events and repair (not claim-owned) ------------------------------------------
 
-    async def mark_connection_lost(
-        self,
-        allocation_id: str,
-        generation: int,
-        *,
-        connect_timeout: float,
-        keep_deadline: bool = False,
-    ) -> Allocation | None:
-        """The current sidecar of ``generation`` is gone; any claim on the row is invalidated."""
-        return await self._transition(
-            "mark connection lost",
-            SQL.mark_connection_lost,
-            allocation_id,
-            generation,
-            self.instance_id,
-            float(connect_timeout),
-            keep_deadline,
-        )
-
     async def wake(self, allocation_id: str, generation: int) -> bool:
         """Make the allocation due now and notify the daemons; ``False`` if nothing changed."""
         with translate_errors("wake"):
@@ -327,16 +329,17 @@ class AllocationStore:
                 woken: bool = await conn.fetchval(SQL.wake, allocation_id, generation)
         return woken
 
-    async def schedule_reconnect_if_unscheduled(
-        self, allocation_id: str, generation: int, *, connect_timeout: float
-    ) -> Allocation | None:
-        return await self._transition(
-            "schedule reconnect",
-            SQL.schedule_reconnect_if_unscheduled,
-            allocation_id,
-            generation,
-            float(connect_timeout),
-            self.instance_id,
+    async def mark_unconnected(self, *, instance_ttl: float, connect_timeout: float) -> int:
+        """Repair allocated rows that read ready, or are scheduled for nothing, although no
+        live connection record exists; returns how many were repaired."""
+        return len(
+            await self._fetch_all(
+                "mark unconnected",
+                SQL.mark_unconnected,
+                float(instance_ttl),
+                float(connect_timeout),
+                self.instance_id,
+            )
         )
 
     # -- plumbing ---------------------------------------------------------------------------------

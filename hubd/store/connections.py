@@ -21,18 +21,30 @@ from hubd.store.queries import load_queries
 
 __all__ = [
     "CONNECTED_CHANNEL",
+    "SOCKETS_CHANNEL",
+    "ConnectedNotice",
     "ConnectionStore",
+    "Readiness",
+    "Record",
     "RecordOutcome",
     "SidecarIdentity",
+    "SocketCheck",
+    "SocketControl",
     "StaleConnection",
     "connected_payload",
     "parse_connected_payload",
+    "parse_sockets_payload",
 ]
 
 SQL = load_queries("connections.sql")
 
 CONNECTED_CHANNEL: Final = "hubd_connected"
-"""The NOTIFY channel a connection record announces itself on; payload ``<allocation>:<gen>``."""
+"""The NOTIFY channel a connection record announces itself on; payload
+``<allocation>:<generation>:<seq>:<connection>``."""
+
+SOCKETS_CHANNEL: Final = "hubd_sockets"
+"""The NOTIFY channel on which every move to a newer generation or to a terminal status is
+announced (a trigger on ``hubd_allocations``); payload ``<allocation>:<gen>:fence|retire``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -55,6 +67,47 @@ class SidecarIdentity:
             sidecar_id=row["sidecar_id"],
             token_hash=bytes(token_hash) if token_hash is not None else None,
         )
+
+
+@attrs.frozen
+class Readiness:
+    """Whether a generation's sidecar holds a live record, and the connection number that
+    answer belongs to: a claim fences what it does with the answer on that number."""
+
+    connected: bool
+    connection_seq: int
+
+
+@attrs.frozen
+class ConnectedNotice:
+    """A ``hubd_connected`` notification: connection ``connection_id``'s record of ``target``
+    was written with number ``seq``."""
+
+    target: Target
+    seq: int
+    connection_id: str
+
+
+@attrs.frozen
+class SocketControl:
+    """A ``hubd_sockets`` notification: sockets of older generations must go (``fence``), or
+    every socket of the allocation (``retire``)."""
+
+    allocation_id: str
+    generation: int
+    retire: bool
+
+
+@attrs.frozen(kw_only=True)
+class SocketCheck:
+    """What the database says about one socket an instance holds."""
+
+    allocation_id: str
+    connection_id: str
+    status: Status | None
+    generation: int | None
+    recorded_connection_id: str | None
+    recorded_seq: int | None
 
 
 class RecordOutcome(enum.StrEnum):
@@ -81,17 +134,53 @@ class StaleConnection:
         return Target(self.allocation_id, self.generation)
 
 
-def connected_payload(target: Target) -> str:
-    return f"{target.allocation_id}:{target.generation}"
+@attrs.frozen
+class Record:
+    """The outcome of writing a connection record, and its number when written."""
+
+    outcome: RecordOutcome
+    seq: int | None = None
 
 
-def parse_connected_payload(payload: str) -> Target | None:
-    """The target a ``hubd_connected`` notification names, or ``None`` if it is malformed."""
-    allocation_id, sep, generation = payload.rpartition(":")
-    if not sep or not allocation_id or not generation.isdigit():
+def connected_payload(target: Target, seq: int, connection_id: str) -> str:
+    return f"{target.allocation_id}:{target.generation}:{seq}:{connection_id}"
+
+
+def parse_connected_payload(payload: str) -> ConnectedNotice | None:
+    """What a ``hubd_connected`` notification says, or ``None`` if it is malformed."""
+    parts = payload.split(":")
+    if (
+        len(parts) != 4
+        or not parts[0]
+        or not parts[1].isdigit()
+        or not parts[2].isdigit()
+        or not parts[3]
+    ):
         return None
-    number = int(generation)
-    return Target(allocation_id, number) if number >= 1 else None
+    generation, seq = int(parts[1]), int(parts[2])
+    if generation < 1:
+        return None
+    return ConnectedNotice(Target(parts[0], generation), seq, parts[3])
+
+
+def parse_sockets_payload(payload: str) -> SocketControl | None:
+    """What a ``hubd_sockets`` notification says, or ``None`` if it is malformed."""
+    parts = payload.split(":")
+    if (
+        len(parts) != 3
+        or not parts[0]
+        or not parts[1].isdigit()
+        or parts[2]
+        not in (
+            "fence",
+            "retire",
+        )
+    ):
+        return None
+    generation = int(parts[1])
+    if generation < 1:
+        return None
+    return SocketControl(parts[0], generation, retire=parts[2] == "retire")
 
 
 class ConnectionStore:
@@ -111,8 +200,9 @@ class ConnectionStore:
             row = await conn.fetchrow(SQL.identity, allocation_id)
         return SidecarIdentity.from_row(row) if row is not None else None
 
-    async def record(self, connection_id: str, target: Target, sidecar_id: str) -> RecordOutcome:
-        """Make ``connection_id`` the allocation's current connection, if it still may be."""
+    async def record(self, connection_id: str, target: Target, sidecar_id: str) -> Record:
+        """Make ``connection_id`` the allocation's current connection, if it still may be; the
+        allocation is woken and every replica told, in the same statement."""
         async with self._db.connection("record connection") as conn:
             row = await conn.fetchrow(
                 SQL.record,
@@ -123,33 +213,104 @@ class ConnectionStore:
                 self.instance_id,
             )
         if row is None:
-            return RecordOutcome.RETIRED
-        if row["recorded"]:
-            return RecordOutcome.RECORDED
+            return Record(RecordOutcome.RETIRED)
+        if row["seq"] is not None:
+            return Record(RecordOutcome.RECORDED, row["seq"])
         status = Status(row["status"])
         if status.terminal:
-            return RecordOutcome.RETIRED
-        return RecordOutcome.FENCED
+            return Record(RecordOutcome.RETIRED)
+        return Record(RecordOutcome.FENCED)
+
+    async def reassert(self, connection_id: str, target: Target, sidecar_id: str) -> int | None:
+        """Write a swept record of a socket that is still open again; its number, or ``None``
+        when the allocation moved on or another connection took over meanwhile."""
+        async with self._db.connection("reassert connection") as conn:
+            row = await conn.fetchrow(
+                SQL.reassert,
+                connection_id,
+                target.allocation_id,
+                target.generation,
+                sidecar_id,
+                self.instance_id,
+            )
+        return None if row is None else int(row["seq"])
 
     async def clear(self, allocation_id: str, connection_id: str) -> bool:
-        """Forget the record if ``connection_id`` is still current; ``False`` if it was not."""
+        """Forget the record if ``connection_id`` is still current; ``False`` if it was not.
+        The sidecar is not called lost: use :meth:`disconnect` for that."""
         async with self._db.connection("clear connection") as conn:
             cleared = await conn.fetchval(SQL.clear, allocation_id, connection_id)
         return cleared is not None
 
-    async def clear_instance(self, instance_id: str) -> list[Target]:
-        """Forget every record held by ``instance_id``; returns the targets that were recorded."""
-        async with self._db.connection("clear instance connections") as conn:
-            rows = await conn.fetch(SQL.clear_instance, instance_id)
+    async def disconnect(
+        self, allocation_id: str, connection_id: str, *, connect_timeout: float
+    ) -> bool:
+        """Connection ``connection_id`` closed: clear its record and mark the sidecar lost, both
+        only if it is still the current record. ``True`` when it was."""
+        async with self._db.connection("record disconnect") as conn:
+            row = await conn.fetchrow(
+                SQL.disconnect,
+                allocation_id,
+                connection_id,
+                self.instance_id,
+                float(connect_timeout),
+            )
+        return bool(row is not None and row["cleared"])
+
+    async def sweep_stale(self, ttl: float, *, connect_timeout: float) -> list[StaleConnection]:
+        """Clear the records of instances dead for ``ttl`` seconds (never this instance's) and
+        mark their sidecars lost; returns what was swept."""
+        async with self._db.connection("sweep stale connections") as conn:
+            rows = await conn.fetch(
+                SQL.sweep_stale, float(ttl), self.instance_id, float(connect_timeout)
+            )
+        return [
+            StaleConnection(
+                allocation_id=row["allocation_id"],
+                generation=row["generation"],
+                connection_id=row["connection_id"],
+                instance_id=row["instance_id"],
+            )
+            for row in rows
+        ]
+
+    async def release_instance(self, *, connect_timeout: float) -> list[Target]:
+        """A clean stop: clear this instance's records and mark their sidecars lost at once."""
+        async with self._db.connection("release instance connections") as conn:
+            rows = await conn.fetch(SQL.release_instance, self.instance_id, float(connect_timeout))
         return [Target(row["allocation_id"], row["generation"]) for row in rows]
 
-    async def is_connected(self, target: Target, ttl: float) -> bool:
-        """Whether ``target`` has a record on an instance whose heartbeat is within ``ttl``."""
+    async def readiness(self, target: Target, ttl: float) -> Readiness:
+        """Whether ``target`` has a record on an instance whose heartbeat is within ``ttl``,
+        and the allocation's connection number read with that answer."""
         async with self._db.connection("check connection") as conn:
-            connected: bool = await conn.fetchval(
-                SQL.is_connected, target.allocation_id, target.generation, float(ttl)
+            row = await conn.fetchrow(
+                SQL.readiness, target.allocation_id, target.generation, float(ttl)
             )
-        return connected
+        if row is None:
+            return Readiness(connected=False, connection_seq=-1)
+        return Readiness(connected=bool(row["connected"]), connection_seq=row["connection_seq"])
+
+    async def is_connected(self, target: Target, ttl: float) -> bool:
+        return (await self.readiness(target, ttl)).connected
+
+    async def check_sockets(self, sockets: list[tuple[str, str]]) -> list[SocketCheck]:
+        """What the database says of each (allocation, connection) this instance holds."""
+        async with self._db.connection("check sockets") as conn:
+            rows = await conn.fetch(
+                SQL.check_sockets, [a for a, _ in sockets], [c for _, c in sockets]
+            )
+        return [
+            SocketCheck(
+                allocation_id=row["allocation_id"],
+                connection_id=row["connection_id"],
+                status=Status(row["status"]) if row["status"] is not None else None,
+                generation=row["generation"],
+                recorded_connection_id=row["recorded_connection_id"],
+                recorded_seq=row["recorded_seq"],
+            )
+            for row in rows
+        ]
 
     async def stale(self, ttl: float) -> list[StaleConnection]:
         """Records whose instance is gone or has not sent a heartbeat within ``ttl`` seconds."""

@@ -56,6 +56,12 @@ class InstanceStore:
                 beat = await conn.fetchval(SQL.heartbeat, instance_id)
         return beat is not None
 
+    async def delete_dead(self, older_than: float) -> builtins.list[str]:
+        """Forget instances whose heartbeat is older than ``older_than`` seconds."""
+        async with self._db.connection("delete dead instances") as conn:
+            rows = await conn.fetch(SQL.delete_dead, float(older_than))
+        return [row["id"] for row in rows]
+
     async def remove(self, instance_id: str) -> None:
         async with self._db.connection("remove instance") as conn:
             await conn.execute(SQL.remove, instance_id)

@@ -67,6 +67,8 @@ class Allocation:
     external_ref: str | None
     connect_deadline: datetime | None
     connection_ready: bool
+    connection_seq: int
+    """Bumped whenever a connection is recorded or cleared; claims fence on it."""
     initialization_lease_id: str | None
     ensure_attempts: int
     destroy_attempts: int

@@ -15,6 +15,8 @@ CREATE TABLE hubd_allocations (
     external_ref                    text,
     connect_deadline                timestamptz,
     connection_ready                boolean NOT NULL DEFAULT false,
+    -- Bumped by every statement that records or clears a connection; claims fence on it.
+    connection_seq                  bigint NOT NULL DEFAULT 0,
     initialization_lease_id         text,
     ensure_attempts                 integer NOT NULL DEFAULT 0,
     destroy_attempts                integer NOT NULL DEFAULT 0,
@@ -113,6 +115,8 @@ CREATE TABLE hubd_sidecar_connections (
     sidecar_id    text NOT NULL,
     instance_id   text NOT NULL,
     connected_at  timestamptz NOT NULL DEFAULT now(),
+    -- The allocation's connection_seq when written: the higher of two records took over.
+    seq           bigint NOT NULL DEFAULT 0,
     CONSTRAINT hubd_sidecar_connections_generation_check CHECK (generation >= 1)
 );
 
@@ -121,3 +125,27 @@ CREATE UNIQUE INDEX hubd_sidecar_connections_allocation_idx
     ON hubd_sidecar_connections (allocation_id);
 
 CREATE INDEX hubd_sidecar_connections_instance_idx ON hubd_sidecar_connections (instance_id);
+
+-- Serves the sweep of dead instances' records and their own deletion.
+CREATE INDEX hubd_instances_heartbeat_idx ON hubd_instances (heartbeat_at);
+
+-- Whenever an allocation moves to a newer generation or becomes terminal, every replica hears
+-- it on 'hubd_sockets' ('<allocation>:<generation>:fence|retire') and closes the sockets it holds
+-- that no longer belong: the replica that wrote the transition is rarely the one holding them.
+-- A trigger, so that no transition (the reconciler's, a user's release, a future one) can forget.
+CREATE FUNCTION hubd_socket_control() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('hubd_sockets', NEW.id || ':' || NEW.generation || ':' ||
+        CASE WHEN NEW.status IN ('released', 'failed', 'destroy_failed') THEN 'retire'
+             ELSE 'fence' END);
+    RETURN NULL;
+END;
+$$;
+
+CREATE TRIGGER hubd_allocations_socket_control
+    AFTER UPDATE OF generation, status ON hubd_allocations
+    FOR EACH ROW
+    WHEN (OLD.generation IS DISTINCT FROM NEW.generation
+          OR (NEW.status IN ('released', 'failed', 'destroy_failed')
+              AND OLD.status NOT IN ('released', 'failed', 'destroy_failed')))
+    EXECUTE FUNCTION hubd_socket_control();

@@ -163,20 +163,24 @@ WITH updated AS (
 SELECT * FROM updated;
 
 -- name: mark_connection_ready
--- Finish initialization: the sidecar is connected and initialized. Nothing is scheduled until the
--- connection is lost; attempt counters and the last failure are reset.
+-- Finish initialization. Ready only if no connection was recorded or cleared since the claim
+-- looked ($5, the allocation's connection number then): a connect that landed meanwhile, on any
+-- replica, may be a restarted sidecar whose takeover hid its disconnect, and a disconnect means
+-- it is gone. Then the write becomes an immediate follow-up instead (due now, ledger kind
+-- 'follow_up'), so the next claim looks again. Either way the initialization marker is settled
+-- and the lease dropped; on ready, attempt counters and the last failure are reset.
 WITH updated AS (
     UPDATE hubd_allocations SET
-        connection_ready = true,
+        connection_ready = (connection_seq = $5),
         initialization_lease_id = NULL,
-        connect_deadline = NULL,
-        next_attempt_at = NULL,
+        connect_deadline = CASE WHEN connection_seq = $5 THEN NULL ELSE connect_deadline END,
+        next_attempt_at = CASE WHEN connection_seq = $5 THEN NULL ELSE now() END,
         lease_id = NULL,
         lease_expires_at = NULL,
-        ensure_attempts = 0,
-        destroy_attempts = 0,
-        failure_code = NULL,
-        failure_message = NULL,
+        ensure_attempts = CASE WHEN connection_seq = $5 THEN 0 ELSE ensure_attempts END,
+        destroy_attempts = CASE WHEN connection_seq = $5 THEN 0 ELSE destroy_attempts END,
+        failure_code = CASE WHEN connection_seq = $5 THEN NULL ELSE failure_code END,
+        failure_message = CASE WHEN connection_seq = $5 THEN NULL ELSE failure_message END,
         updated_at = now()
     WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
       AND status = 'allocated'
@@ -184,31 +188,13 @@ WITH updated AS (
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $2, $4, 'mark_ready', 'allocated', status, 'committed' FROM updated
-)
-SELECT * FROM updated;
-
--- name: mark_connection_lost
--- A connection event, not a claim: the current sidecar of generation $2 is gone. Give it until a
--- connect deadline ($4 seconds away, or the existing deadline when $5) and invalidate any claim,
--- whose view of the connection is now stale. $3 is the hub instance.
-WITH updated AS (
-    UPDATE hubd_allocations SET
-        connection_ready = false,
-        connect_deadline = CASE WHEN $5 AND connect_deadline IS NOT NULL THEN connect_deadline
-                                ELSE now() + make_interval(secs => $4) END,
-        next_attempt_at = CASE WHEN $5 AND connect_deadline IS NOT NULL THEN connect_deadline
-                               ELSE now() + make_interval(secs => $4) END,
-        lease_id = NULL,
-        lease_expires_at = NULL,
-        updated_at = now()
-    WHERE id = $1 AND generation = $2 AND status = 'allocated'
-    RETURNING *
-), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $3, 'connection_lost', 'allocated', status, 'committed' FROM updated
+        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase,
+         message)
+    SELECT id, generation, $2, $4, CASE WHEN connection_ready THEN 'mark_ready' ELSE 'follow_up' END,
+        'allocated', status, 'committed',
+        CASE WHEN connection_ready THEN NULL
+             ELSE 'a connection was recorded or lost during initialization' END
+    FROM updated
 )
 SELECT * FROM updated;
 
@@ -241,12 +227,17 @@ SELECT * FROM updated;
 -- name: park
 -- Nothing to do until something happens: drop the lease and come back at the connect deadline
 -- ($5 = 'await_connection', falling back to $6 seconds) or after $6 seconds ('retry_after_error',
--- recording $7/$8 as the failure).
+-- recording $7/$8 as the failure). Awaiting a connection is fenced on the connection number the
+-- claim last saw ($9, when given): if a connection was recorded or cleared since, on any replica,
+-- the row is due now instead (ledger kind 'follow_up'), so no connect is slept through.
 WITH updated AS (
     UPDATE hubd_allocations SET
-        next_attempt_at = CASE WHEN $5::text = 'await_connection'
-                               THEN COALESCE(connect_deadline, now() + make_interval(secs => $6))
-                               ELSE now() + make_interval(secs => $6) END,
+        next_attempt_at = CASE
+            WHEN $5::text = 'await_connection' AND connection_seq <> $9::bigint
+                THEN now()
+            WHEN $5::text = 'await_connection'
+                THEN COALESCE(connect_deadline, now() + make_interval(secs => $6))
+            ELSE now() + make_interval(secs => $6) END,
         failure_code = COALESCE($7, failure_code),
         failure_message = CASE WHEN $7::text IS NULL THEN failure_message ELSE $8 END,
         lease_id = NULL,
@@ -258,7 +249,10 @@ WITH updated AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message)
-    SELECT id, generation, $2, $4, 'park_' || $5::text, status, status, 'committed', $7, $8
+    SELECT id, generation, $2, $4,
+        CASE WHEN $5::text = 'await_connection' AND connection_seq <> $9::bigint
+             THEN 'follow_up' ELSE 'park_' || $5::text END,
+        status, status, 'committed', $7, $8
     FROM updated
 )
 SELECT * FROM updated;
@@ -266,6 +260,8 @@ SELECT * FROM updated;
 -- name: begin_replacement
 -- Abandon the current sidecar: → replacing under a new generation, due in $6 seconds, failure
 -- $7/$8. With $9, only while an initialization is still recorded (and, given $10, by that lease).
+-- Given $11, only while the connection number is still $11: a sidecar that connected (anywhere)
+-- since the claim saw it absent is never abandoned for not connecting.
 WITH updated AS (
     UPDATE hubd_allocations SET
         status = 'replacing',
@@ -283,6 +279,7 @@ WITH updated AS (
       AND status = $5
       AND (NOT $9 OR (initialization_lease_id IS NOT NULL
                       AND initialization_lease_id = COALESCE($10, initialization_lease_id)))
+      AND ($11::bigint IS NULL OR connection_seq = $11)
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
@@ -294,7 +291,7 @@ SELECT * FROM updated;
 
 -- name: begin_unrecoverable_release
 -- allocated → releasing under a new generation when automatic replacement recovery is off;
--- $5/$6 the failure, $7/$8 as $9/$10 of begin_replacement.
+-- $5/$6 the failure, $7/$8/$9 as $9/$10/$11 of begin_replacement.
 WITH updated AS (
     UPDATE hubd_allocations SET
         status = 'releasing',
@@ -311,6 +308,7 @@ WITH updated AS (
       AND status = 'allocated'
       AND (NOT $7 OR (initialization_lease_id IS NOT NULL
                       AND initialization_lease_id = COALESCE($8, initialization_lease_id)))
+      AND ($9::bigint IS NULL OR connection_seq = $9)
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
@@ -408,22 +406,43 @@ WITH updated AS (
 )
 SELECT count(*) > 0 FROM updated, woken;
 
--- name: schedule_reconnect_if_unscheduled
--- Repair an allocated row that nothing will ever revisit (no schedule, no lease) whose sidecar is
--- not connected: treat it as lost, due at its connect deadline (or $3 seconds away).
-WITH updated AS (
-    UPDATE hubd_allocations SET
+-- name: mark_unconnected
+-- Start-up repair and the repair sweep: allocated rows that read ready, or that nothing will ever
+-- revisit (no schedule), although no live connection record exists for their generation (none,
+-- or only on instances whose heartbeat is older than $1 seconds). Each gets until its connect
+-- deadline (or $2 seconds). Only rows no claim holds (a claim's lease decides for itself), and
+-- fenced on the connection number each was found with: a record written meanwhile bumps it, and
+-- the join below then no longer matches when the row lock is taken. $3 is the instance for the
+-- ledger.
+WITH candidates AS (
+    SELECT a.id, a.generation, a.connection_seq FROM hubd_allocations AS a
+    WHERE a.status = 'allocated'
+      AND (a.connection_ready OR a.next_attempt_at IS NULL)
+      AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= now())
+      AND NOT EXISTS (
+          SELECT 1 FROM hubd_sidecar_connections AS c
+          JOIN hubd_instances AS i ON i.id = c.instance_id
+          WHERE c.allocation_id = a.id AND c.generation = a.generation
+            AND i.heartbeat_at > now() - make_interval(secs => $1))
+), updated AS (
+    UPDATE hubd_allocations AS a SET
         connection_ready = false,
-        connect_deadline = COALESCE(connect_deadline, now() + make_interval(secs => $3)),
-        next_attempt_at = COALESCE(connect_deadline, now() + make_interval(secs => $3)),
+        connect_deadline = COALESCE(a.connect_deadline, now() + make_interval(secs => $2)),
+        next_attempt_at = LEAST(a.next_attempt_at,
+                                COALESCE(a.connect_deadline, now() + make_interval(secs => $2))),
         updated_at = now()
-    WHERE id = $1 AND generation = $2 AND status = 'allocated'
-      AND next_attempt_at IS NULL AND lease_id IS NULL
-    RETURNING *
+    FROM candidates AS c
+    WHERE a.id = c.id AND a.generation = c.generation AND a.connection_seq = c.connection_seq
+      AND a.status = 'allocated'
+      AND (a.connection_ready OR a.next_attempt_at IS NULL)
+      AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= clock_timestamp())
+    RETURNING a.*
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $4, 'schedule_reconnect', 'allocated', status, 'committed' FROM updated
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    SELECT id, generation, $3, 'connection_lost', 'allocated', status, 'committed',
+           'no live connection record'
+    FROM updated
 )
 SELECT * FROM updated;
 

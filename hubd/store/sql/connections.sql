@@ -1,5 +1,10 @@
 -- Statements on hubd_sidecar_connections: the durable record of which sidecar is connected where,
 -- so any replica can answer "is this sidecar ready?" from the database.
+--
+-- Every statement that records or clears a connection also bumps the allocation's
+-- connection_seq in the same statement. Claims fence their connection-dependent writes on that
+-- number (see park and mark_connection_ready in allocations.sql); updating the allocation row
+-- also takes its row lock, so a record and a clear of one allocation never interleave.
 
 -- name: identity
 -- What a handshake is checked against: the allocation's status, generation and current identity.
@@ -7,55 +12,214 @@ SELECT id, status, generation, sidecar_id, token_hash
 FROM hubd_allocations WHERE id = $1;
 
 -- name: record
--- Connection $1 of allocation $2, generation $3, sidecar $4 on instance $5 becomes the current one,
--- and 'hubd_connected' is notified with '<allocation>:<generation>' in the same statement, so a
--- replica that hears it can trust the record is committed. Written only while the allocation still
--- accepts exactly that sidecar (current generation and identity, provisioning or allocated), and
--- never over the record of a newer generation. FOR SHARE makes a concurrent transition that
--- abandons the sidecar either wait for this statement or be seen by it: a record can never
--- survive its own fencing. Returns the allocation's status and generation (no row: no such
--- allocation) and whether the record was written.
+-- Connection $1 of allocation $2, generation $3, sidecar $4 on instance $5 becomes the current one.
+-- Written only while the allocation still accepts exactly that sidecar (current generation and
+-- identity, provisioning or allocated). In the same statement: the connection number is bumped,
+-- the allocation is made due (a claim holding it sees the bump when it parks or marks ready, so a
+-- connect on a leased row is never lost), and 'hubd_connected' carries
+-- '<allocation>:<generation>:<seq>:<connection>' to every replica: waiters wake, and a replica holding an
+-- older socket of the same generation closes it as superseded. Returns the allocation's status
+-- and generation (no row: no such allocation) and the record's number (NULL: not written).
 WITH alloc AS (
-    SELECT id, status, generation, sidecar_id FROM hubd_allocations WHERE id = $2 FOR SHARE
+    UPDATE hubd_allocations SET
+        connection_seq = connection_seq + 1,
+        next_attempt_at = CASE WHEN next_attempt_at IS NULL OR next_attempt_at > now()
+                               THEN now() ELSE next_attempt_at END,
+        updated_at = now()
+    WHERE id = $2 AND generation = $3 AND sidecar_id = $4
+      AND status IN ('provisioning', 'allocated')
+    RETURNING id, generation, connection_seq
 ), written AS (
     INSERT INTO hubd_sidecar_connections
-        (connection_id, allocation_id, generation, sidecar_id, instance_id)
-    SELECT $1, alloc.id, $3, $4, $5 FROM alloc
-    WHERE alloc.generation = $3 AND alloc.sidecar_id = $4
-      AND alloc.status IN ('provisioning', 'allocated')
+        (connection_id, allocation_id, generation, sidecar_id, instance_id, seq)
+    SELECT $1, id, generation, $4, $5, connection_seq FROM alloc
     ON CONFLICT (allocation_id) DO UPDATE SET
         connection_id = EXCLUDED.connection_id,
         generation = EXCLUDED.generation,
         sidecar_id = EXCLUDED.sidecar_id,
         instance_id = EXCLUDED.instance_id,
+        seq = EXCLUDED.seq,
         connected_at = now()
-    WHERE hubd_sidecar_connections.generation <= EXCLUDED.generation
-    RETURNING allocation_id, generation
+    RETURNING allocation_id, generation, seq, connection_id
 ), notified AS (
-    SELECT pg_notify('hubd_connected', allocation_id || ':' || generation) FROM written
+    SELECT pg_notify('hubd_connected',
+                     allocation_id || ':' || generation || ':' || seq || ':' || connection_id),
+           pg_notify('hubd_wake', allocation_id)
+    FROM written
 )
-SELECT alloc.status, alloc.generation, (SELECT count(*) FROM notified) > 0 AS recorded
-FROM alloc;
+SELECT current.status, current.generation,
+       (SELECT seq FROM written) AS seq,
+       (SELECT count(*) FROM notified) AS notified
+FROM (SELECT status, generation FROM hubd_allocations WHERE id = $2) AS current;
+
+-- name: reassert
+-- Write connection $1's record again (same arguments as record) after this instance's records
+-- were swept while its socket stayed open: only while the allocation still accepts that sidecar
+-- and no other connection has recorded itself since (that one took over; this socket must go).
+-- Returns the record's number, or no row when nothing was written.
+WITH alloc AS (
+    UPDATE hubd_allocations SET
+        connection_seq = connection_seq + 1,
+        next_attempt_at = CASE WHEN next_attempt_at IS NULL OR next_attempt_at > now()
+                               THEN now() ELSE next_attempt_at END,
+        updated_at = now()
+    WHERE id = $2 AND generation = $3 AND sidecar_id = $4
+      AND status IN ('provisioning', 'allocated')
+      AND NOT EXISTS (SELECT 1 FROM hubd_sidecar_connections
+                      WHERE allocation_id = $2 AND connection_id <> $1)
+    RETURNING id, generation, connection_seq
+), written AS (
+    INSERT INTO hubd_sidecar_connections
+        (connection_id, allocation_id, generation, sidecar_id, instance_id, seq)
+    SELECT $1, id, generation, $4, $5, connection_seq FROM alloc
+    -- A record that appeared after this statement's snapshot belongs to a newer socket: the
+    -- conflict clause sees it and leaves it alone.
+    ON CONFLICT (allocation_id) DO UPDATE SET instance_id = EXCLUDED.instance_id,
+                                              seq = EXCLUDED.seq
+    WHERE hubd_sidecar_connections.connection_id = EXCLUDED.connection_id
+    RETURNING allocation_id, generation, seq, connection_id
+), notified AS (
+    SELECT pg_notify('hubd_connected',
+                     allocation_id || ':' || generation || ':' || seq || ':' || connection_id),
+           pg_notify('hubd_wake', allocation_id)
+    FROM written
+)
+SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 
 -- name: clear
--- Forget a connection only if it is still the current one: a takeover must not be undone by the
--- late close of the socket it replaced.
+-- Forget a connection only if it is still the current one, without calling the sidecar lost:
+-- the hub closed it because the allocation already moved on (fenced, retired).
 DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1 AND connection_id = $2
 RETURNING connection_id;
 
--- name: clear_instance
--- Forget every connection held by an instance (it stopped, or its heartbeat expired).
-DELETE FROM hubd_sidecar_connections WHERE instance_id = $1 RETURNING allocation_id, generation;
+-- name: disconnect
+-- Connection $2 of allocation $1 closed. Only if it is still the current record (a takeover, on
+-- any replica, replaced it otherwise) is it cleared and, for an allocated row of the record's
+-- generation, the sidecar marked lost: not ready, a new connect deadline $4 seconds away. A row
+-- that a claim holds keeps its schedule: that claim's connection-fenced write sees the bumped
+-- number and decides again; its lease is never touched. $3 is the instance for the ledger.
+WITH cleared AS (
+    DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1 AND connection_id = $2
+    RETURNING allocation_id, generation
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        connection_seq = a.connection_seq + 1,
+        connection_ready = false,
+        connect_deadline = CASE WHEN a.status = 'allocated'
+                                THEN now() + make_interval(secs => $4)
+                                ELSE a.connect_deadline END,
+        next_attempt_at = CASE WHEN a.status = 'allocated'
+                                    AND (a.lease_expires_at IS NULL
+                                         OR a.lease_expires_at <= clock_timestamp())
+                               THEN now() + make_interval(secs => $4)
+                               ELSE a.next_attempt_at END,
+        updated_at = now()
+    FROM cleared
+    WHERE a.id = cleared.allocation_id AND a.generation = cleared.generation
+      AND a.status IN ('provisioning', 'allocated')
+    RETURNING a.id, a.generation, a.status
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, $3, 'connection_lost', status, status, 'committed'
+    FROM updated WHERE status = 'allocated'
+)
+SELECT (SELECT count(*) FROM cleared) > 0 AS cleared, (SELECT count(*) FROM updated) > 0 AS lost;
 
--- name: is_connected
--- Whether generation $2's sidecar has a current connection on an instance whose heartbeat is
--- within $3 seconds.
-SELECT EXISTS (
-    SELECT 1 FROM hubd_sidecar_connections AS c
-    JOIN hubd_instances AS i ON i.id = c.instance_id
-    WHERE c.allocation_id = $1 AND c.generation = $2
-      AND i.heartbeat_at > now() - make_interval(secs => $3)
-);
+-- name: sweep_stale
+-- Records held by instances that are gone or whose heartbeat is older than $1 seconds (never
+-- instance $2's own: the caller knows its own sockets are open) are cleared, and their sidecars
+-- marked lost exactly as a disconnect would ($3 seconds to reconnect, to any replica). If such an
+-- instance is alive after all, it writes its records again (reassert) and readiness comes back
+-- at the same generation. Returns one row per swept record.
+WITH cleared AS (
+    DELETE FROM hubd_sidecar_connections AS c
+    WHERE c.instance_id <> $2
+      AND NOT EXISTS (SELECT 1 FROM hubd_instances AS i
+                      WHERE i.id = c.instance_id
+                        AND i.heartbeat_at > now() - make_interval(secs => $1))
+    RETURNING c.allocation_id, c.generation, c.connection_id, c.instance_id
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        connection_seq = a.connection_seq + 1,
+        connection_ready = false,
+        connect_deadline = CASE WHEN a.status = 'allocated'
+                                THEN now() + make_interval(secs => $3)
+                                ELSE a.connect_deadline END,
+        next_attempt_at = CASE WHEN a.status = 'allocated'
+                                    AND (a.lease_expires_at IS NULL
+                                         OR a.lease_expires_at <= clock_timestamp())
+                               THEN now() + make_interval(secs => $3)
+                               ELSE a.next_attempt_at END,
+        updated_at = now()
+    FROM cleared
+    WHERE a.id = cleared.allocation_id AND a.generation = cleared.generation
+      AND a.status IN ('provisioning', 'allocated')
+    RETURNING a.id, a.generation, a.status, cleared.instance_id
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    SELECT id, generation, $2, 'connection_swept', status, status, 'committed',
+           'instance ' || instance_id || ' stopped heartbeating'
+    FROM updated WHERE status = 'allocated'
+    RETURNING 1
+)
+SELECT cleared.allocation_id, cleared.generation, cleared.connection_id, cleared.instance_id,
+       (SELECT count(*) FROM logged) AS logged
+FROM cleared;
+
+-- name: release_instance
+-- A clean stop of instance $1: its records go and their sidecars are marked lost ($2 seconds to
+-- reconnect to a peer) at once, instead of reading ready until a peer's sweep.
+WITH cleared AS (
+    DELETE FROM hubd_sidecar_connections WHERE instance_id = $1
+    RETURNING allocation_id, generation
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        connection_seq = a.connection_seq + 1,
+        connection_ready = false,
+        connect_deadline = CASE WHEN a.status = 'allocated'
+                                THEN now() + make_interval(secs => $2)
+                                ELSE a.connect_deadline END,
+        next_attempt_at = CASE WHEN a.status = 'allocated'
+                                    AND (a.lease_expires_at IS NULL
+                                         OR a.lease_expires_at <= clock_timestamp())
+                               THEN now() + make_interval(secs => $2)
+                               ELSE a.next_attempt_at END,
+        updated_at = now()
+    FROM cleared
+    WHERE a.id = cleared.allocation_id AND a.generation = cleared.generation
+      AND a.status IN ('provisioning', 'allocated')
+    RETURNING a.id, a.generation, a.status
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    SELECT id, generation, $1, 'connection_lost', status, status, 'committed',
+           'the hub holding the socket stopped'
+    FROM updated WHERE status = 'allocated'
+)
+SELECT allocation_id, generation FROM cleared;
+
+-- name: readiness
+-- Whether generation $2 of allocation $1 has a current record on an instance whose heartbeat is
+-- within $3 seconds, and the connection number that answer belongs to (no row: no allocation).
+SELECT a.connection_seq,
+       EXISTS (
+           SELECT 1 FROM hubd_sidecar_connections AS c
+           JOIN hubd_instances AS i ON i.id = c.instance_id
+           WHERE c.allocation_id = a.id AND c.generation = $2
+             AND i.heartbeat_at > now() - make_interval(secs => $3)
+       ) AS connected
+FROM hubd_allocations AS a WHERE a.id = $1;
+
+-- name: check_sockets
+-- For each socket an instance holds (allocation $1[i], connection $2[i]): the allocation's
+-- status and generation now, and which connection holds its record (NULL: none).
+SELECT s.allocation_id, s.connection_id, a.status, a.generation,
+       c.connection_id AS recorded_connection_id, c.seq AS recorded_seq
+FROM unnest($1::text[], $2::text[]) AS s (allocation_id, connection_id)
+LEFT JOIN hubd_allocations AS a ON a.id = s.allocation_id
+LEFT JOIN hubd_sidecar_connections AS c ON c.allocation_id = s.allocation_id;
 
 -- name: stale
 -- Connections whose instance is gone or whose heartbeat is older than $1 seconds.

@@ -23,3 +23,8 @@ DELETE FROM hubd_instances WHERE id = $1;
 SELECT id, hostname, pid, ws_url, started_at, heartbeat_at,
        heartbeat_at > now() - make_interval(secs => $1) AS alive
 FROM hubd_instances ORDER BY started_at, id;
+
+-- name: delete_dead
+-- Forget instances whose heartbeat is older than $1 seconds (a crash leaves its row behind;
+-- without this, one row per crash would stay forever). Their records were swept long before.
+DELETE FROM hubd_instances WHERE heartbeat_at < now() - make_interval(secs => $1) RETURNING id;

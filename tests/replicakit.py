@@ -1,0 +1,201 @@
+"""Two (or more) replicas in one test: each with its own instance row, connection store, socket
+router, websocket server, reconciler and LISTEN connection, all on one database. Stores can be
+paused at a named point, so a test can hold one replica's write while another replica acts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+
+from hubd.daemon.wakeups import NotificationListener
+from hubd.plugins.protocol import EnsureRequest
+from hubd.reconciler.engine import Reconciler
+from hubd.reconciler.settings import Hook, ReconcilerSettings
+from hubd.server import SidecarServer, SocketRouter
+from hubd.store import Allocation, AllocationStore, Database, LedgerStore
+from hubd.store.connections import (
+    ConnectionStore,
+    parse_connected_payload,
+    parse_sockets_payload,
+)
+from hubd.store.instances import InstanceStore
+from tests.reconcilerkit import ScriptedProvisioner
+from tests.wskit import Sidecar
+
+SETTINGS = ReconcilerSettings(
+    lease_duration=20, connect_timeout=60, operation_timeout=5, max_concurrent_claims=4
+)
+
+
+class PausePoint:
+    """Holds the next call that reaches it until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.reached = asyncio.Event()
+        self.proceed = asyncio.Event()
+
+    def arm(self) -> PausePoint:
+        self.armed = True
+        return self
+
+    async def __call__(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.reached.set()
+            await self.proceed.wait()
+
+
+@attrs.define
+class Pauses:
+    points: dict[str, PausePoint] = attrs.field(factory=dict)
+
+    def __getitem__(self, name: str) -> PausePoint:
+        return self.points.setdefault(name, PausePoint())
+
+    async def at(self, name: str) -> None:
+        await self[name]()
+
+
+class PausingConnections(ConnectionStore):
+    """The real connection store; ``pauses['disconnect' | 'record' | 'readiness']`` hold a call
+    just before its statement runs."""
+
+    def __init__(self, db: Database, *, instance_id: str) -> None:
+        super().__init__(db, instance_id=instance_id)
+        self.pauses = Pauses()
+
+    async def disconnect(self, allocation_id: str, connection_id: str, **kw: Any) -> bool:
+        await self.pauses.at("disconnect")
+        return await super().disconnect(allocation_id, connection_id, **kw)
+
+    async def record(self, *args: Any) -> Any:
+        await self.pauses.at("record")
+        return await super().record(*args)
+
+
+class PausingAllocations(AllocationStore):
+    """The real allocation store; ``pauses['park' | 'mark_ready']`` hold the write just before
+    it runs."""
+
+    def __init__(self, db: Database, *, instance_id: str) -> None:
+        super().__init__(db, instance_id=instance_id)
+        self.pauses = Pauses()
+
+    async def park(self, *args: Any, **kw: Any) -> Allocation | None:
+        await self.pauses.at("park")
+        return await super().park(*args, **kw)
+
+    async def mark_connection_ready(self, *args: Any, **kw: Any) -> Allocation | None:
+        await self.pauses.at("mark_ready")
+        return await super().mark_connection_ready(*args, **kw)
+
+
+@attrs.define(eq=False)
+class Replica:
+    name: str
+    store: PausingAllocations
+    connections: PausingConnections
+    router: SocketRouter
+    server: SidecarServer
+    reconciler: Reconciler
+    provisioner: ScriptedProvisioner
+    listener: NotificationListener
+
+    @property
+    def url(self) -> str:
+        return self.server.url + "/v1/sidecars/connect"
+
+
+def sidecar_of(request: EnsureRequest) -> Sidecar:
+    """The identity a provisioner was handed, as the sidecar it starts would use it."""
+    return Sidecar(
+        allocation_id=request.allocation_id,
+        sidecar_id=request.sidecar_id,
+        generation=request.generation,
+        token=request.token,
+    )
+
+
+@asynccontextmanager
+async def replica(
+    db: Database,
+    database_url: str,
+    name: str,
+    *,
+    provisioner: ScriptedProvisioner | None = None,
+    on_ready: Hook | None = None,
+    settings: ReconcilerSettings = SETTINGS,
+) -> AsyncIterator[Replica]:
+    """One running replica; it stops (sockets closed with 1001) when the block ends."""
+    await InstanceStore(db).register(name, "localhost", 1, None)
+    connections = PausingConnections(db, instance_id=name)
+    router = SocketRouter(
+        connections,
+        instance_ttl=settings.instance_ttl,
+        connect_timeout=settings.connect_timeout,
+        event_timeout=5,
+    )
+    server = SidecarServer(router=router, connections=connections, host="127.0.0.1", port=0)
+    provisioner = provisioner or ScriptedProvisioner()
+    store = PausingAllocations(db, instance_id=name)
+    async with server:
+        reconciler = Reconciler(
+            store=store,
+            ledger=LedgerStore(db, instance_id=name),
+            connections=connections,
+            provisioners={provisioner.id: provisioner},
+            router=router,
+            hub_ws_url=server.url,
+            settings=settings,
+            on_ready=on_ready,
+        )
+
+        def on_connected(payload: str) -> None:
+            notice = parse_connected_payload(payload)
+            if notice is not None:
+                router.notice_connected(notice)
+
+        def on_sockets(payload: str) -> None:
+            control = parse_sockets_payload(payload)
+            if control is not None:
+                router.apply_control(control)
+
+        listener = NotificationListener(
+            dsn=database_url,
+            db=db,
+            on_wake=lambda: None,
+            on_connected=on_connected,
+            on_sockets=on_sockets,
+        )
+        listening = asyncio.create_task(listener.run(), name=f"listener {name}")
+        try:
+            await listener.up.wait()
+            yield Replica(
+                name=name,
+                store=store,
+                connections=connections,
+                router=router,
+                server=server,
+                reconciler=reconciler,
+                provisioner=provisioner,
+                listener=listener,
+            )
+        finally:
+            listening.cancel()
+            await asyncio.gather(listening, return_exceptions=True)
+            await reconciler.drain()
+
+
+async def claim_in_background(replica: Replica) -> asyncio.Task[bool]:
+    return asyncio.create_task(replica.reconciler.reconcile_next())
+
+
+async def until(check: Callable[[], Awaitable[bool]], within: float = 15.0) -> None:
+    from tests.polling import eventually
+
+    await eventually(check, within=within, every=0.02)
