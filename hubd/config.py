@@ -284,7 +284,8 @@ class ServerConfig:
 
     listen: str = _text("127.0.0.1:8765")
     public_url: str = _text("")
-    """What sidecars are told to dial; empty → derived from ``listen``."""
+    """What sidecars are told to dial (one URL, or several separated by commas); empty →
+    derived from ``listen``."""
     tls_cert: str = _text("")
     tls_key: str = _text("")
     allowed_origins: tuple[str, ...] = _strings()
@@ -292,12 +293,16 @@ class ServerConfig:
     def __attrs_post_init__(self) -> None:
         _check_listen("server.listen", self.listen)
         if self.public_url:
-            parts = urllib.parse.urlsplit(self.public_url)
-            if parts.scheme not in ("ws", "wss") or not parts.netloc:
-                raise _fail(
-                    "server.public_url",
-                    f"must be empty or a ws:// or wss:// URL, not {self.public_url!r}",
-                )
+            # One load-balanced address, or every replica's address separated by commas: the
+            # reference sidecar moves to the next one whenever a connection fails.
+            for url in self.public_url.split(","):
+                parts = urllib.parse.urlsplit(url.strip())
+                if parts.scheme not in ("ws", "wss") or not parts.netloc:
+                    raise _fail(
+                        "server.public_url",
+                        "must be empty, a ws:// or wss:// URL, or several separated by commas, "
+                        f"not {self.public_url!r}",
+                    )
         if bool(self.tls_cert) != bool(self.tls_key):
             present, missing = (
                 ("server.tls_cert", "server.tls_key")

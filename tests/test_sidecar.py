@@ -33,6 +33,7 @@ from hubd.sidecar.policy import (
 )
 from hubd.store import AllocationStore, Database, connect_database
 from hubd.tokens import new_token
+from tests.daemonkit import free_port
 from tests.polling import eventually
 from tests.wskit import (
     Sidecar,
@@ -375,3 +376,38 @@ class TestProcess:
             assert first.token.encode() not in output
         for output in (out_retired, err_retired):
             assert second.token.encode() not in output
+
+
+class TestSeveralReplicas:
+    def test_several_urls_are_read_in_order(self) -> None:
+        """HUBD_URL may list every replica; each gets the connect path, order kept."""
+        settings = SidecarSettings.from_env(
+            {
+                "HUBD_URL": "ws://10.0.0.1:8765, ws://10.0.0.2:8765/v1/sidecars/connect",
+                "HUBD_TOKEN": "hubd_sc_" + "a" * 64,
+                "HUBD_ALLOCATION_ID": "al_" + "b" * 32,
+                "HUBD_SIDECAR_ID": "sc_x",
+                "HUBD_GENERATION": "1",
+            }
+        )
+        assert settings.urls == (
+            "ws://10.0.0.1:8765/v1/sidecars/connect",
+            "ws://10.0.0.2:8765/v1/sidecars/connect",
+        )
+
+    async def test_a_dead_replica_is_skipped(self, db: Database, store: AllocationStore) -> None:
+        """With the first listed replica gone (nothing listens there), the sidecar moves on
+        to the next address and is welcomed there."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with running_hub(db) as hub:
+            dead = f"ws://127.0.0.1:{free_port()}"
+            env = sidecar.env(f"{dead},{hub.server.url}")
+            client = SidecarClient(SidecarSettings.from_env(env), backoff=FAST)
+            running = asyncio.create_task(client.run())
+            try:
+                await eventually(lambda: client.welcomes == 1, within=20)
+                assert client.url_index == 1
+                assert hub.router.connection_count == 1
+            finally:
+                client.stop()
+                await running

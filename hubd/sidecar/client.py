@@ -74,6 +74,15 @@ class _WireLogger(logging.LoggerAdapter[logging.Logger]):
         return level >= logging.WARNING and self.logger.isEnabledFor(level)
 
 
+def connect_urls(value: str) -> tuple[str, ...]:
+    """Every URL of a comma-separated ``HUBD_URL`` (one per replica, or one load-balanced
+    address), each with the connect endpoint appended when it names no path."""
+    urls = tuple(connect_url(part.strip()) for part in value.split(",") if part.strip())
+    if not urls:
+        raise SidecarConfigError("HUBD_URL must name at least one ws:// or wss:// URL")
+    return urls
+
+
 def connect_url(base: str) -> str:
     """``base`` with the connect endpoint appended when it names no path."""
     parts = urllib.parse.urlsplit(base)
@@ -86,7 +95,9 @@ def connect_url(base: str) -> str:
 
 @attrs.frozen(kw_only=True)
 class SidecarSettings:
-    url: str
+    urls: tuple[str, ...]
+    """Where the hub listens; with several (every replica's), a connection that fails or ends
+    moves on to the next, so losing one replica without a load balancer loses nothing."""
     token: str = attrs.field(repr=False)
     allocation_id: str
     sidecar_id: str
@@ -102,7 +113,7 @@ class SidecarSettings:
                 raise SidecarConfigError(f"{name} is not set")
             return value
 
-        url = connect_url(need("HUBD_URL"))
+        urls = connect_urls(need("HUBD_URL"))
         token = need("HUBD_TOKEN")
         if not token_is_well_formed(token):
             raise SidecarConfigError("HUBD_TOKEN is malformed: expected hubd_sc_ and 64 hex digits")
@@ -112,12 +123,17 @@ class SidecarSettings:
         if not generation_text.isdigit() or int(generation_text) < 1:
             raise SidecarConfigError("HUBD_GENERATION must be a positive integer")
         return cls(
-            url=url,
+            urls=urls,
             token=token,
             allocation_id=allocation_id,
             sidecar_id=sidecar_id,
             generation=int(generation_text),
         )
+
+    @property
+    def url(self) -> str:
+        """The first URL: where the sidecar dials first."""
+        return self.urls[0]
 
 
 @attrs.frozen
@@ -168,6 +184,8 @@ class SidecarClient:
         )
         self.attempts = 0
         """Connection attempts made so far."""
+        self.url_index = 0
+        """Which of the settings' URLs the next attempt dials."""
         self.welcomes = 0
         """Welcomes received so far (one per successful connection)."""
         self.connected = False
@@ -201,6 +219,9 @@ class SidecarClient:
                     return SidecarExit(EXIT_STOPPED, ended.decision.reason)
                 if ended.welcomed:
                     attempt = 0
+                # Every reconnect goes to the next URL: the replica that just failed or went
+                # away is the least likely to answer first. With one URL this changes nothing.
+                self.url_index = (self.url_index + 1) % len(self._settings.urls)
                 delay = self._backoff.delay(attempt, self._random, floor=ended.retry_after or 0.0)
                 attempt += 1
                 self._log.info(
@@ -228,7 +249,7 @@ class SidecarClient:
         welcomed = False
         try:
             async with connect(
-                self._settings.url,
+                self._settings.urls[self.url_index],
                 additional_headers={
                     "Authorization": f"Bearer {self._settings.token}",
                     "Hubd-Allocation-Id": self._settings.allocation_id,
