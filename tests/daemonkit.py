@@ -31,6 +31,8 @@ def write_config(
     server_port: int = 0,
     marker: str,
     extra: str = "",
+    plugin: str = "local",
+    plugin_options: str = "",
 ) -> Path:
     """A config for tests: short timeouts, the local provisioner running the reference sidecar
     with ``marker`` in its environment so the test can find (and clean up) its processes."""
@@ -58,10 +60,11 @@ heartbeat_interval = "1s"
 ttl = "5s"
 [[provisioners]]
 id = "local"
-plugin = "local"
+plugin = "{plugin}"
 [provisioners.options]
 command = {command}
 grace = 2
+{plugin_options}
 [provisioners.options.env]
 HUBD_TEST_MARKER = "{marker}"
 [log]

@@ -796,14 +796,19 @@ class TestRepair:
     async def test_repair_schedules_only_unconnected(
         self, store: AllocationStore, db: Database, reconciler: Reconciler, router: RecordingRouter
     ) -> None:
-        """The repair sweep leaves a connected sidecar alone and schedules a ready-looking row
-        whose only record sits on an instance that stopped heartbeating."""
+        """The repair sweep leaves a connected sidecar alone and, on a peer, schedules a
+        ready-looking row whose only record sits on an instance that stopped heartbeating."""
         ready = await to_ready(store, reconciler, router)
         assert await reconciler.repair_unscheduled_connections() == 0
         assert (await store.get(ready.id)).ready
         async with db.pool.acquire() as conn:
             await conn.execute("UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour'")
-        assert await reconciler.repair_unscheduled_connections() == 1
+        # The instance holding the socket never repairs its own record away; a peer does.
+        assert await reconciler.repair_unscheduled_connections() == 0
+        peer = make_reconciler(
+            db, RecordingRouter(db, instance_id="in_peer"), None, instance_id="in_peer"
+        )
+        assert await peer.repair_unscheduled_connections() == 1
         repaired = await store.get(ready.id)
         assert not repaired.ready
         assert repaired.next_attempt_at == repaired.connect_deadline

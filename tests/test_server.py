@@ -512,7 +512,8 @@ class TestRouter:
 
     async def test_shutdown(self, db: Database, store: AllocationStore, hub: Hub) -> None:
         """Shutdown closes every socket with 1001 and reports no disconnect; the records stay
-        for the stale sweep, and read as disconnected once the instance row is removed."""
+        for the daemon to settle, and read as disconnected to peers once the instance row is
+        removed."""
         first, _ = await sidecar_in(store, db)
         second, _ = await sidecar_in(store, db)
         async with dial(hub.url, first.headers()) as a, dial(hub.url, second.headers()) as b:
@@ -524,7 +525,8 @@ class TestRouter:
         assert hub.events.disconnected == []
         assert await hub.router.is_ready(first.target)
         await InstanceStore(db).remove(INSTANCE_ID)
-        assert not await hub.router.is_ready(first.target)
+        peer = ConnectionStore(db, instance_id="in_peer")
+        assert not await peer.is_connected(first.target, 20)
         stale = await hub.connections.stale(20)
         assert {s.target for s in stale} == {first.target, second.target}
 
@@ -649,11 +651,13 @@ class TestConnectionStore:
         assert not await connections.clear(sidecar.allocation_id, "cn_new")
 
     async def test_instance_liveness(self, db: Database, store: AllocationStore) -> None:
-        """Records count only while their instance heartbeats; stale ones are listed for the
-        sweep, and release_instance forgets an instance's records and marks them lost."""
+        """Records count only while their instance heartbeats (for every instance but the one
+        holding the socket); stale ones are listed for the sweep, and release_instance forgets
+        an instance's records and marks them lost."""
         instances = InstanceStore(db)
         await instances.register(INSTANCE_ID, "here", 1, "ws://127.0.0.1:1")
         connections = ConnectionStore(db, instance_id=INSTANCE_ID)
+        peer = ConnectionStore(db, instance_id="in_peer")
         sidecar, _ = await sidecar_in(store, db)
         await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)
         assert await connections.is_connected(sidecar.target, 20)
@@ -663,7 +667,9 @@ class TestConnectionStore:
                 "UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour' WHERE id = $1",
                 INSTANCE_ID,
             )
-        assert not await connections.is_connected(sidecar.target, 20)
+        assert not await peer.is_connected(sidecar.target, 20)
+        # The instance holding the socket still counts its own record, whatever its heartbeat.
+        assert await connections.is_connected(sidecar.target, 20)
         (stale,) = await connections.stale(20)
         assert stale.connection_id == "cn_a"
         assert stale.instance_id == INSTANCE_ID
@@ -671,6 +677,7 @@ class TestConnectionStore:
         assert await connections.is_connected(sidecar.target, 20)
         assert await connections.release_instance(connect_timeout=60) == [sidecar.target]
         assert not await connections.is_connected(sidecar.target, 20)
+        assert not await peer.is_connected(sidecar.target, 20)
 
 
 class TestInstanceStore:

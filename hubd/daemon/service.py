@@ -93,6 +93,8 @@ class Daemon:
         self._router: SocketRouter | None = None
         self._connections: ConnectionStore | None = None
         self._verify_soon = asyncio.Event()
+        self._heartbeating_since: float | None = None
+        """Monotonic time since which this instance's heartbeats have kept succeeding."""
         self._announcement: dict[str, object] = {}
 
     def stop(self) -> None:
@@ -149,6 +151,7 @@ class Daemon:
         await instances.register(
             self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
         )
+        self._heartbeating_since = time.monotonic()
         store = AllocationStore(db, instance_id=self.instance_id)
         self.store = store
         reconciler = Reconciler(
@@ -343,11 +346,22 @@ class Daemon:
                         seconds_since_last=round(now - last_success, 1),
                     )
                     self._verify_soon.set()
+                    self._heartbeating_since = now
+                elif self._heartbeating_since is None:
+                    self._heartbeating_since = now
                 last_success = now
                 self.metrics.database_up.set(1)
             except StoreError as exc:
+                self._heartbeating_since = None
                 self.metrics.database_up.set(0)
                 log.warning("heartbeat failed", error=str(exc))
+
+    def _may_judge_peers(self) -> bool:
+        """Whether this instance has heartbeated without a break for a whole TTL. After an
+        outage every replica comes back at once; one that sweeps before its peers had a TTL
+        to heartbeat again would take their healthy sidecars for lost."""
+        since = self._heartbeating_since
+        return since is not None and time.monotonic() - since >= self.config.instance.ttl
 
     async def _socket_check_loop(self) -> None:
         """Compare the sockets held here with the database: on demand (a lapsed heartbeat, a
@@ -401,8 +415,12 @@ class Daemon:
                 # Records of instances that stopped heartbeating (never our own: our sockets
                 # are open, whatever our heartbeat says) are cleared and their sidecars get the
                 # usual connect deadline to come back to a live replica, in one statement each.
-                swept = await connections.sweep_stale(
-                    ttl, connect_timeout=self.config.reconciler.connect_timeout
+                swept = (
+                    await connections.sweep_stale(
+                        ttl, connect_timeout=self.config.reconciler.connect_timeout
+                    )
+                    if self._may_judge_peers()
+                    else []
                 )
                 if swept:
                     self.metrics.connections_swept.inc(len(swept))
@@ -411,7 +429,11 @@ class Daemon:
                         count=len(swept),
                         instances=sorted({s.instance_id for s in swept}),
                     )
-                repaired = await reconciler.repair_unscheduled_connections()
+                repaired = (
+                    await reconciler.repair_unscheduled_connections()
+                    if self._may_judge_peers()
+                    else 0
+                )
                 if repaired:
                     log.info("repaired unscheduled allocations", count=repaired)
                 deleted = await instances.delete_dead(ttl * DEAD_INSTANCE_TTLS)

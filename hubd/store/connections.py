@@ -281,11 +281,16 @@ class ConnectionStore:
         return [Target(row["allocation_id"], row["generation"]) for row in rows]
 
     async def readiness(self, target: Target, ttl: float) -> Readiness:
-        """Whether ``target`` has a record on an instance whose heartbeat is within ``ttl``,
-        and the allocation's connection number read with that answer."""
+        """Whether ``target`` has a record on an instance whose heartbeat is within ``ttl`` (or
+        on this instance, which holds its own sockets), and the allocation's connection number
+        read with that answer."""
         async with self._db.connection("check connection") as conn:
             row = await conn.fetchrow(
-                SQL.readiness, target.allocation_id, target.generation, float(ttl)
+                SQL.readiness,
+                target.allocation_id,
+                target.generation,
+                float(ttl),
+                self.instance_id,
             )
         if row is None:
             return Readiness(connected=False, connection_seq=-1)

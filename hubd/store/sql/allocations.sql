@@ -409,11 +409,11 @@ SELECT count(*) > 0 FROM updated, woken;
 -- name: mark_unconnected
 -- Start-up repair and the repair sweep: allocated rows that read ready, or that nothing will ever
 -- revisit (no schedule), although no live connection record exists for their generation (none,
--- or only on instances whose heartbeat is older than $1 seconds). Each gets until its connect
+-- or only on instances other than the caller's own, $3, whose heartbeat is older than $1
+-- seconds: the caller knows its own sockets are open). Each gets until its connect
 -- deadline (or $2 seconds). Only rows no claim holds (a claim's lease decides for itself), and
 -- fenced on the connection number each was found with: a record written meanwhile bumps it, and
--- the join below then no longer matches when the row lock is taken. $3 is the instance for the
--- ledger.
+-- the join below then no longer matches when the row lock is taken.
 WITH candidates AS (
     SELECT a.id, a.generation, a.connection_seq FROM hubd_allocations AS a
     WHERE a.status = 'allocated'
@@ -423,7 +423,7 @@ WITH candidates AS (
           SELECT 1 FROM hubd_sidecar_connections AS c
           JOIN hubd_instances AS i ON i.id = c.instance_id
           WHERE c.allocation_id = a.id AND c.generation = a.generation
-            AND i.heartbeat_at > now() - make_interval(secs => $1))
+            AND (i.heartbeat_at > now() - make_interval(secs => $1) OR c.instance_id = $3))
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         connection_ready = false,

