@@ -5,7 +5,6 @@ replica paused. Every check reads committed rows and the ledger."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import tempfile
@@ -25,6 +24,7 @@ from tests.daemonkit import (
     sidecar_pids,
     write_config,
 )
+from tests.faultkit import abandoning_writes, generations, ledger_head, stop_all
 from tests.reconcilerkit import poll_until
 from tests.test_daemon import all_ready, request_many
 
@@ -32,7 +32,6 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 LEASE = 10.0  # lease_duration in daemonkit's config
 TTL = 5.0  # instance.ttl in daemonkit's config
-ABANDONING = ("begin_replacement", "begin_unrecoverable_release", "mark_released", "release")
 
 
 @pytest.fixture
@@ -57,44 +56,6 @@ async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
         yield AllocationStore(db, instance_id="observer")
     finally:
         await db.close()
-
-
-async def stop_all(*daemons: DaemonProcess) -> None:
-    for daemon in daemons:
-        if daemon.process is not None and daemon.process.returncode is None:
-            await daemon.signal(signal.SIGCONT)
-            await daemon.signal(signal.SIGTERM)
-    for daemon in daemons:
-        with contextlib.suppress(TimeoutError):
-            await daemon.wait(within=30)
-        await daemon.kill()
-
-
-async def abandoning_writes(dsn: str, ids: list[str], after_seq: int) -> list[str]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        rows = await conn.fetch(
-            "SELECT allocation_id, kind, error_code FROM hubd_allocation_ledger "
-            "WHERE allocation_id = ANY($1::text[]) AND seq > $2 AND kind = ANY($3::text[])",
-            ids,
-            after_seq,
-            list(ABANDONING),
-        )
-        return [f"{r['allocation_id']} {r['kind']} {r['error_code']}" for r in rows]
-    finally:
-        await conn.close()
-
-
-async def ledger_head(dsn: str) -> int:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return int(await conn.fetchval("SELECT coalesce(max(seq), 0) FROM hubd_allocation_ledger"))
-    finally:
-        await conn.close()
-
-
-async def generations(store: AllocationStore, ids: list[str]) -> dict[str, int]:
-    return {i: (await store.get(i)).generation for i in ids}
 
 
 async def stays_ready(

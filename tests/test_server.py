@@ -702,6 +702,44 @@ class TestInstanceStore:
         assert not await instances.heartbeat("in_a")
         assert await instances.list(20) == []
 
+    async def test_long_dead_instances_are_deleted(self, db: Database) -> None:
+        """Rows of instances dead for longer than the bound are deleted; live ones stay."""
+        instances = InstanceStore(db)
+        await instances.register("in_dead", "host-a", 10, None)
+        await instances.register("in_live", "host-b", 11, None)
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_instances SET heartbeat_at = now() - interval '201 seconds' "
+                "WHERE id = 'in_dead'"
+            )
+        assert await instances.delete_dead(200) == ["in_dead"]
+        assert [i.id for i in await instances.list(20)] == ["in_live"]
+
+    async def test_clean_stop_marks_its_sidecars_lost_at_once(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """An instance that stops cleanly clears its records and marks their allocations lost
+        with a connect deadline in the same statement: nothing reads ready behind a gone socket,
+        and a record a sidecar already wrote on a peer is left alone."""
+        await InstanceStore(db).register(INSTANCE_ID, "here", 1, None)
+        here = ConnectionStore(db, instance_id=INSTANCE_ID)
+        peer = ConnectionStore(db, instance_id="in_peer")
+        mine, fence = await sidecar_in(store, db)
+        moved, moved_fence = await sidecar_in(store, db)
+        seen = await here.readiness(mine.target, 20)
+        assert (await here.record("cn_1", mine.target, mine.sidecar_id)).seq is not None
+        await here.record("cn_2", moved.target, moved.sidecar_id)
+        await peer.record("cn_3", moved.target, moved.sidecar_id)  # reconnected to a peer
+        for sidecar, claim in ((mine, fence), (moved, moved_fence)):
+            readiness = await here.readiness(sidecar.target, 20)
+            assert await store.mark_connection_ready(claim, connection_seq=readiness.connection_seq)
+        assert await here.release_instance(connect_timeout=60) == [mine.target]
+        lost = await store.get(mine.allocation_id)
+        assert not lost.ready
+        assert lost.connect_deadline is not None
+        assert lost.connection_seq > seen.connection_seq
+        assert (await store.get(moved.allocation_id)).ready
+
 
 class TestListener:
     async def test_tls(self, db: Database, sidecar: Sidecar, tmp_path: Path) -> None:
