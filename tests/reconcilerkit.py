@@ -16,6 +16,7 @@ from hubd.plugins.protocol import (
     EnsureRequest,
     Rejected,
 )
+from hubd.reconciler.clock import Clock
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
@@ -185,6 +186,7 @@ def make_reconciler(
     settings: ReconcilerSettings = SETTINGS,
     on_ready: Hook | None = None,
     on_initialization_recovery: Hook | None = None,
+    clock: Clock | None = None,
 ) -> Reconciler:
     return Reconciler(
         store=AllocationStore(db, instance_id=instance_id),
@@ -196,6 +198,7 @@ def make_reconciler(
         settings=settings,
         on_ready=on_ready,
         on_initialization_recovery=on_initialization_recovery,
+        clock=clock,
     )
 
 

@@ -16,9 +16,11 @@ import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from hubd.errors import PluginLoadError
@@ -35,6 +37,7 @@ from hubd.plugins.protocol import (
     DestroyRejected,
     DestroyRequest,
     EnsureRequest,
+    Ownership,
     Rejected,
 )
 from tests.reconcilerkit import poll_until
@@ -356,6 +359,58 @@ class TestEnsure:
         assert json.loads(state_file(provisioner).read_text())["pid"] == pid
         assert await provisioner.destroy(destroy_request()) == Destroyed()
         assert not alive(pid)
+
+
+class TestOwnership:
+    """A request whose claim no longer owns the allocation starts and signals nothing."""
+
+    @staticmethod
+    def lost() -> Ownership:
+        return Ownership(
+            still_owned=lambda: False,
+            deadline=lambda: 0.0,
+            deadline_utc=lambda: datetime.now(UTC),
+        )
+
+    async def test_ensure_not_owned_starts_nothing(self, make: Make, out: Path) -> None:
+        """Ensure under a lost claim is a retryable rejection: no process, no record, no log."""
+        provisioner = make()
+        request = attrs.evolve(ensure_request(), ownership=self.lost())
+        result = await provisioner.ensure(request)
+        assert isinstance(result, Rejected)
+        assert result.code == "claim_lost"
+        assert result.retryable
+        assert not state_file(provisioner).exists()
+        assert not (provisioner.directory / "sc_1.log").exists()
+        assert not (out / "sc_1.json").exists()  # the stub never ran
+
+    async def test_ownership_lost_just_before_the_fork(self, make: Make, out: Path) -> None:
+        """Ownership that ends after the first check, before the fork, still starts nothing
+        and removes the log file the call had created."""
+        provisioner = make()
+        answers = iter([True, False])
+        ownership = Ownership(
+            still_owned=lambda: next(answers),
+            deadline=lambda: 0.0,
+            deadline_utc=lambda: datetime.now(UTC),
+        )
+        result = await provisioner.ensure(attrs.evolve(ensure_request(), ownership=ownership))
+        assert isinstance(result, Rejected)
+        assert result.code == "claim_lost"
+        assert not (provisioner.directory / "sc_1.log").exists()
+        assert not state_file(provisioner).exists()
+
+    async def test_destroy_not_owned_signals_nothing(self, make: Make, out: Path) -> None:
+        """Destroy under a lost claim leaves the process running and says so, retryably."""
+        provisioner = make()
+        pid = await started(provisioner, out)
+        request = attrs.evolve(destroy_request(), ownership=self.lost())
+        result = await provisioner.destroy(request)
+        assert isinstance(result, DestroyRejected)
+        assert result.code == "claim_lost"
+        assert result.retryable
+        assert alive(pid)
+        assert await provisioner.destroy(destroy_request()) == Destroyed()
 
 
 class TestDestroy:

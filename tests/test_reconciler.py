@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timedelta
 
 import pytest
 
 from hubd.errors import InitializationUncertain
-from hubd.plugins.protocol import Accepted, Destroyed
+from hubd.plugins.protocol import Accepted, Destroyed, EnsureRequest, Rejected
+from hubd.reconciler.clock import ManualClock
 from hubd.reconciler.engine import HookContext, Reconciler, ReconcilerSettings
 from hubd.routing import Target
 from hubd.store import (
@@ -547,6 +549,71 @@ class TestHooks:
         assert await reconciler.reconcile_next()
         assert (await store.get(allocation.id)).ready
         assert calls == 2
+
+
+class TestOwnershipAtThePointOfEffect:
+    async def test_plugin_resumed_after_the_deadline_does_not_act(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A claim paused past its local lease deadline in the middle of ensure (the clock
+        jumps, and the plugin's own wake-up arrives in the same instant): the plugin finds it
+        no longer owns the allocation and starts nothing, and the claim writes no outcome."""
+        clock = ManualClock()
+        reconciler = make_reconciler(db, router, provisioner, clock=clock)
+        started, resume = asyncio.Event(), asyncio.Event()
+        acted: list[str] = []
+
+        async def ensure(request: EnsureRequest) -> object:
+            started.set()
+            await resume.wait()
+            if not request.ownership.still_owned():
+                return Rejected(code="claim_lost", message="not owned", retryable=True)
+            acted.append(request.sidecar_id)
+            return Accepted("ref")
+
+        provisioner.ensure_script.append(ensure)
+        allocation = await store.request(provisioner_id="fake")
+        claim = asyncio.create_task(reconciler.reconcile_next())
+        await started.wait()
+        clock.advance(SETTINGS.lease_duration + 1)
+        resume.set()
+        assert await claim
+        await reconciler.drain()
+        assert acted == []
+        assert await effects(ledger, allocation.id, "ensure") == ["intent"]
+        assert (await store.get(allocation.id)).status is Status.PROVISIONING
+
+    async def test_requests_carry_the_claims_deadline(
+        self,
+        store: AllocationStore,
+        db: Database,
+        reconciler: Reconciler,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """Ensure is told the claim's deadline: owned while the lease is, and on the wall clock
+        no later than the lease the database granted (a conservative estimate)."""
+        seen: list[tuple[bool, object, object]] = []
+
+        async def ensure(request: EnsureRequest) -> object:
+            row = await store.get(request.allocation_id)
+            seen.append((request.ownership.still_owned(), request.ownership.deadline_utc(), row))
+            return Accepted("ref")
+
+        provisioner.ensure_script.append(ensure)
+        await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        ((owned, deadline_utc, row),) = seen
+        assert owned
+        assert isinstance(row, Allocation)
+        assert row.lease_expires_at is not None
+        assert isinstance(deadline_utc, datetime)
+        assert deadline_utc <= row.lease_expires_at
+        assert deadline_utc > row.lease_expires_at - timedelta(seconds=SETTINGS.lease_duration / 2)
 
 
 class TestLeases:

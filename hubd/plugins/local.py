@@ -408,6 +408,12 @@ class LocalProvisioner:
             if record is None:
                 # Never started, or destroyed before: both are "gone".
                 return Destroyed()
+            if not request.ownership.still_owned():
+                return DestroyRejected(
+                    code="claim_lost",
+                    message="the claim no longer owns the allocation; nothing was signalled",
+                    retryable=True,
+                )
             result = await self._terminate(record)
             if isinstance(result, Destroyed):
                 self._discard(sidecar_id, log_too=True)
@@ -435,6 +441,8 @@ class LocalProvisioner:
         sidecar_id = request.sidecar_id
         command = self.options.command
         log_path = self.directory / f"{sidecar_id}.log"
+        if not request.ownership.still_owned():
+            return _not_owned()
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -455,6 +463,12 @@ class LocalProvisioner:
                 )
             env = self._environment(request)
             command = _resolve_hubd(command, env)
+            # The last check before the fork: nothing irreversible happened yet, and a log file
+            # this call created is removed, so no file is left for a spawn that did not happen.
+            if not request.ownership.still_owned():
+                if log_offset == 0:
+                    log_path.unlink(missing_ok=True)
+                return _not_owned()
             try:
                 process = await asyncio.create_subprocess_exec(
                     *command,
@@ -714,6 +728,14 @@ def _resolve_hubd(command: tuple[str, ...], env: Mapping[str, str]) -> tuple[str
     if beside.is_file() and os.access(beside, os.X_OK):
         return (str(beside), *command[1:])
     return command
+
+
+def _not_owned() -> Rejected:
+    return Rejected(
+        code="claim_lost",
+        message="the claim no longer owns the allocation; nothing was started",
+        retryable=True,
+    )
 
 
 def _start_failure(program: str, exc: OSError) -> Rejected:

@@ -6,7 +6,8 @@ and every string a plugin hands back is bounded before it reaches the database o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -21,6 +22,7 @@ __all__ = [
     "Destroyed",
     "EnsureRequest",
     "EnsureResult",
+    "Ownership",
     "Provisioner",
     "Rejected",
     "check_destroy_result",
@@ -28,6 +30,48 @@ __all__ = [
 ]
 
 MAX_EXTERNAL_REF = 500
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Ownership:
+    """The claim a request was made under, as a plugin checks it at the point of effect.
+
+    Leases are not mutual exclusion: a process paused past its lease resumes believing it still
+    owns the allocation, and its plugin call may be the first thing to run on resume. So check
+    :meth:`still_owned` right before every irreversible act (a fork, a create call, a delete),
+    and where the external system allows, write the generation into it (labels, tags, a
+    conditional create keyed by the sidecar id) so it can refuse a stale generation itself.
+    A request made while not owned should answer with a retryable rejection and do nothing.
+    """
+
+    _still_owned: Callable[[], bool]
+    _deadline: Callable[[], float]
+    _deadline_utc: Callable[[], datetime]
+
+    def still_owned(self) -> bool:
+        """Whether the claim may still act: its local lease deadline has not passed and it
+        was not lost. Cheap (no database round trip); always current, renewals included."""
+        return self._still_owned()
+
+    def deadline(self) -> float:
+        """When the claim stops owning the allocation unless renewed, on the daemon's
+        monotonic clock (:func:`time.monotonic`): for checks inside this process."""
+        return self._deadline()
+
+    def deadline_utc(self) -> datetime:
+        """The same moment on the database's wall clock (UTC), estimated from the claim's last
+        database answer: for handing to an external system that compares it with its own
+        time (keep a margin for clock skew)."""
+        return self._deadline_utc()
+
+    @classmethod
+    def unbounded(cls) -> Ownership:
+        """For requests made outside any claim (tools, tests): always owned."""
+        return cls(
+            still_owned=lambda: True,
+            deadline=lambda: float("inf"),
+            deadline_utc=lambda: datetime.max.replace(tzinfo=UTC),
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -40,6 +84,7 @@ class EnsureRequest:
     sidecar_id: str
     token: str = attrs.field(repr=False)
     hub_ws_url: str
+    ownership: Ownership = attrs.field(factory=Ownership.unbounded, repr=False)
 
 
 @attrs.frozen
@@ -67,6 +112,7 @@ class DestroyRequest:
     generation: int
     sidecar_id: str
     external_ref: str | None
+    ownership: Ownership = attrs.field(factory=Ownership.unbounded, repr=False)
 
 
 @attrs.frozen

@@ -38,6 +38,7 @@ from hubd.errors import (
 from hubd.plugins.protocol import (
     DestroyRequest,
     EnsureRequest,
+    Ownership,
     Provisioner,
     check_destroy_result,
     check_ensure_result,
@@ -105,6 +106,20 @@ class _Claim:
     @property
     def target(self) -> Target:
         return Target(self.allocation.id, self.allocation.generation)
+
+    def owns(self) -> bool:
+        """Still owned by the local reckoning: not lost, local lease deadline not passed."""
+        return self.lost is None and not self.lease.expired
+
+    def ownership(self) -> Ownership:
+        """What a plugin call checks at the point of effect (see :class:`Ownership`)."""
+        return Ownership(
+            still_owned=self.owns,
+            deadline=lambda: self.lease.deadline,
+            deadline_utc=lambda: (
+                self.db_anchor + timedelta(seconds=self.lease.deadline - self.local_anchor)
+            ),
+        )
 
 
 class Reconciler:
@@ -560,6 +575,13 @@ class Reconciler:
             outcome = Raised(str(exc))
         except Exception as exc:  # noqa: BLE001 -- any failure of a plugin is an outcome
             outcome = Raised(f"{type(exc).__name__}: {exc}")
+        if not claim.owns():
+            # The call came back after the local deadline (the process was paused, say): the
+            # deadline wins over whatever the plugin says, and nothing is written. The next
+            # owner settles this call as ambiguous.
+            cause = claim.lost or LeaseLost(f"{kind} returned after the local lease deadline")
+            self._abort(claim, cause)
+            raise cause
         duration_ms = (self._clock.monotonic() - started) * 1000
         self._observer.plugin_call(
             claim.allocation.provisioner_id, kind, duration_ms / 1000, type(outcome).__name__
@@ -598,6 +620,7 @@ class Reconciler:
             sidecar_id=a.sidecar_id,
             token=token,
             hub_ws_url=self._hub_ws_url,
+            ownership=claim.ownership(),
         )
         outcome = await self._call_plugin(
             claim, "ensure", lambda: provisioner.ensure(request), check_ensure_result
@@ -821,6 +844,7 @@ class Reconciler:
             generation=a.generation,
             sidecar_id=a.sidecar_id,
             external_ref=a.external_ref,
+            ownership=claim.ownership(),
         )
         outcome = await self._call_plugin(
             claim, "destroy", lambda: provisioner.destroy(request), check_destroy_result
