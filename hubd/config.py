@@ -47,6 +47,8 @@ __all__ = [
     "LogConfig",
     "LogFormat",
     "LogLevel",
+    "OrphanMode",
+    "OrphansConfig",
     "ProvisionerConfig",
     "ReconcilerConfig",
     "ServerConfig",
@@ -61,6 +63,7 @@ __all__ = [
 
 LogFormat = Literal["json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+OrphanMode = Literal["destroy", "dry-run", "off"]
 
 # ---------------------------------------------------------------------------------------------
 # Durations and addresses
@@ -413,6 +416,22 @@ class InstanceConfig:
 
 
 @attrs.frozen(kw_only=True)
+class OrphansConfig:
+    """``[orphans]``: collecting what provisioners run that belongs to no current generation."""
+
+    mode: OrphanMode = attrs.field(default="destroy", metadata=_choice_of(OrphanMode))
+    grace: float = _duration("600s")
+    interval: float = _duration("60s")
+    destroy_unknown: bool = _flag(False)
+
+    def __attrs_post_init__(self) -> None:
+        _check_durations("orphans", self)
+        field = attrs.fields(OrphansConfig).mode
+        if self.mode not in field.metadata[_CHOICES]:
+            raise _fail("orphans.mode", _choice_problem(field, self.mode))
+
+
+@attrs.frozen(kw_only=True)
 class LogConfig:
     """``[log]``: structlog output."""
 
@@ -475,6 +494,7 @@ class Config:
     admin: AdminConfig = attrs.field(factory=AdminConfig)
     reconciler: ReconcilerConfig = attrs.field(factory=ReconcilerConfig)
     instance: InstanceConfig = attrs.field(factory=InstanceConfig)
+    orphans: OrphansConfig = attrs.field(factory=OrphansConfig)
     provisioners: tuple[ProvisionerConfig, ...] = attrs.field(factory=_default_provisioners)
     log: LogConfig = attrs.field(factory=LogConfig)
 
@@ -535,6 +555,7 @@ _SECTIONS: Final[Mapping[str, type[Any]]] = {
     "admin": AdminConfig,
     "reconciler": ReconcilerConfig,
     "instance": InstanceConfig,
+    "orphans": OrphansConfig,
     "log": LogConfig,
 }
 _ALL_SECTIONS: Final = (*_SECTIONS, "provisioners")

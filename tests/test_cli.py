@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hubd.store.migrate import available_migrations
 from tests.clikit import run_hubd, run_hubd_async
 from tests.conftest import PostgresServer, drop_database, fresh_database
 
@@ -84,7 +85,7 @@ class TestMigrate:
         results = await asyncio.gather(*(run_hubd_async("migrate", env=env) for _ in range(2)))
         assert [r.code for r in results] == [0, 0], [r.err for r in results]
         assert sorted(r.out.strip() for r in results) == [
-            "applied 0001_initial\napplied 0002_connection_truth",
+            "\n".join(f"applied {m.version:04d}_{m.name}" for m in available_migrations()),
             "schema is up to date",
         ]
 

@@ -82,6 +82,12 @@ class Metrics:
         self.instances_deleted = Counter(
             "hubd_dead_instances_deleted", "Rows of long-dead instances deleted", registry=r
         )
+        self.orphans = Counter(
+            "hubd_orphan_sidecars",
+            "Sidecars found belonging to no current generation, by what became of them",
+            ["provisioner", "outcome"],
+            registry=r,
+        )
         self.loop_errors = Counter(
             "hubd_claim_loop_errors", "Errors the claim loop recovered from", ["kind"], registry=r
         )

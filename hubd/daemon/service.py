@@ -34,6 +34,7 @@ from hubd.errors import DatabaseUnavailable, OperationTimeout, StoreError
 from hubd.plugins.protocol import Provisioner
 from hubd.plugins.registry import load_provisioners
 from hubd.reconciler.engine import Reconciler
+from hubd.reconciler.orphans import OrphanCollector
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server.router import SocketRouter
 from hubd.server.websocket import SidecarServer
@@ -94,6 +95,7 @@ class Daemon:
         self._connections: ConnectionStore | None = None
         self._verify_soon = asyncio.Event()
         self._heartbeating_since: float | None = None
+        self._provisioners: dict[str, Provisioner] = {}
         """Monotonic time since which this instance's heartbeats have kept succeeding."""
         self._announcement: dict[str, object] = {}
 
@@ -132,6 +134,7 @@ class Daemon:
             await db.close()
 
     async def _serve(self, db: Database, dsn: str, provisioners: dict[str, Provisioner]) -> int:
+        self._provisioners = provisioners
         cfg = self.config
         rc = cfg.reconciler
         instances = InstanceStore(db)
@@ -244,6 +247,8 @@ class Daemon:
                 start("heartbeat", self._heartbeat(instances))
                 start("repair", self._repair_loop(reconciler, connections, instances))
                 start("socket-check", self._socket_check_loop())
+                if self.config.orphans.mode != "off" and self.store is not None:
+                    start("orphans", self._orphan_loop(self.store, db))
                 start("allocation-counts", self._count_loop(db))
                 start("watchdog", self._watchdog())
                 start("shutdown", self._stop_when_asked(workers))
@@ -386,6 +391,29 @@ class Daemon:
             self.metrics.remote_closes.inc(closed)
             if reasserted or closed:
                 log.info("socket check", reasserted=reasserted, closed=closed)
+
+    async def _orphan_loop(self, store: AllocationStore, db: Database) -> None:
+        """Sweep provisioners that can list their sidecars for orphans (one replica at a
+        time per provisioner, elected by an advisory lock)."""
+        cfg = self.config.orphans
+        collector = OrphanCollector(
+            store=store,
+            ledger=LedgerStore(db, instance_id=self.instance_id),
+            grace=cfg.grace,
+            dry_run=cfg.mode == "dry-run",
+            destroy_unknown=cfg.destroy_unknown,
+            operation_timeout=self.config.reconciler.operation_timeout,
+            on_orphan=lambda provisioner, outcome: self.metrics.orphans.labels(
+                provisioner=provisioner, outcome=outcome
+            ).inc(),
+        )
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(cfg.interval)
+            try:
+                await collector.sweep_all(self._provisioners)
+            except (StoreError, TimeoutError) as exc:
+                log.warning("orphan sweep failed", error=str(exc))
 
     def _on_connected_notice(self, payload: str) -> None:
         notice = parse_connected_payload(payload)

@@ -66,6 +66,7 @@ from hubd.plugins.protocol import (
     EnsureRequest,
     EnsureResult,
     Rejected,
+    RunningSidecar,
 )
 from hubd.redaction import scrub
 
@@ -418,6 +419,39 @@ class LocalProvisioner:
             if isinstance(result, Destroyed):
                 self._discard(sidecar_id, log_too=True)
             return result
+
+    async def list_sidecars(self) -> list[RunningSidecar]:
+        """Every sidecar this provisioner has a record for, read from its state directory.
+
+        A record is written before a start is reported and removed only once its process group
+        is gone, so the records cover every process this provisioner started; one whose
+        process already exited is listed too, and destroying it just removes its files.
+        Unreadable records are skipped (destroy reports them when their allocation asks).
+        """
+        found: list[RunningSidecar] = []
+        try:
+            names = sorted(p.name for p in self.directory.glob("*.json"))
+        except OSError:
+            return found
+        for name in names:
+            sidecar_id = name.removesuffix(".json")
+            if not _SIDECAR_ID.fullmatch(sidecar_id):
+                continue
+            try:
+                record = self._load(sidecar_id)
+            except _CorruptRecord:
+                continue
+            if record is None:
+                continue
+            found.append(
+                RunningSidecar(
+                    sidecar_id=record.sidecar_id,
+                    allocation_id=record.allocation_id,
+                    generation=record.generation,
+                    external_ref=record.external_ref,
+                )
+            )
+        return found
 
     # -- starting --------------------------------------------------------------------------------
 

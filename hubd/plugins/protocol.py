@@ -6,7 +6,7 @@ and every string a plugin hands back is bounded before it reaches the database o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,9 +22,11 @@ __all__ = [
     "Destroyed",
     "EnsureRequest",
     "EnsureResult",
+    "ListsSidecars",
     "Ownership",
     "Provisioner",
     "Rejected",
+    "RunningSidecar",
     "check_destroy_result",
     "check_ensure_result",
 ]
@@ -142,6 +144,25 @@ class Provisioner(Protocol):
     async def ensure(self, request: EnsureRequest) -> EnsureResult: ...
 
     async def destroy(self, request: DestroyRequest) -> DestroyResult: ...
+
+
+@attrs.frozen(kw_only=True)
+class RunningSidecar:
+    """One sidecar a provisioner runs, as its :meth:`ListsSidecars.list_sidecars` reports it.
+    ``allocation_id`` and ``generation`` are what the provisioner recorded, when it did."""
+
+    sidecar_id: str
+    allocation_id: str | None = None
+    generation: int | None = None
+    external_ref: str | None = None
+
+
+@runtime_checkable
+class ListsSidecars(Protocol):
+    """Optional capability: list every sidecar this provisioner runs (or has state for), so
+    hubd can destroy the ones that belong to no current generation (orphan collection)."""
+
+    async def list_sidecars(self) -> Sequence[RunningSidecar]: ...
 
 
 def _check_rejection(value: Rejected | DestroyRejected, what: str) -> None:

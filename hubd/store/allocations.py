@@ -7,9 +7,10 @@ expected). ``None`` means the claim is lost: the caller stops and writes nothing
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -341,6 +342,37 @@ class AllocationStore:
                 self.instance_id,
             )
         )
+
+    # -- orphan collection ---------------------------------------------------------------------
+
+    async def sidecar_owners(
+        self, sidecars: Sequence[tuple[str, str | None]]
+    ) -> dict[str, tuple[bool, bool]]:
+        """For each (sidecar id, allocation id it names): (current sidecar of an active
+        allocation, allocation known here)."""
+        with translate_errors("look up sidecar owners"):
+            async with self._db.pool.acquire() as conn:
+                rows = await conn.fetch(
+                    SQL.sidecar_owners,
+                    [sidecar for sidecar, _ in sidecars],
+                    [allocation or "" for _, allocation in sidecars],
+                )
+        return {row["sidecar_id"]: (row["current"], row["known"]) for row in rows}
+
+    @contextlib.asynccontextmanager
+    async def sweep_lock(self, name: str) -> AsyncIterator[asyncpg.Connection | None]:
+        """Hold the cluster-wide sweep lock ``name`` for the block: yields the connection that
+        holds it (closed means lost), or ``None`` when another replica holds it."""
+        with translate_errors("orphan sweep lock"):
+            async with self._db.pool.acquire() as conn:
+                if not await conn.fetchval(SQL.try_sweep_lock, name):
+                    yield None
+                    return
+                try:
+                    yield conn
+                finally:
+                    if not conn.is_closed():
+                        await conn.fetchval(SQL.release_sweep_lock, name)
 
     # -- plumbing ---------------------------------------------------------------------------------
 

@@ -72,6 +72,33 @@ class LedgerStore:
                 )
         return len(rows)
 
+    async def record_orphan(
+        self,
+        allocation_id: str,
+        *,
+        sidecar_id: str,
+        generation: int | None,
+        kind: str,
+        phase: Phase,
+        error_code: str | None = None,
+        message: str | None = None,
+    ) -> bool:
+        """Append orphan collection's evidence; ``False`` when the allocation is unknown."""
+        with translate_errors("record orphan"):
+            async with self._db.pool.acquire() as conn:
+                seq = await conn.fetchval(
+                    SQL.record_orphan,
+                    allocation_id,
+                    sidecar_id,
+                    generation if generation is not None and generation >= 1 else None,
+                    self.instance_id,
+                    kind,
+                    str(phase),
+                    bounded_code(error_code) if error_code is not None else None,
+                    bounded_message(message) if message is not None else None,
+                )
+        return seq is not None
+
     async def history(self, allocation_id: str) -> list[LedgerEntry]:
         validate_allocation_id(allocation_id)
         with translate_errors("read history"):

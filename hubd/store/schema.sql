@@ -59,6 +59,10 @@ CREATE INDEX hubd_allocations_active_idx ON hubd_allocations (id)
 
 CREATE INDEX hubd_allocations_status_idx ON hubd_allocations (status, created_at);
 
+-- Serves orphan collection: is this sidecar the current one of an active allocation?
+CREATE INDEX hubd_allocations_sidecar_idx ON hubd_allocations (sidecar_id)
+    WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+
 CREATE TABLE hubd_allocation_ledger (
     seq           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     allocation_id text NOT NULL REFERENCES hubd_allocations (id),

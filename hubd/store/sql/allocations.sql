@@ -446,6 +446,26 @@ WITH candidates AS (
 )
 SELECT * FROM updated;
 
+-- name: sidecar_owners
+-- For each sidecar a provisioner reports ($1[i], naming allocation $2[i], '' when it names none):
+-- whether it is the current sidecar of an active allocation, and whether the allocation it names
+-- exists in this database at all (a sidecar of another deployment must not look like ours).
+SELECT s.sidecar_id,
+       EXISTS (SELECT 1 FROM hubd_allocations AS a
+               WHERE a.sidecar_id = s.sidecar_id
+                 AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing',
+                                  'releasing')) AS current,
+       EXISTS (SELECT 1 FROM hubd_allocations AS a WHERE a.id = s.allocation_id) AS known
+FROM unnest($1::text[], $2::text[]) AS s (sidecar_id, allocation_id);
+
+-- name: try_sweep_lock
+-- One sweeper per provisioner across replicas: a session advisory lock, released by
+-- release_sweep_lock or by the session's end (a crashed sweeper holds nothing).
+SELECT pg_try_advisory_lock(hashtext('hubd_orphans'), hashtext($1));
+
+-- name: release_sweep_lock
+SELECT pg_advisory_unlock(hashtext('hubd_orphans'), hashtext($1));
+
 -- name: get_allocation
 SELECT * FROM hubd_allocations WHERE id = $1;
 

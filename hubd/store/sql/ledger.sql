@@ -35,3 +35,15 @@ RETURNING seq;
 -- name: history
 -- An allocation's ledger, oldest first.
 SELECT * FROM hubd_allocation_ledger WHERE allocation_id = $1 ORDER BY seq;
+
+-- name: record_orphan
+-- Orphan collection's evidence: sidecar $2 of allocation $1 (generation $3, or the allocation's
+-- own when NULL) belongs to no current generation; $5 kind ('orphan_found', 'orphan_destroyed'),
+-- $6 phase, $7/$8 error code and message (prefixed with the sidecar id). Nothing is written for an allocation this database
+-- does not know.
+INSERT INTO hubd_allocation_ledger (allocation_id, generation, instance_id, kind, from_status,
+    to_status, phase, error_code, message)
+SELECT id, COALESCE($3, generation), $4, $5, status, status, $6, $7,
+    left($2::text || ': ' || $8, 500)
+FROM hubd_allocations WHERE id = $1
+RETURNING seq;
