@@ -15,7 +15,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from hubd.store import AllocationStore, Status, connect_database
+from hubd.store import AllocationStore, LedgerStore, Status, connect_database
 from tests.daemonkit import (
     DaemonProcess,
     free_port,
@@ -24,7 +24,16 @@ from tests.daemonkit import (
     sidecar_pids,
     write_config,
 )
-from tests.faultkit import abandoning_writes, generations, ledger_head, stop_all
+from tests.faultkit import (
+    abandoning_writes,
+    broken,
+    generations,
+    install_observer,
+    ledger_head,
+    stop_all,
+    tracebacks,
+    violations,
+)
 from tests.reconcilerkit import poll_until
 from tests.test_daemon import all_ready, request_many
 
@@ -68,7 +77,14 @@ async def stays_ready(
         rows = [await store.get(i) for i in ids]
         assert all(r.status is Status.ALLOCATED for r in rows), [str(r.status) for r in rows]
         assert {r.id: r.generation for r in rows} == expected
-        assert all(r.ready for r in rows)
+        unready = [r.id for r in rows if not r.ready]
+        if unready:
+            ledger = LedgerStore(store._db, instance_id="observer")
+            history = [
+                f"{e.at:%H:%M:%S.%f} {e.kind} {e.instance_id} {e.message or ''}"
+                for e in await ledger.history(unready[0])
+            ]
+            raise AssertionError(f"{unready} stopped reading ready:\n" + "\n".join(history))
         await asyncio.sleep(0.5)
 
 
@@ -95,6 +111,7 @@ class TestDatabaseOutage:
         db = None
         try:
             await a.start()
+            await install_observer(dsn)
             await b.start()
             ids = await request_many(10, env)
             db = await connect_database(dsn)
@@ -123,6 +140,8 @@ class TestDatabaseOutage:
             await stays_ready(store, ids, before, 4 * TTL)
             assert await abandoning_writes(dsn, ids, head) == []
             assert sidecar_pids(marker) == pids
+            assert broken(await violations(dsn)) == {}
+            assert tracebacks(a, b) == []
         finally:
             if db is not None:
                 await db.close()
@@ -148,6 +167,7 @@ class TestReplicaLoss:
                 server_port=port,
             )
             daemons.append(DaemonProcess(config, env={"HUBD_SERVER_PUBLIC_URL": urls}))
+        await install_observer(database_url)
         try:
             for daemon in daemons:
                 await daemon.start()
@@ -188,6 +208,8 @@ class TestReplicaLoss:
             assert await generations(observer, ids) == before
             assert sidecar_pids(marker) == pids
             assert await abandoning_writes(database_url, ids, head) == []
+            assert broken(await violations(database_url)) == {}
+            assert tracebacks(*daemons) == []
         finally:
             await stop_all(*daemons)
 
@@ -214,6 +236,7 @@ class TestPausedReplica:
             marker=marker,
         )
         paused, other = DaemonProcess(slow), DaemonProcess(fine)
+        await install_observer(database_url)
         try:
             await paused.start()
             env = {"HUBD_DATABASE_URL": database_url}
@@ -262,5 +285,7 @@ class TestPausedReplica:
                 seen.append(lease)
             assert stale == []
             assert await all_ready(observer, ids)
+            assert broken(await violations(database_url)) == {}
+            assert tracebacks(paused, other) == []
         finally:
             await stop_all(paused, other)

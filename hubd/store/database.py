@@ -7,6 +7,7 @@ pool saturated by slow statements can never starve the renewals that keep claims
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -30,6 +31,27 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.TooManyConnectionsError,
     asyncpg.InterfaceError,
 )
+
+
+class _QuietReconnects(logging.Filter):
+    """asyncpg's pool logs a full traceback each time it fails to restore its connection floor,
+    which it does many times during any database restart. An outage is an expected condition,
+    reported by hubd's own warnings: keep asyncpg's record, without the traceback, as a warning
+    that names the error in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            if isinstance(error, _UNAVAILABLE):
+                record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
+                record.args = ()
+                record.exc_info = None
+                record.exc_text = None
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+logging.getLogger("asyncpg.pool").addFilter(_QuietReconnects())
 
 
 @contextmanager
