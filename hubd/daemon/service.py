@@ -328,9 +328,10 @@ class Daemon:
         interval = self.config.instance.heartbeat_interval
         ttl = self.config.instance.ttl
         last_success = time.monotonic()
+        pause = interval
         while True:
             raise_if_cancelled()
-            await asyncio.sleep(interval)
+            await asyncio.sleep(pause)
             try:
                 present = await instances.heartbeat(self.instance_id)
                 if not present:
@@ -355,11 +356,18 @@ class Daemon:
                 elif self._heartbeating_since is None:
                     self._heartbeating_since = now
                 last_success = now
+                pause = interval
                 self.metrics.database_up.set(1)
             except StoreError as exc:
                 self._heartbeating_since = None
                 self.metrics.database_up.set(0)
                 log.warning("heartbeat failed", error=str(exc))
+                # After a database restart every pooled connection is dead, and each would cost
+                # one failed beat: replace them all at once, and try again soon, since peers
+                # count this instance dead after one TTL without a beat.
+                if self._db is not None:
+                    await self._db.lease_pool.expire_connections()
+                pause = 0.2 if pause >= interval else min(pause * 2, interval)
 
     def _may_judge_peers(self) -> bool:
         """Whether this instance has heartbeated without a break for a whole TTL. After an
