@@ -79,14 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hubd", description="Control-plane daemon for sidecar allocations.", parents=[common]
     )
-    parser.set_defaults(config=None)
+    # No set_defaults(config=...) here: the --config action is shared by every subparser (the
+    # parents= mechanism copies the action object), so a default set on it would make each
+    # subparser overwrite a --config given before its command. ``main`` reads a missing one as
+    # None.
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     commands.add_parser("run", help="run the daemon", parents=[common])
-    commands.add_parser(
+    dev = commands.add_parser(
         "dev",
-        help="run the daemon with the embedded database, the local provisioner and a demo",
+        help="run the daemon on its own embedded database with the local provisioner and a demo",
+        description="Run the daemon on its own embedded database (state dir hubd-dev) with the "
+        "local provisioner and a demo allocation. Ctrl-C releases what this session requested; "
+        "a second Ctrl-C stops at once.",
         parents=[common],
+    )
+    dev.add_argument(
+        "--allow-external-database",
+        action="store_true",
+        help="run on the configured database.url instead of refusing (it may be shared)",
     )
     commands.add_parser(
         "sidecar", help="the reference sidecar (reads HUBD_* variables)", parents=[common]
@@ -284,12 +295,14 @@ def _print_show(allocation: Any, history: Sequence[Any]) -> None:
         )
 
 
-def _run_daemon(config: Config, *, dev: bool) -> int:
+def _run_daemon(config: Config, args: argparse.Namespace) -> int:
     from hubd.daemon.dev import run_dev
     from hubd.daemon.service import Daemon
 
     try:
-        return asyncio.run(run_dev(config) if dev else Daemon(config).run())
+        if args.command == "dev":
+            return asyncio.run(run_dev(config, config_path=getattr(args, "config", None)))
+        return asyncio.run(Daemon(config).run())
     except ExceptionGroup:
         # A supervised background task died; the daemon logged which one and why.
         print("hubd: stopped because a background task failed (see the log)", file=sys.stderr)
@@ -308,13 +321,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_sidecar(os.environ)
     try:
-        config = load_config(args.config)
+        config = load_config(getattr(args, "config", None))
     except ConfigError as exc:
         print(f"hubd: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "dev":
-        from hubd.daemon.dev import dev_config
+        from hubd.daemon.dev import dev_config, external_database_refusal
 
+        refusal = external_database_refusal(
+            config, config_path=getattr(args, "config", None), env=os.environ
+        )
+        if refusal is not None and not args.allow_external_database:
+            print(f"hubd: {refusal}", file=sys.stderr)
+            return EXIT_USAGE
         config = dev_config(config)
     level = config.log.level
     if args.command == "alloc" and level in ("info", "warning"):
@@ -323,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(fmt=config.log.format, level=level)
     try:
         if args.command in ("run", "dev"):
-            return _run_daemon(config, dev=args.command == "dev")
+            return _run_daemon(config, args)
         if args.command == "check-config":
             return cmd_check_config(config, args)
         if args.command == "migrate":

@@ -183,6 +183,41 @@ class TestAllocCommands:
         assert "no allocation" in unknown.err
 
 
+class TestConfigPosition:
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ("--config", "{path}", "alloc", "list", "--json"),
+            ("alloc", "--config", "{path}", "list", "--json"),
+            ("alloc", "list", "--config", "{path}", "--json"),
+        ],
+    )
+    def test_alloc_honours_config_in_every_position(
+        self, external_db: str, tmp_path: Path, argv: tuple[str, ...]
+    ) -> None:
+        """--config before the command, between alloc and its command, or after it, names the
+        database that alloc list reads."""
+        path = write(tmp_path, f'[database]\nurl = "{external_db}"\n')
+        assert run_hubd("migrate", "--config", path).code == 0
+        requested = run_hubd("alloc", "request", "--provisioner", "local", "--config", path)
+        assert requested.code == 0, requested.err
+        listed = run_hubd(*(arg.format(path=path) for arg in argv))
+        assert listed.code == 0, listed.err
+        assert [a["id"] for a in json.loads(listed.out)] == [requested.out.strip()]
+
+    @pytest.mark.parametrize(
+        "argv", [("--config", "{path}", "check-config"), ("check-config", "--config", "{path}")]
+    )
+    def test_check_config_honours_config_in_every_position(
+        self, tmp_path: Path, argv: tuple[str, ...]
+    ) -> None:
+        """check-config reads the file named by --config before or after the command."""
+        path = write(tmp_path, '[reconciler]\nlease_duration = "91s"\n')
+        result = run_hubd(*(arg.format(path=path) for arg in argv))
+        assert result.code == 0, result.err
+        assert 'lease_duration = "91s"' in result.out
+
+
 class TestEmbeddedMissing:
     def test_no_url_and_no_extra_is_one_clear_error(self, tmp_path: Path) -> None:
         """Without a database URL and without the embedded extra, hubd says to set database.url

@@ -216,6 +216,46 @@ class TestLifecycle:
             await again.kill()
 
 
+class TestStopping:
+    async def test_second_signal_stops_at_once(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """A second SIGINT while a claim is still in progress stops the daemon at once instead
+        of waiting out shutdown_grace (here 300 s, beyond the test's deadline); a --config
+        given before the command is honoured."""
+        config = write_config(
+            state_dir / "hubd.toml",
+            database_url=database_url,
+            state_dir=state_dir,
+            marker=marker,
+            plugin="tests.slowplugin:create",
+            plugin_options="ensure_delay = 3600",
+        )
+        env = {
+            "HUBD_RECONCILER_LEASE_DURATION": "600s",
+            "HUBD_RECONCILER_OPERATION_TIMEOUT": "300s",
+            "HUBD_RECONCILER_SHUTDOWN_GRACE": "300s",
+        }
+        daemon = DaemonProcess(config, env, args=("--config", str(config), "run"))
+        try:
+            await daemon.start()
+            [allocation_id] = await request_many(1, {"HUBD_DATABASE_URL": database_url})
+
+            async def ensuring() -> bool:
+                return (await observer.get(allocation_id)).status is Status.PROVISIONING
+
+            await poll_until(ensuring, within=30, every=0.1)
+            await daemon.signal(signal.SIGINT)
+            await daemon.wait_for_log("stopping: no new claims; waiting for claims in progress")
+            await daemon.signal(signal.SIGINT)
+            assert await daemon.wait(within=30) == 0
+        finally:
+            await daemon.kill()
+        events = [line.get("event") for line in daemon.lines]
+        assert "second stop signal: stopping now, without waiting" in events
+        assert "hubd stopped" in events
+
+
 class TestDatabaseOutage:
     async def test_postgres_restart_under_running_daemon(
         self, marker: str, state_dir: Path

@@ -82,6 +82,8 @@ class Daemon:
         self._on_started = on_started
         self._on_stopping = on_stopping
         self._stopping = asyncio.Event()
+        self._hurry = asyncio.Event()
+        """Set by a second stop signal: stop waiting for claims and stop hooks, stop now."""
         self._waker = Waker()
         self._listener: NotificationListener | None = None
         self._db: Database | None = None
@@ -98,8 +100,36 @@ class Daemon:
         self._announcement: dict[str, object] = {}
 
     def stop(self) -> None:
-        """Ask the daemon to shut down (what SIGTERM does)."""
+        """Ask the daemon to shut down (what SIGTERM does); asked again, stop without waiting
+        for claims in progress or the stop hook (an operator pressing Ctrl-C twice)."""
+        if self._stopping.is_set():
+            if not self._hurry.is_set():
+                log.warning("second stop signal: stopping now, without waiting")
+            self._hurry.set()
         self._stopping.set()
+
+    @property
+    def hurried(self) -> bool:
+        """Whether a second stop signal cut the shutdown short."""
+        return self._hurry.is_set()
+
+    async def _unless_hurried(self, work: Coroutine[Any, Any, Any], limit: float) -> bool:
+        """Await ``work`` for at most ``limit`` seconds, or until a second stop signal; cancel
+        it then. ``True`` when it finished in time (its exceptions propagate)."""
+        task = asyncio.ensure_future(work)
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait({task, hurry}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pending in (task, hurry):
+                if not pending.done():
+                    pending.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pending
+        if task.cancelled():
+            return False
+        task.result()
+        return True
 
     async def run(self) -> int:
         provisioners = load_provisioners(self.config.provisioners, state_dir=self.config.state_path)
@@ -276,9 +306,8 @@ class Daemon:
         log.info("stopping: no new claims; waiting for claims in progress")
         self._waker.wake()
         grace = self.config.reconciler.shutdown_grace
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace):
-                await asyncio.wait(workers)
+        if workers:
+            await self._unless_hurried(asyncio.wait(workers), grace)
         unfinished = [w for w in workers if not w.done()]
         if unfinished:
             log.warning(
@@ -491,10 +520,17 @@ class Daemon:
         started = time.monotonic()
         if self._on_stopping is not None:
             try:
-                async with asyncio.timeout(self.config.reconciler.shutdown_grace):
-                    await self._on_stopping(self)
-            except (TimeoutError, StoreError) as exc:
+                finished = await self._unless_hurried(
+                    self._on_stopping(self), self.config.reconciler.shutdown_grace
+                )
+            except StoreError as exc:
                 log.warning("stop hook did not finish", error=str(exc))
+            else:
+                if not finished:
+                    log.warning(
+                        "stop hook did not finish",
+                        error="second stop signal" if self.hurried else "shutdown_grace passed",
+                    )
         await server.close()
         with contextlib.suppress(StoreError, OSError, asyncpg.PostgresError):
             # Records and their sidecars' connect deadlines settled at once, so no allocation
@@ -505,8 +541,6 @@ class Daemon:
             )
             await instances.remove(self.instance_id)
         if self.reconciler is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5):
-                    await self.reconciler.drain()
+            await self._unless_hurried(self.reconciler.drain(), 5.0)
         await admin.close()
         log.info("hubd stopped", seconds=round(time.monotonic() - started, 2))

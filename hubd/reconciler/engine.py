@@ -58,6 +58,7 @@ from hubd.reconciler.decisions import (
     after_destroy,
     after_ensure,
     effect_phase,
+    provisioner_mismatch,
     replacement_becomes_release,
     retry_delay,
     step_for,
@@ -411,18 +412,13 @@ class Reconciler:
 
     # -- the state machine -------------------------------------------------------------------------
 
-    def _provisioner_for(self, allocation: Allocation) -> Provisioner | None:
-        provisioner = self._provisioners.get(allocation.provisioner_id)
-        if provisioner is None:
-            return None
-        if allocation.provisioner_api_version not in (None, provisioner.api_version):
-            return None
-        if allocation.provisioner_binding_fingerprint not in (
-            None,
-            provisioner.binding_fingerprint,
-        ):
-            return None
-        return provisioner
+    def _provisioner_problem(self, allocation: Allocation) -> str | None:
+        return provisioner_mismatch(
+            provisioner_id=allocation.provisioner_id,
+            bound_api_version=allocation.provisioner_api_version,
+            bound_fingerprint=allocation.provisioner_binding_fingerprint,
+            configured=self._provisioners,
+        )
 
     async def _reconcile(self, claim: _Claim) -> None:
         a = claim.allocation
@@ -439,26 +435,24 @@ class Reconciler:
             hook = self._on_initialization_recovery
             await self._with_lease(claim, "initialization recovery", hook_call(hook, a))
 
-        provisioner = self._provisioner_for(a)
-        if provisioner is None:
-            failed = unavailable_provisioner(a.status)
+        problem = self._provisioner_problem(a)
+        if problem is not None:
+            failed = unavailable_provisioner(a.status, problem)
             if failed is not None:
                 await self._fail(claim, Status.PENDING, failed.failure)
             else:
-                claim.log.warning("provisioner unavailable; retrying later")
+                claim.log.warning("provisioner unavailable; retrying later", problem=problem)
                 await self._finish(
                     claim,
                     lambda: self._store.schedule_retry(
                         claim.fence,
                         expected_status=a.status,
                         delay=retry_delay(a.ensure_attempts + a.destroy_attempts),
-                        failure=Failure(
-                            "provisioner_unavailable",
-                            f"provisioner {a.provisioner_id} is unavailable or its binding changed",
-                        ),
+                        failure=Failure("provisioner_unavailable", problem),
                     ),
                 )
             return
+        provisioner = self._provisioners[a.provisioner_id]
 
         step = step_for(a.status, initialization_recorded=a.initialization_lease_id is not None)
         if step is Step.BIND_AND_ENSURE:
