@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -371,6 +372,32 @@ class TestOperatorInterfaces:
         assert result.code == 2
         assert "k8s" in result.err
         assert "no.such.module" in result.err
+
+
+class TestPortInUse:
+    @pytest.mark.parametrize(
+        ("key", "variable"),
+        [("server.listen", "HUBD_SERVER_LISTEN"), ("admin.listen", "HUBD_ADMIN_LISTEN")],
+    )
+    async def test_port_in_use_is_one_line_exit_2(
+        self, database_url: str, marker: str, state_dir: Path, key: str, variable: str
+    ) -> None:
+        """A listener whose port is taken stops hubd with exit 2 and one line naming the key,
+        the address and the variable to set; no traceback."""
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            address = f"127.0.0.1:{taken.getsockname()[1]}"
+            config = write_config(
+                state_dir / "hubd.toml",
+                database_url=database_url,
+                state_dir=state_dir,
+                marker=marker,
+            )
+            result = await run_hubd_async("run", "--config", str(config), env={variable: address})
+        assert result.code == 2, result.err
+        assert f"hubd: {key} {address} is in use — another hubd? set {variable}=" in result.err
+        assert "Traceback" not in result.err
 
 
 class TestSupervision:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -30,7 +31,7 @@ from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.daemon.wakeups import NotificationListener, Waker
-from hubd.errors import DatabaseUnavailable, OperationTimeout, StoreError
+from hubd.errors import ConfigError, DatabaseUnavailable, OperationTimeout, StoreError
 from hubd.plugins.protocol import Provisioner
 from hubd.plugins.registry import load_provisioners
 from hubd.reconciler.engine import Reconciler
@@ -47,7 +48,7 @@ from hubd.store.connections import (
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
 
-__all__ = ["Daemon", "new_instance_id"]
+__all__ = ["Daemon", "listen_error", "new_instance_id"]
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,15 @@ DEAD_INSTANCE_TTLS = 10
 """An instance row is deleted once its heartbeat is this many TTLs old."""
 
 _COUNT_BY_STATUS = "SELECT status, count(*) AS n FROM hubd_allocations GROUP BY status"
+
+
+def listen_error(key: str, listen: str, exc: OSError) -> ConfigError:
+    """One line for a listener that cannot bind: the key, the address, and what to set."""
+    variable = "HUBD_" + key.upper().replace(".", "_")
+    fix = f"set {variable}=host:port (port 0: any free one) or {key} in the config"
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(f"{key} {listen} is in use — another hubd? {fix}")
+    return ConfigError(f"{key} {listen}: cannot listen: {exc.strerror or exc} — {fix}")
 
 
 def new_instance_id() -> str:
@@ -176,7 +186,10 @@ class Daemon:
         self._connections = connections
         server = SidecarServer.from_config(cfg.server, router=router, connections=connections)
         self._server = server
-        await server.start()
+        try:
+            await server.start()
+        except OSError as exc:
+            raise listen_error("server.listen", cfg.server.listen, exc) from None
         self.hub_ws_url = cfg.server.public_url or cfg.server.public_url_for(server.port)
         await instances.register(
             self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
@@ -228,7 +241,10 @@ class Daemon:
         self.admin = admin
         try:
             await self._initialize(reconciler)
-            await admin.start()
+            try:
+                await admin.start()
+            except OSError as exc:
+                raise listen_error("admin.listen", cfg.admin.listen, exc) from None
             self._announcement = {
                 "instance_id": self.instance_id,
                 "sidecar_url": self.hub_ws_url,
