@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,6 +218,23 @@ class TestConfigPosition:
         result = run_hubd(*(arg.format(path=path) for arg in argv))
         assert result.code == 0, result.err
         assert 'lease_duration = "91s"' in result.out
+
+
+class TestRootStateDir:
+    @pytest.mark.skipif(
+        os.geteuid() != 0, reason="the embedded server loosens parents as root only"
+    )
+    def test_private_parent_is_refused_and_left_alone(self, tmp_path: Path) -> None:
+        """Run as root, a state dir under a private (0700) parent exits 2 naming that parent
+        and root's safe default, and the parent stays 0700."""
+        private = tmp_path / "private"
+        private.mkdir(mode=0o700)
+        result = run_hubd("migrate", env={"HUBD_STATE_DIR": str(private / "hubd")})
+        assert result.code == 2, result.err
+        assert f"{private} (0700)" in result.err
+        assert "/var/lib/hubd" in result.err
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert not (private / "hubd").exists()
 
 
 class TestEmbeddedMissing:

@@ -100,7 +100,7 @@ class TestOwnWork:
     async def test_follow_up_commands_reach_its_database(self, home: Path, marker: str) -> None:
         """dev prints follow-up commands that reach its own database (the state dir, the
         config file), and Ctrl-C releases its demo and exits 0."""
-        state = home / "s"
+        state = home  # its parents must be world-searchable for a root-run embedded server
         config = home / "hubd.toml"
         config.write_text('[log]\nlevel = "info"\n')
         env = {"HUBD_STATE_DIR": str(state), DEV_MARKER_VARIABLE: marker, **ANY_PORTS}

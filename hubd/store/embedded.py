@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import asyncpg
 import structlog
 
-from hubd.errors import EmbeddedPostgresError
+from hubd.errors import ConfigError, EmbeddedPostgresError
 from hubd.store.database import translate_errors
 
 __all__ = [
@@ -71,6 +72,8 @@ class EmbeddedPostgres:
         Blocking: call it from a thread in async code.
         """
         library = _import_library()
+        if _is_root():
+            _refuse_private_ancestors(self.state_dir)
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             with library.PostgresServer._lock:
@@ -103,6 +106,34 @@ class EmbeddedPostgres:
         alive = [pid for pid in pids if isinstance(pid, int) and _pid_alive(pid)]
         if alive != pids:
             pids_file.write_text(json.dumps(alive))
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+_TRAVERSABLE = stat.S_IROTH | stat.S_IXOTH
+
+
+def _refuse_private_ancestors(state_dir: Path) -> None:
+    """Run as root, the library runs the server as a system user and, so that user can reach
+    the data directory, adds read and search permission for everyone to *every* parent of it,
+    silently: a private ``/root`` would become listable. Refuse before that happens when a parent
+    of the state dir is private (the state dir itself is hubd's, and what it holds stays 0700)."""
+    private = [
+        (parent, parent.stat().st_mode)
+        for parent in state_dir.absolute().parents
+        if parent.exists() and parent.stat().st_mode & _TRAVERSABLE != _TRAVERSABLE
+    ]
+    if private:
+        where = ", ".join(f"{path} ({stat.S_IMODE(mode):04o})" for path, mode in private)
+        raise ConfigError(
+            f"state.dir {state_dir}: running as root, the embedded PostgreSQL runs as a system "
+            f"user and would make every parent of its data directory readable by everyone, but "
+            f"{where} {'is' if len(private) == 1 else 'are'} private; leave state.dir empty "
+            "(root's default is /var/lib/hubd), "
+            "choose a state dir whose parents are already world-searchable, or set database.url"
+        )
 
 
 def _pid_alive(pid: int) -> bool:
