@@ -185,6 +185,30 @@ class TestAllocCommands:
         assert "no allocation" in unknown.err
 
 
+class TestNeverMigrated:
+    @pytest.mark.parametrize(
+        "argv",
+        [("list",), ("show", "al_" + "0" * 32), ("request", "--provisioner", "local")],
+    )
+    def test_alloc_on_an_unmigrated_database(self, external_db: str, argv: tuple[str, ...]) -> None:
+        """alloc on a database nobody migrated says how to get the schema, exit 1, with no
+        driver error name."""
+        result = run_hubd("alloc", *argv, env={"HUBD_DATABASE_URL": external_db})
+        assert result.code == 1
+        assert result.err == (
+            "hubd: no hubd schema here: run `hubd migrate` or start `hubd run` once\n"
+        )
+
+    def test_alloc_on_an_unreachable_database_exits_3(self) -> None:
+        """alloc against a server nobody answers exits 3 without the password."""
+        result = run_hubd(
+            "alloc", "list", env={"HUBD_DATABASE_URL": "postgresql://u:pw-canary@127.0.0.1:1/x"}
+        )
+        assert result.code == 3
+        assert "unreachable" in result.err
+        assert "pw-canary" not in result.out + result.err
+
+
 class TestConfigPosition:
     @pytest.mark.parametrize(
         "argv",
