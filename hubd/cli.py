@@ -29,6 +29,7 @@ from hubd.logs import configure_logging
 from hubd.presentation import allocation_json, next_step, rfc3339
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from hubd.store.connect import open_database
+from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
 
 __all__ = ["main"]
@@ -120,7 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_argument("--session")
     request.add_argument("--spec", type=_json_object, default={}, help="a JSON object")
     request.add_argument("--wait", action="store_true", help="wait until ready or terminal")
-    request.add_argument("--timeout", type=_positive_seconds, default=300.0, help="for --wait")
+    request.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=300.0,
+        help="how long --wait waits, e.g. 60s or 5m (default: 300s); the allocation outlives it",
+    )
+    request.add_argument(
+        "--json", action="store_true", help="print the new allocation as JSON instead of its id"
+    )
 
     release = alloc_commands.add_parser("release", help="release an allocation", parents=[common])
     release.add_argument("id")
@@ -186,7 +195,10 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
                 session_id=args.session,
                 spec=args.spec,
             )
-            print(allocation.id, flush=True)
+            if args.json:
+                print(json.dumps(allocation_json(allocation), indent=2), flush=True)
+            else:
+                print(allocation.id, flush=True)
             if args.wait:
                 return await _wait(store, allocation.id, args.timeout)
             return EXIT_OK
@@ -205,10 +217,12 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
         if command == "show":
             allocation = await store.get(args.id)
             history = await ledger.history(args.id)
+            alive = any(i.alive for i in await InstanceStore(db).list(config.instance.ttl))
+            step = next_step(allocation, datetime.now(UTC), daemon_alive=alive)
             if args.json:
-                print(json.dumps(allocation_json(allocation, history), indent=2))
+                print(json.dumps({**allocation_json(allocation, history), "next": step}, indent=2))
             else:
-                _print_show(allocation, history)
+                _print_show(allocation, history, step)
             return EXIT_OK
         raise AssertionError(command)
 
@@ -240,7 +254,14 @@ async def _wait(store: AllocationStore, allocation_id: str, limit: float) -> int
                     return EXIT_FAILED
                 await asyncio.sleep(0.2)
     except TimeoutError:
-        print(f"{allocation_id}: not ready after {limit:g}s", file=sys.stderr)
+        status = last[0] if last is not None else "unknown"
+        print(
+            f"{allocation_id}: not ready after {limit:g}s (still {status}); the allocation "
+            "stays requested and hubd keeps working on it. Watch it with "
+            f"`hubd alloc show {allocation_id}`, or give it up with "
+            f"`hubd alloc release {allocation_id}`",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
 
 
@@ -266,8 +287,9 @@ def _print_table(rows: Sequence[Any]) -> None:
         )
 
 
-def _print_show(allocation: Any, history: Sequence[Any]) -> None:
+def _print_show(allocation: Any, history: Sequence[Any], step: str) -> None:
     data = allocation_json(allocation)
+    data.pop("spec")  # shown last, as JSON
     for key, value in data.items():
         shown = (
             "-"
@@ -275,7 +297,8 @@ def _print_show(allocation: Any, history: Sequence[Any]) -> None:
             else ("yes" if value is True else "no" if value is False else value)
         )
         print(f"{key + ':':<18}{shown}")
-    print(f"{'next:':<18}{next_step(allocation, datetime.now(UTC))}")
+    print(f"{'spec:':<18}{json.dumps(dict(allocation.spec))}")
+    print(f"{'next:':<18}{step}")
     print("history:")
     for entry in history:
         change = (

@@ -152,19 +152,31 @@ class TestAllocCommands:
             "next_attempt_at",
             "failure_code",
             "failure_message",
+            "spec",
+            "created_at",
+            "next",
             "history",
         }
         assert data["status"] == "pending"
         assert data["ready"] is False
         assert data["next_attempt_at"].endswith("Z")
+        assert data["created_at"].endswith("Z")
+        assert data["spec"] == {"a": 1}
         assert [h["kind"] for h in data["history"]] == ["request"]
 
         listed = json.loads(run_hubd("alloc", "list", "--json", env=env).out)
         assert [a["id"] for a in listed] == [allocation_id]
         assert "history" not in listed[0]
+        assert listed[0]["created_at"] == data["created_at"]
 
         human = run_hubd("alloc", "show", allocation_id, env=env)
-        assert "provisioning a sidecar now" in human.out
+        # No daemon heartbeats on this database: nothing provisions it until one starts.
+        assert (
+            "next:             no hubd daemon is running against this database (start `hubd run`);"
+            " then: provisioning a sidecar now" in human.out
+        )
+        assert data["next"].startswith("no hubd daemon is running")
+        assert 'spec:             {"a": 1}' in human.out
 
         released = run_hubd("alloc", "release", allocation_id, env=env)
         assert released.code == 0
@@ -183,6 +195,34 @@ class TestAllocCommands:
         unknown = run_hubd("alloc", "show", "al_" + "0" * 32, env=env)
         assert unknown.code == 1
         assert "no allocation" in unknown.err
+
+
+class TestRequestAnswers:
+    def test_wait_timeout_says_status_and_how_to_release(self, external_db: str) -> None:
+        """--wait running out says the status, that the allocation stays requested, and how to
+        release it; exit 1."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert run_hubd("migrate", env=env).code == 0
+        result = run_hubd(
+            "alloc", "request", "--provisioner", "local", "--wait", "--timeout", "1s", env=env
+        )
+        allocation_id = result.out.strip()
+        assert result.code == 1
+        assert f"{allocation_id}: not ready after 1s (still pending)" in result.err
+        assert "stays requested" in result.err
+        assert f"`hubd alloc release {allocation_id}`" in result.err
+
+    def test_request_json(self, external_db: str) -> None:
+        """request --json prints the new allocation as the documented JSON object."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert run_hubd("migrate", env=env).code == 0
+        result = run_hubd(
+            "alloc", "request", "--provisioner", "local", "--session", "s1", "--json", env=env
+        )
+        assert result.code == 0, result.err
+        data = json.loads(result.out)
+        assert data["id"].startswith("al_")
+        assert (data["status"], data["session_id"], data["spec"]) == ("pending", "s1", {})
 
 
 class TestNeverMigrated:
