@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import os
 import sys
@@ -189,6 +190,7 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
         ledger = LedgerStore(db, instance_id=CLI_INSTANCE)
         command = args.alloc_command
         if command == "request":
+            await _check_provisioner(db, config, args.provisioner)
             allocation = await store.request(
                 provisioner_id=args.provisioner,
                 tenant_id=args.tenant,
@@ -227,6 +229,32 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
         raise AssertionError(command)
 
     return await _with_database(config, work)
+
+
+async def _check_provisioner(db: Database, config: Config, provisioner_id: str) -> None:
+    """Refuse a provisioner id that no running daemon serves (the daemons' instance rows say
+    which they serve); with no daemon to ask, accept it with a warning."""
+    alive = [
+        i
+        for i in await InstanceStore(db).list(config.instance.ttl)
+        if i.alive and i.provisioners is not None
+    ]
+    if not alive:
+        print(
+            f"hubd: warning: no running daemon says which provisioners it serves; "
+            f"--provisioner {provisioner_id} is accepted unchecked (it fails as "
+            "provisioner_unavailable if the daemon that claims it does not serve it)",
+            file=sys.stderr,
+        )
+        return
+    served = sorted({p for i in alive for p in i.provisioners or ()})
+    if provisioner_id not in served:
+        close = difflib.get_close_matches(provisioner_id, served, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InvalidRequest(
+            f"--provisioner {provisioner_id!r}: no running daemon serves it (they serve: "
+            f"{', '.join(served) or 'none'}){hint}"
+        )
 
 
 async def _wait(store: AllocationStore, allocation_id: str, limit: float) -> int:

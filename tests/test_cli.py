@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hubd.store import connect_database
+from hubd.store.instances import InstanceStore
 from tests.clikit import run_hubd, run_hubd_async
 from tests.conftest import PostgresServer, drop_database, fresh_database
 
@@ -86,7 +88,8 @@ class TestMigrate:
         results = await asyncio.gather(*(run_hubd_async("migrate", env=env) for _ in range(2)))
         assert [r.code for r in results] == [0, 0], [r.err for r in results]
         assert sorted(r.out.strip() for r in results) == [
-            "applied 0001_initial\napplied 0002_connection_truth",
+            "applied 0001_initial\napplied 0002_connection_truth\n"
+            "applied 0003_instance_provisioners",
             "schema is up to date",
         ]
 
@@ -223,6 +226,35 @@ class TestRequestAnswers:
         data = json.loads(result.out)
         assert data["id"].startswith("al_")
         assert (data["status"], data["session_id"], data["spec"]) == ("pending", "s1", {})
+
+
+class TestProvisionerCheck:
+    async def test_unknown_provisioner_is_refused_naming_the_served_ones(
+        self, external_db: str
+    ) -> None:
+        """With a running daemon that serves echo and local, --provisioner lcoal exits 2
+        naming the served ids and the likely one, and creates nothing; no daemon to ask
+        accepts with a warning."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert (await run_hubd_async("migrate", env=env)).code == 0
+        unchecked = await run_hubd_async("alloc", "request", "--provisioner", "lcoal", env=env)
+        assert unchecked.code == 0, unchecked.err
+        assert "warning: no running daemon says which provisioners it serves" in unchecked.err
+        db = await connect_database(external_db)
+        try:
+            await InstanceStore(db).register("in_peer", "here", 1, None, ["local", "echo"])
+        finally:
+            await db.close()
+        refused = await run_hubd_async("alloc", "request", "--provisioner", "lcoal", env=env)
+        assert refused.code == 2
+        assert refused.out == ""
+        assert "--provisioner 'lcoal': no running daemon serves it" in refused.err
+        assert "(they serve: echo, local); did you mean 'local'?" in refused.err
+        listed = await run_hubd_async("alloc", "list", "--json", env=env)
+        assert [a["id"] for a in json.loads(listed.out)] == [unchecked.out.strip()]
+        served = await run_hubd_async("alloc", "request", "--provisioner", "echo", env=env)
+        assert served.code == 0, served.err
+        assert "warning" not in served.err
 
 
 class TestNeverMigrated:

@@ -108,6 +108,7 @@ class Daemon:
         self._heartbeating_since: float | None = None
         """Monotonic time since which this instance's heartbeats have kept succeeding."""
         self._announcement: dict[str, object] = {}
+        self._provisioner_ids: list[str] = []
 
     def stop(self) -> None:
         """Ask the daemon to shut down (what SIGTERM does); asked again, stop without waiting
@@ -191,8 +192,13 @@ class Daemon:
         except OSError as exc:
             raise listen_error("server.listen", cfg.server.listen, exc) from None
         self.hub_ws_url = cfg.server.public_url or cfg.server.public_url_for(server.port)
+        self._provisioner_ids = sorted(provisioners)
         await instances.register(
-            self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
+            self.instance_id,
+            socket.gethostname(),
+            os.getpid(),
+            self.hub_ws_url,
+            self._provisioner_ids,
         )
         self._heartbeating_since = time.monotonic()
         store = AllocationStore(db, instance_id=self.instance_id)
@@ -377,7 +383,11 @@ class Daemon:
                     # Removed by an operator or judged dead by a peer: come back, since our
                     # sockets are real.
                     await instances.register(
-                        self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
+                        self.instance_id,
+                        socket.gethostname(),
+                        os.getpid(),
+                        self.hub_ws_url,
+                        self._provisioner_ids,
                     )
                     log.warning("instance row was missing; registered again")
                 now = time.monotonic()
