@@ -155,11 +155,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
+    from hubd.plugins.registry import resolve_factories
+
+    # The operator's pre-flight: a plugin that cannot be imported fails here (exit 2), not at
+    # start. Factories are found, not called: building a provisioner may do I/O.
+    resolve_factories(config.provisioners)
     print(render_toml(config.to_display_dict()), end="")
     print(f"# state dir: {config.state_path}")
     if config.database.embedded:
         print(f"# database: embedded PostgreSQL, data in {config.state_path / 'pgdata'}")
-    print(f"# sidecars dial: {config.server.effective_public_url}")
+    if config.server.public_url or config.server.port:
+        print(f"# sidecars dial: {config.server.effective_public_url}")
+    else:
+        print(
+            f"# sidecars dial: {config.server.public_url_for(0).rsplit(':', 1)[0]}:<port> "
+            "(server.listen uses port 0: the port is chosen at start; hubd run logs it)"
+        )
+    print(f"# provisioners: {', '.join(p.id for p in config.provisioners) or 'none'} (found)")
     return EXIT_OK
 
 

@@ -54,6 +54,25 @@ class TestCheckConfig:
         assert "postgresql://hubd:***@db:5432/hubd" in result.out
         assert 'lease_duration = "90s"' in result.out
 
+    def test_unimportable_plugin_exits_2_naming_it(self, tmp_path: Path) -> None:
+        """check-config finds every plugin's factory: one that cannot be imported exits 2
+        naming the provisioner and the module."""
+        path = write(tmp_path, '[[provisioners]]\nid = "k8s"\nplugin = "no.such.module:create"\n')
+        result = run_hubd("check-config", "--config", path)
+        assert result.code == 2
+        assert "provisioner 'k8s'" in result.err
+        assert "no.such.module" in result.err
+        assert result.out == ""
+
+    def test_port_zero_is_not_a_dial_address(self, tmp_path: Path) -> None:
+        """With server.listen on port 0, check-config does not claim sidecars dial port 0."""
+        path = write(tmp_path, '[server]\nlisten = "127.0.0.1:0"\n')
+        result = run_hubd("check-config", "--config", path)
+        assert result.code == 0, result.err
+        assert "ws://127.0.0.1:0" not in result.out
+        assert "# sidecars dial: ws://127.0.0.1:<port> (server.listen uses port 0" in result.out
+        assert "# provisioners: local (found)" in result.out
+
     def test_bad_env_override_exits_2(self) -> None:
         """A bad environment override is a config error naming the variable."""
         result = run_hubd("check-config", env={"HUBD_RECONCILER_MAX_CONCURRENT_CLAIMS": "0"})
