@@ -552,8 +552,10 @@ class Reconciler:
             outcome = TimedOut()
         except PluginError as exc:
             outcome = Raised(str(exc))
+            self._log_plugin_exception(claim, kind)
         except Exception as exc:  # noqa: BLE001 -- any failure of a plugin is an outcome
             outcome = Raised(f"{type(exc).__name__}: {exc}")
+            self._log_plugin_exception(claim, kind)
         duration_ms = (self._clock.monotonic() - started) * 1000
         self._observer.plugin_call(
             claim.allocation.provisioner_id, kind, duration_ms / 1000, type(outcome).__name__
@@ -579,6 +581,23 @@ class Reconciler:
             f"{kind} finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1)
         )
         return outcome
+
+    def _log_plugin_exception(self, claim: _Claim, kind: str) -> None:
+        """A plugin's exception, with its traceback, for the plugin's author: at warning the
+        first time for an allocation (no failed attempt recorded since it was last ready), at
+        debug after that, so a plugin that always raises does not flood the log. Called from
+        the ``except`` block that caught it."""
+        a = claim.allocation
+        first = a.ensure_attempts + a.destroy_attempts == 0
+        say = claim.log.warning if first else claim.log.debug
+        say(
+            f"{kind} raised",
+            provisioner=a.provisioner_id,
+            hint="the traceback is the plugin's; later failures of this allocation log at debug"
+            if first
+            else None,
+            exc_info=True,
+        )
 
     async def _accept_ensure(self, claim: _Claim, provisioner: Provisioner, token: str) -> None:
         a = claim.allocation
