@@ -375,7 +375,7 @@ class AdminConfig:
 
 @attrs.frozen(kw_only=True)
 class ReconcilerConfig:
-    """``[reconciler]``: claims, leases and the budgets of external operations (design §2)."""
+    """``[reconciler]``: claims, leases and the budgets of external operations (architecture §2)."""
 
     lease_duration: float = _duration("60s")
     connect_timeout: float = _duration("120s")

@@ -106,7 +106,7 @@ class TestStatusSteps:
         ],
     )
     def test_step_for(self, status: Status, recorded: bool, step: Step) -> None:
-        """Each status maps to the step of design §1."""
+        """Each status maps to the step of architecture §1."""
         assert step_for(status, initialization_recorded=recorded) is step
 
     def test_unavailable_provisioner(self) -> None:

@@ -109,7 +109,7 @@ class _Claim:
 
 
 class Reconciler:
-    """The allocation state machine of design §1-§3, carried out under leases and fences."""
+    """The allocation state machine of architecture §1-§3, carried out under leases and fences."""
 
     def __init__(
         self,

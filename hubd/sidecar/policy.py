@@ -1,6 +1,6 @@
 """When the reference sidecar reconnects, and how long it waits: pure functions over values.
 
-The rule of the protocol (design §4): a sidecar that was superseded (4000), retired (4001) or
+The rule of the protocol (architecture §4): a sidecar that was superseded (4000), retired (4001) or
 fenced (4002), or refused with 401 / 403 / 409, must never come back — a superseded peer that
 reconnects would steal the socket back from its successor, forever. Everything that says "the
 hub is away or busy" (1001, 1006, 1011, 503, a refused TCP connection) is retried after a capped
