@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ from hubd.logs import configure_logging
 from hubd.presentation import allocation_json, next_step, rfc3339
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from hubd.store.connect import open_database
+from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
 
 __all__ = ["main"]
@@ -68,6 +70,15 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hubd")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --config is accepted before or after the command; the later one wins.
     common = _Parser(add_help=False)
@@ -79,17 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hubd", description="Control-plane daemon for sidecar allocations.", parents=[common]
     )
-    parser.set_defaults(config=None)
+    parser.add_argument("--version", action="version", version=f"hubd {_version()}")
+    # No set_defaults(config=...) here: the --config action is shared by every subparser (the
+    # parents= mechanism copies the action object), so a default set on it would make each
+    # subparser overwrite a --config given before its command. ``main`` reads a missing one as
+    # None.
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     commands.add_parser("run", help="run the daemon", parents=[common])
-    commands.add_parser(
+    dev = commands.add_parser(
         "dev",
-        help="run the daemon with the embedded database, the local provisioner and a demo",
+        help="run the daemon on its own embedded database with the local provisioner and a demo",
+        description="Run the daemon on its own embedded database (state dir hubd-dev) with the "
+        "local provisioner and a demo allocation. Ctrl-C releases what this session requested; "
+        "a second Ctrl-C stops at once.",
         parents=[common],
     )
+    dev.add_argument(
+        "--allow-external-database",
+        action="store_true",
+        help="run on the configured database.url instead of refusing (it may be shared)",
+    )
+    # No --config: the sidecar is configured by its HUBD_* variables only.
     commands.add_parser(
-        "sidecar", help="the reference sidecar (reads HUBD_* variables)", parents=[common]
+        "sidecar",
+        help="the reference sidecar (reads HUBD_URL, HUBD_TOKEN, HUBD_ALLOCATION_ID, "
+        "HUBD_SIDECAR_ID, HUBD_GENERATION)",
     )
     commands.add_parser("migrate", help="apply schema migrations", parents=[common])
     commands.add_parser(
@@ -109,7 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_argument("--session")
     request.add_argument("--spec", type=_json_object, default={}, help="a JSON object")
     request.add_argument("--wait", action="store_true", help="wait until ready or terminal")
-    request.add_argument("--timeout", type=_positive_seconds, default=300.0, help="for --wait")
+    request.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=300.0,
+        help="how long --wait waits, e.g. 60s or 5m (default: 300s); the allocation outlives it",
+    )
+    request.add_argument(
+        "--json", action="store_true", help="print the new allocation as JSON instead of its id"
+    )
 
     release = alloc_commands.add_parser("release", help="release an allocation", parents=[common])
     release.add_argument("id")
@@ -134,11 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
+    from hubd.plugins.registry import resolve_factories
+
+    # The operator's pre-flight: a plugin that cannot be imported fails here (exit 2), not at
+    # start. Factories are found, not called: building a provisioner may do I/O.
+    resolve_factories(config.provisioners)
     print(render_toml(config.to_display_dict()), end="")
     print(f"# state dir: {config.state_path}")
     if config.database.embedded:
         print(f"# database: embedded PostgreSQL, data in {config.state_path / 'pgdata'}")
-    print(f"# sidecars dial: {config.server.effective_public_url}")
+    if config.server.public_url or config.server.port:
+        print(f"# sidecars dial: {config.server.effective_public_url}")
+    else:
+        print(
+            f"# sidecars dial: {config.server.public_url_for(0).rsplit(':', 1)[0]}:<port> "
+            "(server.listen uses port 0: the port is chosen at start; hubd run logs it)"
+        )
+    print(f"# provisioners: {', '.join(p.id for p in config.provisioners) or 'none'} (found)")
     return EXIT_OK
 
 
@@ -169,13 +215,17 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
         ledger = LedgerStore(db, instance_id=CLI_INSTANCE)
         command = args.alloc_command
         if command == "request":
+            await _check_provisioner(db, config, args.provisioner)
             allocation = await store.request(
                 provisioner_id=args.provisioner,
                 tenant_id=args.tenant,
                 session_id=args.session,
                 spec=args.spec,
             )
-            print(allocation.id, flush=True)
+            if args.json:
+                print(json.dumps(allocation_json(allocation), indent=2), flush=True)
+            else:
+                print(allocation.id, flush=True)
             if args.wait:
                 return await _wait(store, allocation.id, args.timeout)
             return EXIT_OK
@@ -194,14 +244,42 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
         if command == "show":
             allocation = await store.get(args.id)
             history = await ledger.history(args.id)
+            alive = any(i.alive for i in await InstanceStore(db).list(config.instance.ttl))
+            step = next_step(allocation, datetime.now(UTC), daemon_alive=alive)
             if args.json:
-                print(json.dumps(allocation_json(allocation, history), indent=2))
+                print(json.dumps({**allocation_json(allocation, history), "next": step}, indent=2))
             else:
-                _print_show(allocation, history)
+                _print_show(allocation, history, step)
             return EXIT_OK
         raise AssertionError(command)
 
     return await _with_database(config, work)
+
+
+async def _check_provisioner(db: Database, config: Config, provisioner_id: str) -> None:
+    """Refuse a provisioner id that no running daemon serves (the daemons' instance rows say
+    which they serve); with no daemon to ask, accept it with a warning."""
+    alive = [
+        i
+        for i in await InstanceStore(db).list(config.instance.ttl)
+        if i.alive and i.provisioners is not None
+    ]
+    if not alive:
+        print(
+            f"hubd: warning: no running daemon says which provisioners it serves; "
+            f"--provisioner {provisioner_id} is accepted unchecked (it fails as "
+            "provisioner_unavailable if the daemon that claims it does not serve it)",
+            file=sys.stderr,
+        )
+        return
+    served = sorted({p for i in alive for p in i.provisioners or ()})
+    if provisioner_id not in served:
+        close = difflib.get_close_matches(provisioner_id, served, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InvalidRequest(
+            f"--provisioner {provisioner_id!r}: no running daemon serves it (they serve: "
+            f"{', '.join(served) or 'none'}){hint}"
+        )
 
 
 async def _wait(store: AllocationStore, allocation_id: str, limit: float) -> int:
@@ -229,7 +307,14 @@ async def _wait(store: AllocationStore, allocation_id: str, limit: float) -> int
                     return EXIT_FAILED
                 await asyncio.sleep(0.2)
     except TimeoutError:
-        print(f"{allocation_id}: not ready after {limit:g}s", file=sys.stderr)
+        status = last[0] if last is not None else "unknown"
+        print(
+            f"{allocation_id}: not ready after {limit:g}s (still {status}); the allocation "
+            "stays requested and hubd keeps working on it. Watch it with "
+            f"`hubd alloc show {allocation_id}`, or give it up with "
+            f"`hubd alloc release {allocation_id}`",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
 
 
@@ -255,8 +340,9 @@ def _print_table(rows: Sequence[Any]) -> None:
         )
 
 
-def _print_show(allocation: Any, history: Sequence[Any]) -> None:
+def _print_show(allocation: Any, history: Sequence[Any], step: str) -> None:
     data = allocation_json(allocation)
+    data.pop("spec")  # shown last, as JSON
     for key, value in data.items():
         shown = (
             "-"
@@ -264,7 +350,8 @@ def _print_show(allocation: Any, history: Sequence[Any]) -> None:
             else ("yes" if value is True else "no" if value is False else value)
         )
         print(f"{key + ':':<18}{shown}")
-    print(f"{'next:':<18}{next_step(allocation, datetime.now(UTC))}")
+    print(f"{'spec:':<18}{json.dumps(dict(allocation.spec))}")
+    print(f"{'next:':<18}{step}")
     print("history:")
     for entry in history:
         change = (
@@ -284,12 +371,14 @@ def _print_show(allocation: Any, history: Sequence[Any]) -> None:
         )
 
 
-def _run_daemon(config: Config, *, dev: bool) -> int:
+def _run_daemon(config: Config, args: argparse.Namespace) -> int:
     from hubd.daemon.dev import run_dev
     from hubd.daemon.service import Daemon
 
     try:
-        return asyncio.run(run_dev(config) if dev else Daemon(config).run())
+        if args.command == "dev":
+            return asyncio.run(run_dev(config, config_path=getattr(args, "config", None)))
+        return asyncio.run(Daemon(config).run())
     except ExceptionGroup:
         # A supervised background task died; the daemon logged which one and why.
         print("hubd: stopped because a background task failed (see the log)", file=sys.stderr)
@@ -308,13 +397,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_sidecar(os.environ)
     try:
-        config = load_config(args.config)
+        config = load_config(getattr(args, "config", None))
     except ConfigError as exc:
         print(f"hubd: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "dev":
-        from hubd.daemon.dev import dev_config
+        from hubd.daemon.dev import dev_config, external_database_refusal
 
+        refusal = external_database_refusal(
+            config, config_path=getattr(args, "config", None), env=os.environ
+        )
+        if refusal is not None and not args.allow_external_database:
+            print(f"hubd: {refusal}", file=sys.stderr)
+            return EXIT_USAGE
         config = dev_config(config)
     level = config.log.level
     if args.command == "alloc" and level in ("info", "warning"):
@@ -323,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(fmt=config.log.format, level=level)
     try:
         if args.command in ("run", "dev"):
-            return _run_daemon(config, dev=args.command == "dev")
+            return _run_daemon(config, args)
         if args.command == "check-config":
             return cmd_check_config(config, args)
         if args.command == "migrate":

@@ -53,6 +53,7 @@ __all__ = [
     "ReconcilerConfig",
     "ServerConfig",
     "StateConfig",
+    "default_state_dir",
     "format_duration",
     "load_config",
     "parse_duration",
@@ -261,18 +262,28 @@ class DatabaseConfig:
         return not self.url
 
 
+def default_state_dir(name: str = "hubd") -> pathlib.Path:
+    """Where ``name``'s state lives when ``state.dir`` is empty: ``/var/lib/<name>`` for root
+    (what a unit's ``StateDirectory=`` gives; root's home must stay private, and the embedded
+    server would need every parent of its data directory searchable), otherwise the platform's
+    user data directory (``~/.local/share/<name>`` on Linux)."""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return pathlib.Path("/var/lib") / name
+    return pathlib.Path(platformdirs.user_data_dir(name, appauthor=False))
+
+
 @attrs.frozen(kw_only=True)
 class StateConfig:
     """``[state]``: the directory for the embedded database and other local state."""
 
     dir: str = _text("")
-    """Empty means the platform's user data directory for hubd."""
+    """Empty means ``/var/lib/hubd`` for root, else the platform's user data dir for hubd."""
 
     @property
     def path(self) -> pathlib.Path:
         """The state directory, with the default applied and ``~`` expanded."""
         if not self.dir:
-            return pathlib.Path(platformdirs.user_data_dir("hubd", appauthor=False))
+            return default_state_dir()
         return pathlib.Path(self.dir).expanduser().absolute()
 
 
@@ -367,7 +378,7 @@ class AdminConfig:
 
 @attrs.frozen(kw_only=True)
 class ReconcilerConfig:
-    """``[reconciler]``: claims, leases and the budgets of external operations (design §2)."""
+    """``[reconciler]``: claims, leases and the budgets of external operations (architecture §2)."""
 
     lease_duration: float = _duration("60s")
     connect_timeout: float = _duration("120s")

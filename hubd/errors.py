@@ -8,6 +8,7 @@
      ├── StoreError                       the database refused or failed a statement
      │    ├── DatabaseUnavailable (ConnectionError)   unreachable; "unknown", never "absent"
      │    ├── AllocationNotFound (LookupError)        no allocation with that id
+     │    ├── SchemaMissing                           the database was never migrated
      │    └── InvalidRequest (ValueError)             bad input to the store
      ├── LeaseLost                        a claim no longer owns its allocation
      ├── OperationTimeout (TimeoutError)  an external operation outlived operation_timeout
@@ -32,6 +33,7 @@ __all__ = [
     "OperationTimeout",
     "PluginError",
     "PluginLoadError",
+    "SchemaMissing",
     "StoreError",
 ]
 
@@ -61,6 +63,10 @@ class DatabaseUnavailable(StoreError, ConnectionError):
 
 class AllocationNotFound(StoreError, LookupError):
     """No allocation has that id."""
+
+
+class SchemaMissing(StoreError):
+    """no hubd schema here: run `hubd migrate` or start `hubd run` once"""
 
 
 class InvalidRequest(StoreError, ValueError):

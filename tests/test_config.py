@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import tomllib
 
@@ -85,10 +86,14 @@ class TestDefaults:
             example = tomllib.load(file)
         assert example == Config().to_display_dict()
 
-    def test_state_path_defaults_to_user_data_dir(self) -> None:
-        """An empty state.dir resolves to the platform's user data dir for hubd."""
+    def test_state_path_defaults_to_user_data_dir(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """An empty state.dir resolves to the platform's user data dir for hubd (for a user
+        other than root), and to /var/lib/hubd for root."""
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
         expected = pathlib.Path(platformdirs.user_data_dir("hubd", appauthor=False))
         assert Config().state_path == expected
+        monkeypatch.setattr(os, "geteuid", lambda: 0)
+        assert Config().state_path == pathlib.Path("/var/lib/hubd")
 
     def test_state_path_expands_user(self, tmp_path: pathlib.Path) -> None:
         """A state.dir with ~ is expanded to an absolute path."""

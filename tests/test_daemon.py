@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -216,6 +217,46 @@ class TestLifecycle:
             await again.kill()
 
 
+class TestStopping:
+    async def test_second_signal_stops_at_once(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """A second SIGINT while a claim is still in progress stops the daemon at once instead
+        of waiting out shutdown_grace (here 300 s, beyond the test's deadline); a --config
+        given before the command is honoured."""
+        config = write_config(
+            state_dir / "hubd.toml",
+            database_url=database_url,
+            state_dir=state_dir,
+            marker=marker,
+            plugin="tests.slowplugin:create",
+            plugin_options="ensure_delay = 3600",
+        )
+        env = {
+            "HUBD_RECONCILER_LEASE_DURATION": "600s",
+            "HUBD_RECONCILER_OPERATION_TIMEOUT": "300s",
+            "HUBD_RECONCILER_SHUTDOWN_GRACE": "300s",
+        }
+        daemon = DaemonProcess(config, env, args=("--config", str(config), "run"))
+        try:
+            await daemon.start()
+            [allocation_id] = await request_many(1, {"HUBD_DATABASE_URL": database_url})
+
+            async def ensuring() -> bool:
+                return (await observer.get(allocation_id)).status is Status.PROVISIONING
+
+            await poll_until(ensuring, within=30, every=0.1)
+            await daemon.signal(signal.SIGINT)
+            await daemon.wait_for_log("stopping: no new claims; waiting for claims in progress")
+            await daemon.signal(signal.SIGINT)
+            assert await daemon.wait(within=30) == 0
+        finally:
+            await daemon.kill()
+        events = [line.get("event") for line in daemon.lines]
+        assert "second stop signal: stopping now, without waiting" in events
+        assert "hubd stopped" in events
+
+
 class TestDatabaseOutage:
     async def test_postgres_restart_under_running_daemon(
         self, marker: str, state_dir: Path
@@ -331,6 +372,32 @@ class TestOperatorInterfaces:
         assert result.code == 2
         assert "k8s" in result.err
         assert "no.such.module" in result.err
+
+
+class TestPortInUse:
+    @pytest.mark.parametrize(
+        ("key", "variable"),
+        [("server.listen", "HUBD_SERVER_LISTEN"), ("admin.listen", "HUBD_ADMIN_LISTEN")],
+    )
+    async def test_port_in_use_is_one_line_exit_2(
+        self, database_url: str, marker: str, state_dir: Path, key: str, variable: str
+    ) -> None:
+        """A listener whose port is taken stops hubd with exit 2 and one line naming the key,
+        the address and the variable to set; no traceback."""
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            address = f"127.0.0.1:{taken.getsockname()[1]}"
+            config = write_config(
+                state_dir / "hubd.toml",
+                database_url=database_url,
+                state_dir=state_dir,
+                marker=marker,
+            )
+            result = await run_hubd_async("run", "--config", str(config), env={variable: address})
+        assert result.code == 2, result.err
+        assert f"hubd: {key} {address} is in use — another hubd? set {variable}=" in result.err
+        assert "Traceback" not in result.err
 
 
 class TestSupervision:

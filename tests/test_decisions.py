@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from hubd.plugins.protocol import Accepted, Destroyed, DestroyRejected, Rejected
@@ -18,6 +19,7 @@ from hubd.reconciler.decisions import (
     after_destroy,
     after_ensure,
     effect_phase,
+    provisioner_mismatch,
     replacement_becomes_release,
     retry_delay,
     step_for,
@@ -104,16 +106,77 @@ class TestStatusSteps:
         ],
     )
     def test_step_for(self, status: Status, recorded: bool, step: Step) -> None:
-        """Each status maps to the step of design §1."""
+        """Each status maps to the step of architecture §1."""
         assert step_for(status, initialization_recorded=recorded) is step
 
     def test_unavailable_provisioner(self) -> None:
         """A missing provisioner fails only a pending allocation."""
-        failed = unavailable_provisioner(Status.PENDING)
+        failed = unavailable_provisioner(Status.PENDING, "why")
         assert failed is not None
         assert failed.failure.code == "provisioner_unavailable"
+        assert failed.failure.message == "why"
         for status in (Status.PROVISIONING, Status.ALLOCATED, Status.REPLACING, Status.RELEASING):
-            assert unavailable_provisioner(status) is None
+            assert unavailable_provisioner(status, "why") is None
+
+
+@attrs.frozen
+class _Bound:
+    api_version: str = "1"
+    binding_fingerprint: str = "a" * 64
+
+
+class TestProvisionerMismatch:
+    def test_matching_or_unbound_is_no_problem(self) -> None:
+        """An unbound allocation, or one bound as the configured provisioner is, has no problem."""
+        configured = {"local": _Bound()}
+        for api, fingerprint in ((None, None), ("1", "a" * 64)):
+            assert (
+                provisioner_mismatch(
+                    provisioner_id="local",
+                    bound_api_version=api,
+                    bound_fingerprint=fingerprint,
+                    configured=configured,
+                )
+                is None
+            )
+
+    def test_missing_names_the_configured_ones(self) -> None:
+        """A provisioner that is not configured is named, with the ones that are."""
+        problem = provisioner_mismatch(
+            provisioner_id="k8s",
+            bound_api_version=None,
+            bound_fingerprint=None,
+            configured={"local": _Bound(), "echo": _Bound()},
+        )
+        assert problem is not None
+        assert "provisioner k8s is not configured" in problem
+        assert "configured: echo, local" in problem
+
+    def test_binding_names_both_fingerprints(self) -> None:
+        """A changed binding names the provisioner, the old and new fingerprint and a remedy."""
+        problem = provisioner_mismatch(
+            provisioner_id="local",
+            bound_api_version="1",
+            bound_fingerprint="b" * 64,
+            configured={"local": _Bound()},
+        )
+        assert problem is not None
+        assert "provisioner local binding changed" in problem
+        assert "b" * 12 in problem
+        assert "a" * 12 in problem
+        assert "restore those options" in problem
+
+    def test_api_version_names_both(self) -> None:
+        """A changed api_version names the old and the new one."""
+        problem = provisioner_mismatch(
+            provisioner_id="local",
+            bound_api_version="0",
+            bound_fingerprint="a" * 64,
+            configured={"local": _Bound()},
+        )
+        assert problem is not None
+        assert "api_version 1" in problem
+        assert "api_version 0" in problem
 
     def test_recovery_switch(self) -> None:
         """Only an allocated sidecar becomes a release when automatic recovery is off."""

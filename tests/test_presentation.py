@@ -111,3 +111,14 @@ class TestLogRedaction:
         line = json.loads(text)
         assert line["token"] == "***"
         assert "postgresql://hubd:***@db/hubd" in line["dsn"]
+
+    def test_no_daemon_alive(self) -> None:
+        """Without a live daemon an active allocation's next step says one must start first;
+        a terminal one does not."""
+        pending = allocation(status=Status.PENDING, next_attempt_at=NOW)
+        assert next_step(pending, NOW, daemon_alive=False) == (
+            "no hubd daemon is running against this database (start `hubd run`); then: "
+            "provisioning a sidecar now"
+        )
+        released = allocation(status=Status.RELEASED, next_attempt_at=None)
+        assert next_step(released, NOW, daemon_alive=False) == "nothing: released"

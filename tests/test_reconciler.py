@@ -6,6 +6,7 @@ import asyncio
 from datetime import datetime, timedelta
 
 import pytest
+import structlog.testing
 
 from hubd.errors import InitializationUncertain
 from hubd.plugins.protocol import Accepted, Destroyed, EnsureRequest, Rejected
@@ -962,3 +963,50 @@ class TestStalledSteps:
 
 async def _busy(reconciler: Reconciler, allocation_id: str) -> bool:
     return allocation_id in reconciler.busy_allocations()
+
+
+class TestReplacementBackoff:
+    async def test_backoff_grows_across_generations_to_the_cap(
+        self,
+        db: Database,
+        store: AllocationStore,
+        reconciler: Reconciler,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """An ensure that raises every time is replaced with a delay that doubles from one
+        generation to the next up to the 30 s cap, never restarting at the first delay."""
+        provisioner.default_ensure = fail(RuntimeError("plugin bug"))
+        allocation = await store.request(provisioner_id="fake")
+        delays = []
+        for _ in range(7):
+            await age_row(db, allocation.id, 60)
+            assert await reconciler.reconcile_next()
+            async with db.pool.acquire() as conn:
+                row = await conn.fetchrow(
+                    "SELECT status, extract(epoch FROM next_attempt_at - updated_at) AS delay "
+                    "FROM hubd_allocations WHERE id = $1",
+                    allocation.id,
+                )
+            if row["status"] == "replacing":
+                delays.append(round(float(row["delay"])))
+        assert delays == [1, 2, 4, 8, 16, 30, 30]
+
+    async def test_plugin_exception_is_logged_with_its_traceback(
+        self,
+        db: Database,
+        store: AllocationStore,
+        reconciler: Reconciler,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """An ensure that raises is logged with its traceback: at warning the first time for an
+        allocation, at debug when it raises again."""
+        provisioner.default_ensure = fail(RuntimeError("plugin bug"))
+        allocation = await store.request(provisioner_id="fake")
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(2):
+                await age_row(db, allocation.id, 60)
+                assert await reconciler.reconcile_next()
+        raised = [entry for entry in logs if entry["event"] == "ensure raised"]
+        assert [entry["log_level"] for entry in raised] == ["warning", "debug"]
+        assert all(entry["exc_info"] is True for entry in raised)
+        assert raised[0]["provisioner"] == "fake"

@@ -91,6 +91,16 @@ class TestClosePolicy:
         )
         assert after_close(None).reason == "closed 1006: connection lost"
 
+    def test_an_ordinary_release_does_not_read_as_an_error(self) -> None:
+        """4001 and 4002 (what a release sends) say "released" and are ordinary; a
+        superseded connection is not."""
+        fenced = after_close(4002)
+        assert fenced.reason.startswith("closed 4002: released or replaced")
+        assert "newer generation" not in fenced.reason
+        assert fenced.ordinary
+        assert after_close(4001).ordinary
+        assert not after_close(4000).ordinary
+
 
 class TestHttpPolicy:
     @pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 418, 426])

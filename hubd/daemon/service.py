@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -30,7 +31,7 @@ from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.daemon.wakeups import NotificationListener, Waker
-from hubd.errors import DatabaseUnavailable, OperationTimeout, StoreError
+from hubd.errors import ConfigError, DatabaseUnavailable, OperationTimeout, StoreError
 from hubd.plugins.protocol import Provisioner
 from hubd.plugins.registry import load_provisioners
 from hubd.reconciler.engine import Reconciler
@@ -48,7 +49,7 @@ from hubd.store.connections import (
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
 
-__all__ = ["Daemon", "new_instance_id"]
+__all__ = ["Daemon", "listen_error", "new_instance_id"]
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +57,15 @@ DEAD_INSTANCE_TTLS = 10
 """An instance row is deleted once its heartbeat is this many TTLs old."""
 
 _COUNT_BY_STATUS = "SELECT status, count(*) AS n FROM hubd_allocations GROUP BY status"
+
+
+def listen_error(key: str, listen: str, exc: OSError) -> ConfigError:
+    """One line for a listener that cannot bind: the key, the address, and what to set."""
+    variable = "HUBD_" + key.upper().replace(".", "_")
+    fix = f"set {variable}=host:port (port 0: any free one) or {key} in the config"
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(f"{key} {listen} is in use — another hubd? {fix}")
+    return ConfigError(f"{key} {listen}: cannot listen: {exc.strerror or exc} — {fix}")
 
 
 def new_instance_id() -> str:
@@ -83,6 +93,8 @@ class Daemon:
         self._on_started = on_started
         self._on_stopping = on_stopping
         self._stopping = asyncio.Event()
+        self._hurry = asyncio.Event()
+        """Set by a second stop signal: stop waiting for claims and stop hooks, stop now."""
         self._waker = Waker()
         self._listener: NotificationListener | None = None
         self._db: Database | None = None
@@ -98,10 +110,39 @@ class Daemon:
         self._provisioners: dict[str, Provisioner] = {}
         """Monotonic time since which this instance's heartbeats have kept succeeding."""
         self._announcement: dict[str, object] = {}
+        self._provisioner_ids: list[str] = []
 
     def stop(self) -> None:
-        """Ask the daemon to shut down (what SIGTERM does)."""
+        """Ask the daemon to shut down (what SIGTERM does); asked again, stop without waiting
+        for claims in progress or the stop hook (an operator pressing Ctrl-C twice)."""
+        if self._stopping.is_set():
+            if not self._hurry.is_set():
+                log.warning("second stop signal: stopping now, without waiting")
+            self._hurry.set()
         self._stopping.set()
+
+    @property
+    def hurried(self) -> bool:
+        """Whether a second stop signal cut the shutdown short."""
+        return self._hurry.is_set()
+
+    async def _unless_hurried(self, work: Coroutine[Any, Any, Any], limit: float) -> bool:
+        """Await ``work`` for at most ``limit`` seconds, or until a second stop signal; cancel
+        it then. ``True`` when it finished in time (its exceptions propagate)."""
+        task = asyncio.ensure_future(work)
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait({task, hurry}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pending in (task, hurry):
+                if not pending.done():
+                    pending.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pending
+        if task.cancelled():
+            return False
+        task.result()
+        return True
 
     async def run(self) -> int:
         provisioners = load_provisioners(self.config.provisioners, state_dir=self.config.state_path)
@@ -149,10 +190,18 @@ class Daemon:
         self._connections = connections
         server = SidecarServer.from_config(cfg.server, router=router, connections=connections)
         self._server = server
-        await server.start()
+        try:
+            await server.start()
+        except OSError as exc:
+            raise listen_error("server.listen", cfg.server.listen, exc) from None
         self.hub_ws_url = cfg.server.public_url or cfg.server.public_url_for(server.port)
+        self._provisioner_ids = sorted(provisioners)
         await instances.register(
-            self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
+            self.instance_id,
+            socket.gethostname(),
+            os.getpid(),
+            self.hub_ws_url,
+            self._provisioner_ids,
         )
         self._heartbeating_since = time.monotonic()
         store = AllocationStore(db, instance_id=self.instance_id)
@@ -201,7 +250,10 @@ class Daemon:
         self.admin = admin
         try:
             await self._initialize(reconciler)
-            await admin.start()
+            try:
+                await admin.start()
+            except OSError as exc:
+                raise listen_error("admin.listen", cfg.admin.listen, exc) from None
             self._announcement = {
                 "instance_id": self.instance_id,
                 "sidecar_url": self.hub_ws_url,
@@ -281,9 +333,8 @@ class Daemon:
         log.info("stopping: no new claims; waiting for claims in progress")
         self._waker.wake()
         grace = self.config.reconciler.shutdown_grace
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace):
-                await asyncio.wait(workers)
+        if workers:
+            await self._unless_hurried(asyncio.wait(workers), grace)
         unfinished = [w for w in workers if not w.done()]
         if unfinished:
             log.warning(
@@ -338,7 +389,11 @@ class Daemon:
                     # Removed by an operator or judged dead by a peer: come back, since our
                     # sockets are real.
                     await instances.register(
-                        self.instance_id, socket.gethostname(), os.getpid(), self.hub_ws_url
+                        self.instance_id,
+                        socket.gethostname(),
+                        os.getpid(),
+                        self.hub_ws_url,
+                        self._provisioner_ids,
                     )
                     log.warning("instance row was missing; registered again")
                 now = time.monotonic()
@@ -527,10 +582,17 @@ class Daemon:
         started = time.monotonic()
         if self._on_stopping is not None:
             try:
-                async with asyncio.timeout(self.config.reconciler.shutdown_grace):
-                    await self._on_stopping(self)
-            except (TimeoutError, StoreError) as exc:
+                finished = await self._unless_hurried(
+                    self._on_stopping(self), self.config.reconciler.shutdown_grace
+                )
+            except StoreError as exc:
                 log.warning("stop hook did not finish", error=str(exc))
+            else:
+                if not finished:
+                    log.warning(
+                        "stop hook did not finish",
+                        error="second stop signal" if self.hurried else "shutdown_grace passed",
+                    )
         await server.close()
         with contextlib.suppress(StoreError, OSError, asyncpg.PostgresError):
             # Records and their sidecars' connect deadlines settled at once, so no allocation
@@ -541,8 +603,6 @@ class Daemon:
             )
             await instances.remove(self.instance_id)
         if self.reconciler is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5):
-                    await self.reconciler.drain()
+            await self._unless_hurried(self.reconciler.drain(), 5.0)
         await admin.close()
         log.info("hubd stopped", seconds=round(time.monotonic() - started, 2))

@@ -1,4 +1,4 @@
-"""The provisioner plugin contract (design §5) and the checks applied to what plugins return.
+"""The provisioner plugin contract (architecture §5) and the checks applied to what plugins return.
 
 Plugins are code hubd does not control: a result of the wrong type is an error, never a success,
 and every string a plugin hands back is bounded before it reaches the database or a log.

@@ -45,7 +45,7 @@ from hubd.errors import PluginLoadError
 from hubd.plugins.protocol import Provisioner
 from hubd.redaction import scrub
 
-__all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "load_provisioners"]
+__all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "load_provisioners", "resolve_factories"]
 
 ENTRY_POINT_GROUP: Final = "hubd.provisioners"
 
@@ -74,6 +74,13 @@ def load_provisioners(
         factory = _resolve(config)
         loaded[config.id] = _build(config, factory, state_dir)
     return loaded
+
+
+def resolve_factories(configs: Sequence[ProvisionerConfig]) -> dict[str, Factory]:
+    """Find (import) every configured provisioner's factory without calling it: the pre-flight
+    of ``hubd check-config``, which must do no I/O a plugin's factory might. Raises
+    :class:`PluginLoadError` naming the provisioner and the plugin."""
+    return {config.id: _resolve(config) for config in configs}
 
 
 def _detail(exc: BaseException) -> str:

@@ -7,7 +7,8 @@ No loop, no database: each function maps an outcome to the next step, and the as
 from __future__ import annotations
 
 import enum
-from typing import Final
+from collections.abc import Mapping
+from typing import Final, Protocol
 
 import attrs
 
@@ -32,6 +33,7 @@ __all__ = [
     "after_destroy",
     "after_ensure",
     "effect_phase",
+    "provisioner_mismatch",
     "replacement_becomes_release",
     "retry_delay",
     "step_for",
@@ -169,16 +171,60 @@ def step_for(status: Status, *, initialization_recorded: bool) -> Step:
     return Step.NOTHING
 
 
-def unavailable_provisioner(status: Status) -> Fail | None:
+class _Bindable(Protocol):
+    """What a binding check needs of a provisioner (the plugin protocol's identity)."""
+
+    @property
+    def api_version(self) -> str: ...
+
+    @property
+    def binding_fingerprint(self) -> str: ...
+
+
+def provisioner_mismatch(
+    *,
+    provisioner_id: str,
+    bound_api_version: str | None,
+    bound_fingerprint: str | None,
+    configured: Mapping[str, _Bindable],
+) -> str | None:
+    """Why the configured provisioners cannot serve an allocation bound as given, in words an
+    operator can act on; ``None`` when the one it names can.
+
+    Fingerprints are digests of where sidecars run, not secrets; the first 12 hex characters
+    tell two bindings apart in a log line.
+    """
+    provisioner = configured.get(provisioner_id)
+    if provisioner is None:
+        known = ", ".join(sorted(configured)) or "none"
+        return (
+            f"provisioner {provisioner_id} is not configured on this daemon (configured: "
+            f"{known}); add it to [[provisioners]], or let a daemon that has it finish this "
+            "allocation"
+        )
+    if bound_api_version not in (None, provisioner.api_version):
+        return (
+            f"provisioner {provisioner_id} speaks api_version {provisioner.api_version}, but this "
+            f"allocation was bound with api_version {bound_api_version}; run the plugin version "
+            "it was bound with to finish it"
+        )
+    if bound_fingerprint not in (None, provisioner.binding_fingerprint):
+        assert bound_fingerprint is not None
+        return (
+            f"provisioner {provisioner_id} binding changed: this allocation was bound to "
+            f"fingerprint {bound_fingerprint[:12]}, the configured one is "
+            f"{provisioner.binding_fingerprint[:12]} (its options that decide where sidecars "
+            "run differ, e.g. hubd dev and hubd run on one database); serve it from a daemon "
+            "configured as when it was bound, or restore those options"
+        )
+    return None
+
+
+def unavailable_provisioner(status: Status, problem: str) -> Fail | None:
     """A missing or re-bound provisioner fails a pending allocation (nothing was provisioned);
     any other status retries later (``None``), since infrastructure may exist."""
     if status is Status.PENDING:
-        return Fail(
-            Failure(
-                "provisioner_unavailable",
-                "the provisioner is not configured, or its api_version or binding changed",
-            )
-        )
+        return Fail(Failure("provisioner_unavailable", problem))
     return None
 
 

@@ -59,6 +59,7 @@ from hubd.reconciler.decisions import (
     after_destroy,
     after_ensure,
     effect_phase,
+    provisioner_mismatch,
     replacement_becomes_release,
     retry_delay,
     step_for,
@@ -123,7 +124,7 @@ class _Claim:
 
 
 class Reconciler:
-    """The allocation state machine of design §1-§3, carried out under leases and fences."""
+    """The allocation state machine of architecture §1-§3, carried out under leases and fences."""
 
     def __init__(
         self,
@@ -426,18 +427,13 @@ class Reconciler:
 
     # -- the state machine -------------------------------------------------------------------------
 
-    def _provisioner_for(self, allocation: Allocation) -> Provisioner | None:
-        provisioner = self._provisioners.get(allocation.provisioner_id)
-        if provisioner is None:
-            return None
-        if allocation.provisioner_api_version not in (None, provisioner.api_version):
-            return None
-        if allocation.provisioner_binding_fingerprint not in (
-            None,
-            provisioner.binding_fingerprint,
-        ):
-            return None
-        return provisioner
+    def _provisioner_problem(self, allocation: Allocation) -> str | None:
+        return provisioner_mismatch(
+            provisioner_id=allocation.provisioner_id,
+            bound_api_version=allocation.provisioner_api_version,
+            bound_fingerprint=allocation.provisioner_binding_fingerprint,
+            configured=self._provisioners,
+        )
 
     async def _reconcile(self, claim: _Claim) -> None:
         a = claim.allocation
@@ -454,26 +450,24 @@ class Reconciler:
             hook = self._on_initialization_recovery
             await self._with_lease(claim, "initialization recovery", hook_call(hook, a))
 
-        provisioner = self._provisioner_for(a)
-        if provisioner is None:
-            failed = unavailable_provisioner(a.status)
+        problem = self._provisioner_problem(a)
+        if problem is not None:
+            failed = unavailable_provisioner(a.status, problem)
             if failed is not None:
                 await self._fail(claim, Status.PENDING, failed.failure)
             else:
-                claim.log.warning("provisioner unavailable; retrying later")
+                claim.log.warning("provisioner unavailable; retrying later", problem=problem)
                 await self._finish(
                     claim,
                     lambda: self._store.schedule_retry(
                         claim.fence,
                         expected_status=a.status,
                         delay=retry_delay(a.ensure_attempts + a.destroy_attempts),
-                        failure=Failure(
-                            "provisioner_unavailable",
-                            f"provisioner {a.provisioner_id} is unavailable or its binding changed",
-                        ),
+                        failure=Failure("provisioner_unavailable", problem),
                     ),
                 )
             return
+        provisioner = self._provisioners[a.provisioner_id]
 
         step = step_for(a.status, initialization_recorded=a.initialization_lease_id is not None)
         if step is Step.BIND_AND_ENSURE:
@@ -573,8 +567,10 @@ class Reconciler:
             outcome = TimedOut()
         except PluginError as exc:
             outcome = Raised(str(exc))
+            self._log_plugin_exception(claim, kind)
         except Exception as exc:  # noqa: BLE001 -- any failure of a plugin is an outcome
             outcome = Raised(f"{type(exc).__name__}: {exc}")
+            self._log_plugin_exception(claim, kind)
         if not claim.owns():
             # The call came back after the local deadline (the process was paused, say): the
             # deadline wins over whatever the plugin says, and nothing is written. The next
@@ -607,6 +603,23 @@ class Reconciler:
             f"{kind} finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1)
         )
         return outcome
+
+    def _log_plugin_exception(self, claim: _Claim, kind: str) -> None:
+        """A plugin's exception, with its traceback, for the plugin's author: at warning the
+        first time for an allocation (no failed attempt recorded since it was last ready), at
+        debug after that, so a plugin that always raises does not flood the log. Called from
+        the ``except`` block that caught it."""
+        a = claim.allocation
+        first = a.ensure_attempts + a.destroy_attempts == 0
+        say = claim.log.warning if first else claim.log.debug
+        say(
+            f"{kind} raised",
+            provisioner=a.provisioner_id,
+            hint="the traceback is the plugin's; later failures of this allocation log at debug"
+            if first
+            else None,
+            exc_info=True,
+        )
 
     async def _accept_ensure(self, claim: _Claim, provisioner: Provisioner, token: str) -> None:
         a = claim.allocation

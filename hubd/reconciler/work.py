@@ -1,4 +1,4 @@
-"""Local work per allocation: tracked tasks and one FIFO queue per allocation (design §3).
+"""Local work per allocation: tracked tasks and one FIFO queue per allocation (architecture §3).
 
 Every task the reconciler starts is tracked here until it settles, by allocation where it has
 one. An allocation with a queued step or a task still running (a query that outlived its time

@@ -1,9 +1,10 @@
 """The sidecar handshake as pure decisions: no sockets, no database, no clock.
 
 The websocket shell hands over the request path and headers and, later, the identity it looked
-up; these functions answer with a typed request or a :class:`Rejection`. The order of the checks
-is the protocol's (design §4): headers (400), then ``Origin`` (403), then the allocation lookup
-(401 absent, 503 unknown), then generation and status (409), then sidecar id and token (401).
+up; these functions answer with a typed request or a :class:`Rejection`. The order of the
+checks is the protocol's (docs/architecture.md §4): headers (400), then ``Origin`` (403), then
+the allocation lookup (401 absent, 503 unknown), then generation and status (409), then sidecar
+id and token (401).
 """
 
 from __future__ import annotations

@@ -215,7 +215,8 @@ class SidecarClient:
                 if self._stop.is_set():
                     break
                 if ended.decision.action is Action.STOP:
-                    self._log.warning("sidecar_stopping", reason=ended.decision.reason)
+                    say = self._log.info if ended.decision.ordinary else self._log.warning
+                    say("sidecar_stopping", reason=ended.decision.reason)
                     return SidecarExit(EXIT_STOPPED, ended.decision.reason)
                 if ended.welcomed:
                     attempt = 0

@@ -1,6 +1,6 @@
 """When the reference sidecar reconnects, and how long it waits: pure functions over values.
 
-The rule of the protocol (design §4): a sidecar that was superseded (4000), retired (4001) or
+The rule of the protocol (architecture §4): a sidecar that was superseded (4000), retired (4001) or
 fenced (4002), or refused with 401 / 403 / 409, must never come back — a superseded peer that
 reconnects would steal the socket back from its successor, forever. Everything that says "the
 hub is away or busy" (1001, 1006, 1011, 503, a refused TCP connection) is retried after a capped
@@ -44,6 +44,9 @@ class Action(enum.StrEnum):
 class Decision:
     action: Action
     reason: str
+    ordinary: bool = False
+    """The hub ended this sidecar on purpose in the normal course (a release, a replacement):
+    worth a line in the log, not a warning."""
 
     @property
     def reconnect(self) -> bool:
@@ -53,8 +56,11 @@ class Decision:
 _STOP_CLOSES: Final = {
     4000: "superseded by a newer connection of this sidecar",
     4001: "retired: the allocation was released or failed",
-    4002: "fenced: a newer generation of this allocation exists",
+    # A release, like a replacement, starts a new generation, so an ordinary release closes
+    # the sidecar with 4002 too: say both, in words that do not read as an error.
+    4002: "released or replaced: the hub ended this generation of the allocation",
 }
+_ORDINARY_CLOSES: Final = frozenset({4001, 4002})
 _RECONNECT_CLOSES: Final = {
     1001: "hub going away",
     1006: "connection lost",
@@ -77,7 +83,11 @@ def after_close(code: int | None) -> Decision:
     if code is None:
         code = 1006
     if code in _STOP_CLOSES:
-        return Decision(Action.STOP, f"closed {code}: {_STOP_CLOSES[code]}")
+        return Decision(
+            Action.STOP,
+            f"closed {code}: {_STOP_CLOSES[code]}",
+            ordinary=code in _ORDINARY_CLOSES,
+        )
     if 4000 <= code <= 4999:
         # An application code this sidecar does not know: a newer hub asking for something.
         # Coming back could be exactly what it forbids, so stop and let an operator look.

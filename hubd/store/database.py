@@ -15,7 +15,13 @@ from typing import Any
 import asyncpg
 import attrs
 
-from hubd.errors import AllocationNotFound, DatabaseUnavailable, InvalidRequest, StoreError
+from hubd.errors import (
+    AllocationNotFound,
+    DatabaseUnavailable,
+    InvalidRequest,
+    SchemaMissing,
+    StoreError,
+)
 from hubd.redaction import redact_dsn
 
 __all__ = ["Database", "connect_database", "init_connection", "translate_errors"]
@@ -61,6 +67,9 @@ def translate_errors(what: str) -> Iterator[None]:
         yield
     except StoreError:
         raise
+    except asyncpg.UndefinedTableError as exc:
+        # hubd's tables are missing altogether: a database nobody migrated (or the wrong one).
+        raise SchemaMissing() from exc
     except asyncpg.ForeignKeyViolationError as exc:
         raise AllocationNotFound(f"{what}: no such allocation") from exc
     except (asyncpg.CheckViolationError, asyncpg.DataError, asyncpg.NotNullViolationError) as exc:

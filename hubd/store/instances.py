@@ -7,7 +7,7 @@ records count as disconnected. A daemon that stops cleanly removes its row at on
 from __future__ import annotations
 
 import builtins
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -29,22 +29,35 @@ class Instance:
     hostname: str
     pid: int
     ws_url: str | None
+    provisioners: tuple[str, ...] | None
+    """The provisioner ids it serves; ``None`` when it does not say."""
     started_at: datetime
     heartbeat_at: datetime
     alive: bool
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Instance:
-        return cls(**{field.name: row[field.name] for field in attrs.fields(cls)})
+        values = {field.name: row[field.name] for field in attrs.fields(cls)}
+        if values["provisioners"] is not None:
+            values["provisioners"] = tuple(values["provisioners"])
+        return cls(**values)
 
 
 class InstanceStore:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    async def register(self, instance_id: str, hostname: str, pid: int, ws_url: str | None) -> None:
+    async def register(
+        self,
+        instance_id: str,
+        hostname: str,
+        pid: int,
+        ws_url: str | None,
+        provisioners: Sequence[str] | None = None,
+    ) -> None:
+        ids = None if provisioners is None else sorted(provisioners)
         async with self._db.connection("register instance") as conn:
-            await conn.execute(SQL.register, instance_id, hostname, pid, ws_url)
+            await conn.execute(SQL.register, instance_id, hostname, pid, ws_url, ids)
 
     async def heartbeat(self, instance_id: str) -> bool:
         """Refresh the heartbeat; ``False`` when the row is gone (removed, or swept as dead).

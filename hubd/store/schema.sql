@@ -109,7 +109,8 @@ CREATE TABLE hubd_instances (
     pid          integer NOT NULL,
     ws_url       text,
     started_at   timestamptz NOT NULL DEFAULT now(),
-    heartbeat_at timestamptz NOT NULL DEFAULT now()
+    heartbeat_at timestamptz NOT NULL DEFAULT now(),
+    provisioners text[]  -- the provisioner ids it serves; NULL: it does not say
 );
 
 CREATE TABLE hubd_sidecar_connections (

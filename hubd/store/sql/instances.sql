@@ -1,12 +1,14 @@
 -- Statements on hubd_instances: one row per running daemon, kept alive by a heartbeat.
 
 -- name: register
--- Announce instance $1 (host $2, pid $3, sidecar URL $4); registering again refreshes the row.
-INSERT INTO hubd_instances (id, hostname, pid, ws_url) VALUES ($1, $2, $3, $4)
+-- Announce instance $1 (host $2, pid $3, sidecar URL $4, provisioner ids $5); registering again
+-- refreshes the row.
+INSERT INTO hubd_instances (id, hostname, pid, ws_url, provisioners) VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (id) DO UPDATE SET
     hostname = EXCLUDED.hostname,
     pid = EXCLUDED.pid,
     ws_url = EXCLUDED.ws_url,
+    provisioners = EXCLUDED.provisioners,
     heartbeat_at = now();
 
 -- name: heartbeat
@@ -20,7 +22,7 @@ DELETE FROM hubd_instances WHERE id = $1;
 
 -- name: list
 -- Every instance and whether its heartbeat is within $1 seconds by the database clock.
-SELECT id, hostname, pid, ws_url, started_at, heartbeat_at,
+SELECT id, hostname, pid, ws_url, provisioners, started_at, heartbeat_at,
        heartbeat_at > now() - make_interval(secs => $1) AS alive
 FROM hubd_instances ORDER BY started_at, id;
 
