@@ -15,7 +15,7 @@ import structlog
 
 from hubd.redaction import REDACTED, scrub
 
-__all__ = ["configure_logging", "redact_event"]
+__all__ = ["Sampler", "configure_logging", "redact_event"]
 
 _SECRET_KEYS: Final = frozenset({"token", "authorization", "password", "hubd_token", "secret"})
 _LEVELS: Final = {
@@ -70,3 +70,38 @@ def configure_logging(
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+class Sampler:
+    """Keeps a flood of one kind of event to a few lines: the first ``burst`` of a key in each
+    ``window`` seconds go through, the rest are counted and the count rides on the first line
+    of the next window. The clock is passed in.
+    """
+
+    def __init__(self, *, burst: int = 5, window: float = 10.0, max_keys: int = 256) -> None:
+        self._burst = burst
+        self._window = window
+        self._max_keys = max_keys
+        # key -> [window start, lines let through, events suppressed]
+        self._keys: dict[str, list[float]] = {}
+
+    def admit(self, key: str, now: float) -> int | None:
+        """``None``: drop this line. Otherwise log it, with this many suppressed before it."""
+        state = self._keys.get(key)
+        if state is None or now - state[0] >= self._window:
+            if state is None and len(self._keys) >= self._max_keys:
+                self._forget(now)
+            suppressed = int(state[2]) if state is not None else 0
+            self._keys[key] = [now, 1, 0]
+            return suppressed
+        if state[1] < self._burst:
+            state[1] += 1
+            return 0
+        state[2] += 1
+        return None
+
+    def _forget(self, now: float) -> None:
+        for key in [k for k, s in self._keys.items() if now - s[0] >= self._window]:
+            del self._keys[key]
+        while len(self._keys) >= self._max_keys:
+            del self._keys[next(iter(self._keys))]

@@ -111,3 +111,20 @@ class TestLogRedaction:
         line = json.loads(text)
         assert line["token"] == "***"
         assert "postgresql://hubd:***@db/hubd" in line["dsn"]
+
+    def test_bare_token_hex_in_any_field_hidden(self) -> None:
+        """A token's 64 hex digits without their prefix (sent in the wrong header) are hidden
+        wherever they appear; 32-hex ids are kept."""
+        secret = "ab12" * 16
+        allocation_id = "al_" + "0f" * 16
+        out = io.StringIO()
+        configure_logging(fmt="json", level="debug", stream=out)
+        try:
+            structlog.get_logger("t").info(
+                "handshake_rejected", sidecar_id=secret, allocation_id=allocation_id
+            )
+        finally:
+            structlog.reset_defaults()
+        line = json.loads(out.getvalue())
+        assert secret not in out.getvalue()
+        assert line["allocation_id"] == allocation_id
