@@ -230,3 +230,25 @@ class TestSocketBounds:
                 await welcome_of(ws)
                 await ws.send(message)
                 await eventually(lambda: hub.server.stats.heartbeats == 1)
+
+
+class TestIdentityPool:
+    async def test_lookups_wait_on_their_own_pool(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """Identity look-ups use a pool of their own: with it exhausted, handshakes get 503
+        while the ordinary pool (claims, readiness) still answers; then they succeed again."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with running_hub(db, lookup_timeout=0.5) as hub:
+            held = [
+                await db.identity_pool.acquire() for _ in range(db.identity_pool.get_max_size())
+            ]
+            try:
+                refused = await rejection(hub.url, sidecar.headers())
+                assert refused.response.status_code == 503
+                async with asyncio.timeout(5), db.connection("claims") as conn:
+                    assert await conn.fetchval("SELECT 1") == 1
+            finally:
+                for conn in held:
+                    await db.identity_pool.release(conn)
+            await legit_welcome(hub, sidecar)

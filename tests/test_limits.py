@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+from hubd.daemon.fdlimit import plan_descriptors
 from hubd.logs import Sampler
 from hubd.server.limits import (
+    DESCRIPTOR_HEADROOM,
     BucketMap,
     HeaderScanner,
     ListenerLimits,
@@ -139,3 +144,33 @@ class TestSampler:
         assert passed[2:] == [None] * 98
         assert sampler.admit("other", 1.0) == 0
         assert sampler.admit("k", 11.0) == 98
+
+
+class TestDescriptors:
+    def test_plan_reserves_pools_and_headroom(self) -> None:
+        """The socket cap keeps the pools' connections and the headroom free, and says when the
+        limit forced it below what was asked."""
+        low = plan_descriptors(1024, requested=4096, pool_connections=15)
+        assert low.max_connections == 1024 - 15 - DESCRIPTOR_HEADROOM
+        assert low.too_low
+        high = plan_descriptors(65536, requested=4096, pool_connections=15)
+        assert high.max_connections == 4096
+        assert not high.too_low
+
+    def test_soft_limit_raised_to_hard(self) -> None:
+        """In a process started with a low soft limit, the soft limit is raised to the hard
+        one."""
+        script = (
+            "import resource\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+            "from hubd.daemon.fdlimit import raise_open_file_limit\n"
+            "after = raise_open_file_limit()\n"
+            "print(after[0], hard if hard != resource.RLIM_INFINITY else 1 << 20)\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+        )
+        soft, hard = result.stdout.split()
+        assert soft == hard
+        assert int(soft) > 256
