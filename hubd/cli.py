@@ -50,12 +50,19 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _json_object(text: str) -> dict[str, Any]:
+    from hubd.store.values import MAX_SPEC_BYTES, MAX_SPEC_DEPTH
+
+    if len(text.encode()) > MAX_SPEC_BYTES:
+        raise argparse.ArgumentTypeError(f"larger than {MAX_SPEC_BYTES} bytes")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(
             f"not valid JSON: {exc.msg} at column {exc.colno}"
         ) from exc
+    except RecursionError:
+        # The parser recurses per nesting level; deep enough input exhausts the stack.
+        raise argparse.ArgumentTypeError(f"nests deeper than {MAX_SPEC_DEPTH} levels") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"cpu\": 2}'")
     return value

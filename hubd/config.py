@@ -253,6 +253,8 @@ class DatabaseConfig:
                 "must be empty (embedded PostgreSQL) or a postgres:// or postgresql:// URL, "
                 f"not {redact_url(self.url)!r}",
             )
+        if self.url:
+            _check_dsn("database.url", self.url)
         if self.pool_size < 1:
             raise _fail("database.pool_size", f"must be at least 1, not {self.pool_size}")
 
@@ -270,6 +272,33 @@ def default_state_dir(name: str = "hubd") -> pathlib.Path:
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         return pathlib.Path("/var/lib") / name
     return pathlib.Path(platformdirs.user_data_dir(name, appauthor=False))
+
+
+def _check_dsn(key: str, url: str) -> None:
+    """What the driver would only find out at connect time: a port that is not a number, a URL
+    that does not parse. Checked here so ``check-config`` and ``run`` agree (exit 2)."""
+    problem = _dsn_problem(url)
+    if problem is not None:
+        raise _fail(key, f"is not a usable database URL ({problem}): {redact_url(url)!r}")
+
+
+def _dsn_problem(url: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:
+        return str(exc)
+    # libpq URLs may list several hosts: host1:5432,host2:5433.
+    for hostport in parts.netloc.rpartition("@")[2].split(","):
+        if hostport.startswith("["):
+            end = hostport.find("]")
+            if end < 0:
+                return "unbalanced brackets around an IPv6 host"
+            port = hostport[end + 1 :].removeprefix(":")
+        else:
+            port = hostport.rpartition(":")[2] if ":" in hostport else ""
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            return f"port {port[:20]!r} is not a number from 1 to 65535"
+    return None
 
 
 @attrs.frozen(kw_only=True)

@@ -1,13 +1,17 @@
 """structlog set-up: JSON lines in production, console in development, secrets redacted.
 
 The redaction processor runs last before rendering, so nothing a caller binds (a token by
-mistake, an ``Authorization`` header, a DSN with its password) reaches the output.
+mistake, an ``Authorization`` header, a DSN with its password) reaches the output. Records of
+the standard library's loggers (asyncio's accept errors and "exception never retrieved",
+asyncpg, websockets) go through the same processors and renderer, and through a sampling
+filter: a flood of one message is a few lines with a count, never a line per event.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Final, TextIO
 
@@ -15,7 +19,7 @@ import structlog
 
 from hubd.redaction import REDACTED, scrub
 
-__all__ = ["configure_logging", "redact_event"]
+__all__ = ["Sampler", "configure_logging", "redact_event"]
 
 _SECRET_KEYS: Final = frozenset({"token", "authorization", "password", "hubd_token", "secret"})
 _LEVELS: Final = {
@@ -57,6 +61,8 @@ def configure_logging(
         renderer = structlog.dev.ConsoleRenderer(colors=False)
     else:
         renderer = structlog.processors.JSONRenderer()
+    output = stream or sys.stderr
+    threshold = _LEVELS.get(level, logging.INFO)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -66,7 +72,95 @@ def configure_logging(
             redact_event,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        logger_factory=structlog.PrintLoggerFactory(output),
         cache_logger_on_first_use=False,
     )
+    _route_stdlib(renderer, output, threshold)
+
+
+def _route_stdlib(renderer: Any, stream: TextIO, level: int) -> None:
+    """Send the standard library's records through structlog's processors (redaction
+    included) to the same stream; replaces whatever an earlier call installed."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
+            ],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                redact_event,
+                renderer,
+            ],
+        )
+    )
+    handler.addFilter(SamplingFilter())
+    handler.set_name(_HANDLER_NAME)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+        root.removeHandler(old)
+        old.close()
+    root.addHandler(handler)
+    # Libraries' chatter stays out below WARNING whatever hubd's own level: websockets logs
+    # every handshake header at DEBUG, the Authorization header among them.
+    root.setLevel(max(level, logging.WARNING))
+
+
+_HANDLER_NAME: Final = "hubd"
+
+
+class SamplingFilter(logging.Filter):
+    """Lets a few records of each (logger, message template) through per window; the count of
+    the others rides on the next one let through, as ``suppressed``."""
+
+    def __init__(self, sampler: Sampler | None = None) -> None:
+        super().__init__()
+        self._sampler = sampler or Sampler()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = f"{record.name}:{record.msg}"[:200]
+        suppressed = self._sampler.admit(key, time.monotonic())
+        if suppressed is None:
+            return False
+        if suppressed:
+            record.msg = f"{record.msg} (and {suppressed} more like it)"
+        return True
+
+
+class Sampler:
+    """Keeps a flood of one kind of event to a few lines: the first ``burst`` of a key in each
+    ``window`` seconds go through, the rest are counted and the count rides on the first line
+    of the next window. The clock is passed in.
+    """
+
+    def __init__(self, *, burst: int = 5, window: float = 10.0, max_keys: int = 256) -> None:
+        self._burst = burst
+        self._window = window
+        self._max_keys = max_keys
+        # key -> [window start, lines let through, events suppressed]
+        self._keys: dict[str, list[float]] = {}
+
+    def admit(self, key: str, now: float) -> int | None:
+        """``None``: drop this line. Otherwise log it, with this many suppressed before it."""
+        state = self._keys.get(key)
+        if state is None or now - state[0] >= self._window:
+            if state is None and len(self._keys) >= self._max_keys:
+                self._forget(now)
+            suppressed = int(state[2]) if state is not None else 0
+            self._keys[key] = [now, 1, 0]
+            return suppressed
+        if state[1] < self._burst:
+            state[1] += 1
+            return 0
+        state[2] += 1
+        return None
+
+    def _forget(self, now: float) -> None:
+        for key in [k for k, s in self._keys.items() if now - s[0] >= self._window]:
+            del self._keys[key]
+        while len(self._keys) >= self._max_keys:
+            del self._keys[next(iter(self._keys))]

@@ -16,6 +16,9 @@ REDACTED: Final = "***"
 _SECRETS: Final = re.compile(
     r"hubd_sc_[0-9A-Za-z]{8,}"  # sidecar tokens, and anything shaped like one
     r"|(?i:bearer)\s+[^\s,;\"']+"  # Authorization header values
+    # A token's secret part without its prefix (pasted into the wrong header, say). Ids are
+    # 32 hex digits; 64 in a row is a secret's shape, so it goes (a digest now and then too).
+    r"|(?<![0-9A-Za-z])[0-9A-Fa-f]{64,}(?![0-9A-Za-z])"
 )
 _URL_PASSWORD: Final = re.compile(r"(?<=://)([^/\s:@]*):[^/\s@]+(?=@)")
 

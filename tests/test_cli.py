@@ -35,6 +35,8 @@ class TestCheckConfig:
             ('[reconciler]\noperation_timeout = "60s"\n', "reconciler.operation_timeout"),
             ('[reconciler]\nlease_duration = "30s"\n', "reconciler.operation_timeout"),
             ("[nope]\n", "nope"),
+            ('[database]\nurl = "postgresql://hubd:pw-x@db:port/hubd"\n', "database.url"),
+            ('[database]\nurl = "postgresql://db:99999/hubd"\n', "database.url"),
         ],
     )
     def test_bad_config_exits_2_naming_the_key(self, tmp_path: Path, toml: str, key: str) -> None:
@@ -44,6 +46,7 @@ class TestCheckConfig:
         assert result.code == 2
         assert key in result.err
         assert result.out == ""
+        assert "pw-x" not in result.err
 
     def test_prints_effective_config_redacted(self, tmp_path: Path) -> None:
         """check-config prints the effective config with the database password hidden."""
@@ -74,6 +77,14 @@ class TestCheckConfig:
         assert "ws://127.0.0.1:0" not in result.out
         assert "# sidecars dial: ws://127.0.0.1:<port> (server.listen uses port 0" in result.out
         assert "# provisioners: local (found)" in result.out
+
+    def test_deep_spec_exits_2(self) -> None:
+        """A --spec nested tens of thousands deep is a usage error, not a traceback."""
+        deep = '{"a": ' + "[" * 30_000 + "]" * 30_000 + "}"
+        result = run_hubd("alloc", "request", "--provisioner", "local", "--spec", deep)
+        assert result.code == 2
+        assert "nests deeper" in result.err
+        assert "Traceback" not in result.err
 
     def test_bad_env_override_exits_2(self) -> None:
         """A bad environment override is a config error naming the variable."""

@@ -18,7 +18,8 @@ from hubd.server.handshake import (
     parse_request,
     unavailable,
 )
-from hubd.server.websocket import MessageBudget, is_loopback_host
+from hubd.server.limits import TokenBucket
+from hubd.server.websocket import is_loopback_host
 from hubd.store.connections import (
     ConnectedNotice,
     SidecarIdentity,
@@ -174,17 +175,17 @@ class TestAuthorize:
 
     def test_unknown_allocation_401(self) -> None:
         """No allocation with that id is 401."""
-        assert authorize(request(), None) == Rejection(status=401, reason="unknown allocation")
+        assert authorize(request(), None) == Rejection(status=401, reason="unauthorized")
 
     def test_wrong_token_401(self) -> None:
         """A well-formed token of the right length that does not match is 401."""
         rejection = authorize(request(token=new_token()), identity())
-        assert rejection == Rejection(status=401, reason="unknown sidecar or wrong token")
+        assert rejection == Rejection(status=401, reason="unauthorized")
 
     def test_wrong_sidecar_401(self) -> None:
         """Another sidecar id with the right token is 401, with the same reason as a bad token."""
         rejection = authorize(request(sidecar_id="sc_other"), identity())
-        assert rejection == Rejection(status=401, reason="unknown sidecar or wrong token")
+        assert rejection == Rejection(status=401, reason="unauthorized")
 
     def test_newer_generation_401(self) -> None:
         """A generation newer than the allocation's is no identity the hub knows: 401."""
@@ -256,7 +257,7 @@ class TestSmallDecisions:
 
     def test_message_budget(self) -> None:
         """The message budget allows a burst, then refills at its rate."""
-        budget = MessageBudget(rate=2.0, burst=3, now=0.0)
+        budget = TokenBucket(rate=2.0, burst=3, now=0.0)
         assert [budget.take(0.0) for _ in range(4)] == [True, True, True, False]
         assert budget.take(0.5) is True
         assert budget.take(0.5) is False

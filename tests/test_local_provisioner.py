@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import resource
 import secrets
 import signal
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,10 @@ def alive(pid: int) -> bool:
 
 def cmdline(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def environ_of(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes()
 
 
 def environ_has(pid: int, entry: str) -> bool:
@@ -239,6 +245,28 @@ class TestEnsure:
             "HUBD_GENERATION": "4",
             "EXTRA_GREETING": "hi",
         }
+
+    async def test_environment_is_allow_listed(
+        self, make: Make, out: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Only PATH, HOME, LANG, TZ, the HUBD_* it owns and the configured env reach the
+        child: the daemon's PGPASSWORD, cloud credentials and the like do not."""
+        monkeypatch.setenv("PGPASSWORD", "pg-canary")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-canary")
+        monkeypatch.setenv("TZ", "UTC")
+        provisioner = make(env={"EXTRA_GREETING": "hi"})
+        assert isinstance(await provisioner.ensure(ensure_request()), Accepted)
+        pid = (await report(out))["pid"]
+        names = {item.split(b"=", 1)[0].decode() for item in environ_of(pid).split(b"\0") if item}
+        allowed = {"PATH", "HOME", "LANG", "TZ", "EXTRA_GREETING", "OUT", MARK}
+        assert names - allowed == {
+            "HUBD_URL",
+            "HUBD_TOKEN",
+            "HUBD_ALLOCATION_ID",
+            "HUBD_SIDECAR_ID",
+            "HUBD_GENERATION",
+        }
+        assert "TZ" in names
 
     async def test_token_stays_off_disk_and_command_line(self, make: Make, out: Path) -> None:
         """The token is on no command line, in no record and in no log; the record is private."""
@@ -619,3 +647,43 @@ class TestOptions:
         }
         assert base not in others
         assert len(others) == 3
+
+
+@contextlib.contextmanager
+def descriptors_exhausted() -> Iterator[None]:
+    """The process really out of descriptors: the soft limit lowered to just above what is
+    open, and the rest taken, until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+    taken: list[int] = []
+    try:
+        # The loop is what fills the table.
+        with pytest.raises(OSError, match="Too many open files") as full:  # noqa: PT012
+            while True:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+        assert full.value.errno == errno.EMFILE
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class TestResourceExhaustion:
+    async def test_emfile_is_retryable(self, make: Make, out: Path) -> None:
+        """Out of descriptors, ensure and destroy are refused as retryable (never a verdict
+        such as state_corrupt), and the sidecar is destroyed once descriptors are back."""
+        provisioner = make()
+        assert isinstance(await provisioner.ensure(ensure_request()), Accepted)
+        pid = (await report(out))["pid"]
+        with descriptors_exhausted():
+            destroyed = await provisioner.destroy(destroy_request())
+            ensured = await provisioner.ensure(ensure_request("sc_2"))
+        assert isinstance(destroyed, DestroyRejected)
+        assert (destroyed.code, destroyed.retryable) == ("resources_exhausted", True)
+        assert "EMFILE" in destroyed.message
+        assert isinstance(ensured, Rejected)
+        assert ensured.retryable
+        assert alive(pid)
+        assert isinstance(await provisioner.destroy(destroy_request()), Destroyed)
+        await until_dead(pid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from datetime import UTC, datetime, timedelta
 
 import attrs
@@ -122,3 +123,48 @@ class TestLogRedaction:
         )
         released = allocation(status=Status.RELEASED, next_attempt_at=None)
         assert next_step(released, NOW, daemon_alive=False) == "nothing: released"
+
+    def test_stdlib_records_rendered_redacted_and_sampled(self) -> None:
+        """asyncio's and other libraries' records come out as JSON through the same
+        redaction, and a flood of one message is a few lines with a count."""
+        canary = "hubd_sc_" + "d00d" * 16
+        out = io.StringIO()
+        configure_logging(fmt="json", level="info", stream=out)
+        try:
+            logging.getLogger("asyncio").error(
+                "socket.accept() out of system resource",
+                exc_info=OSError(f"accept failed near {canary}"),
+            )
+            for _ in range(500):
+                logging.getLogger("asyncio").error("socket.accept() out of system resource")
+            logging.getLogger("websockets.server").debug("> Authorization: Bearer %s", canary)
+        finally:
+            root = logging.getLogger()
+            for handler in [h for h in root.handlers if h.get_name() == "hubd"]:
+                root.removeHandler(handler)
+            root.setLevel(logging.WARNING)
+            structlog.reset_defaults()
+        text = out.getvalue()
+        assert canary not in text
+        lines = [json.loads(line) for line in text.splitlines()]
+        assert 1 <= len(lines) <= 10
+        assert lines[0]["logger"] == "asyncio"
+        assert lines[0]["level"] == "error"
+        assert "OSError" in lines[0]["exception"]
+
+    def test_bare_token_hex_in_any_field_hidden(self) -> None:
+        """A token's 64 hex digits without their prefix (sent in the wrong header) are hidden
+        wherever they appear; 32-hex ids are kept."""
+        secret = "ab12" * 16
+        allocation_id = "al_" + "0f" * 16
+        out = io.StringIO()
+        configure_logging(fmt="json", level="debug", stream=out)
+        try:
+            structlog.get_logger("t").info(
+                "handshake_rejected", sidecar_id=secret, allocation_id=allocation_id
+            )
+        finally:
+            structlog.reset_defaults()
+        line = json.loads(out.getvalue())
+        assert secret not in out.getvalue()
+        assert line["allocation_id"] == allocation_id

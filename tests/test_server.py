@@ -18,12 +18,13 @@ import asyncpg
 import pytest
 import structlog
 from websockets.asyncio.client import ClientConnection
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from hubd.config import ServerConfig
 from hubd.errors import DatabaseUnavailable
 from hubd.routing import SidecarNotConnected, Target
 from hubd.server import HandshakeRequest, SidecarServer, SocketRouter
+from hubd.server.limits import ListenerLimits
 from hubd.sidecar.client import SidecarClient, SidecarConfigError, SidecarSettings
 from hubd.sidecar.policy import Backoff
 from hubd.store import AllocationStore, Database, Failure, Status, connect_database
@@ -152,17 +153,23 @@ class TestHandshake:
         assert refused.response.status_code == 400
 
     async def test_unknown_allocation_401(self, hub: Hub, sidecar: Sidecar) -> None:
-        """An allocation id that does not exist is 401."""
+        """An allocation id that does not exist is 401, answered exactly like a wrong token: a
+        refusal does not say which allocation ids exist."""
         headers = sidecar.headers(**{"Hubd-Allocation-Id": new_allocation_id()})
-        refused = await rejection(hub.url, headers)
-        assert refused.response.status_code == 401
-        assert refused.response.body == b"unknown allocation\n"
+        unknown = await rejection(hub.url, headers)
+        wrong = await rejection(hub.url, sidecar.headers(Authorization=f"Bearer {wrong_token()}"))
+        assert unknown.response.status_code == wrong.response.status_code == 401
+        assert unknown.response.body == wrong.response.body == b"unauthorized\n"
+        assert (
+            dict(unknown.response.headers.raw_items()).keys()
+            == dict(wrong.response.headers.raw_items()).keys()
+        )
 
     async def test_wrong_sidecar_401(self, hub: Hub, sidecar: Sidecar) -> None:
         """The right token with another sidecar id is 401."""
         refused = await rejection(hub.url, sidecar.headers(**{"Hubd-Sidecar-Id": new_sidecar_id()}))
         assert refused.response.status_code == 401
-        assert refused.response.body == b"unknown sidecar or wrong token\n"
+        assert refused.response.body == b"unauthorized\n"
 
     async def test_wrong_token_of_right_length_401(self, hub: Hub, sidecar: Sidecar) -> None:
         """A well-formed token of the right length that is not the allocation's is 401."""
@@ -275,7 +282,7 @@ class TestUnavailableDatabase:
         held, _ = await sidecar_in(store, db)
         other, _ = await sidecar_in(store, db)
         async with running_hub(
-            db, lookup_db=spare_db, max_pending_handshakes=1, lookup_timeout=60
+            db, lookup_db=spare_db, limits=ListenerLimits(max_handshakes=1), lookup_timeout=60
         ) as hub:
             locker = await db.pool.acquire()
             transaction = locker.transaction()
@@ -784,8 +791,8 @@ class TestListener:
 class TestScale:
     @pytest.mark.slow
     async def test_thousand_sidecars(self, db: Database) -> None:
-        """1,000 sidecars dialing one server at once all get their welcome (any refused with
-        503 retries with backoff and jitter, as the reference sidecar does)."""
+        """1,000 sidecars dialing one server at once all get their welcome (any refused by the
+        handshake caps retries with backoff and jitter, as the reference sidecar does)."""
         count = 1000
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         wanted = 4 * count + 256
@@ -825,8 +832,14 @@ class TestScale:
                         try:
                             ws = await dial(hub.url, sidecar.headers(), ping_interval=None)
                         except InvalidStatus as exc:
-                            if exc.response.status_code != 503:
+                            if exc.response.status_code not in (429, 503):
                                 raise
+                            refusals += 1
+                            await asyncio.sleep(backoff.delay(attempt, jitter))
+                            continue
+                        except (InvalidHandshake, OSError):
+                            # Refused beyond the cap of lingering refusals: the socket was
+                            # reset, which the reference sidecar retries the same way.
                             refusals += 1
                             await asyncio.sleep(backoff.delay(attempt, jitter))
                             continue
@@ -841,7 +854,7 @@ class TestScale:
                 async with db.pool.acquire() as conn:
                     recorded = await conn.fetchval("SELECT count(*) FROM hubd_sidecar_connections")
                 assert recorded == count
-                logging.getLogger(__name__).info("503 refusals while connecting: %d", refusals)
+                logging.getLogger(__name__).info("refusals while connecting: %d", refusals)
                 await asyncio.gather(*(ws.close() for ws in opened))
                 await eventually(lambda: hub.router.connection_count == 0, within=60)
         finally:

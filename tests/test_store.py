@@ -99,6 +99,14 @@ async def snapshot(db: Database, allocation_id: str) -> tuple[Any, int]:
     return dict(row), entries
 
 
+def nested(depth: int) -> Any:
+    """A JSON value ``depth`` lists deep."""
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 class TestFences:
     @pytest.mark.parametrize("name", sorted(TRANSITIONS))
     async def test_right_fence_writes_and_logs(
@@ -272,6 +280,8 @@ class TestBadInput:
             ({"x": object()}, "JSON-serializable"),
             ({"x": "a" * 70_000}, "larger than"),
             ({"x": "\x00"}, "NUL"),
+            ({"x": nested(1000)}, "deeper than 32"),
+            ({"x": nested(32)}, "deeper than 32"),
         ],
     )
     async def test_malformed_spec(self, store: AllocationStore, spec: Any, match: str) -> None:
@@ -292,6 +302,18 @@ class TestBadInput:
             await store.request(provisioner_id="fake", tenant_id="a\nb")
         with pytest.raises(InvalidRequest, match="session_id"):
             await store.request(provisioner_id="fake", session_id="s" * 201)
+
+    @pytest.mark.parametrize("bad", ["a\x9bb", "evil\u202etxt.exe", "x\u2066y", "\x85"])
+    async def test_label_without_c1_or_bidi(self, store: AllocationStore, bad: str) -> None:
+        """C1 controls (a terminal escape on their own) and bidirectional overrides are
+        refused in labels, so listings print what was stored."""
+        with pytest.raises(InvalidRequest, match="bidirectional"):
+            await store.request(provisioner_id="fake", tenant_id=bad)
+        assert await store.request(provisioner_id="fake", tenant_id="Zoë-日本") is not None
+
+    async def test_spec_depth_at_the_limit(self, store: AllocationStore) -> None:
+        """A spec nested exactly as deep as allowed is accepted."""
+        assert await store.request(provisioner_id="fake", spec={"x": nested(31)}) is not None
 
 
 class TestClaims:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import asyncpg
@@ -210,12 +210,76 @@ async def record_row(db: Database, allocation_id: str) -> dict[str, Any] | None:
 
 
 async def take_away(database: Database) -> None:
-    """Close the ordinary pool: every statement on it now fails as "database unavailable"."""
+    """Close the ordinary and identity pools: every statement on them now fails as "database
+    unavailable"."""
     await database.pool.close()
+    await database.identity_pool.close()
 
 
 async def bring_back(database: Database, database_url: str) -> None:
-    """Give ``database`` a working ordinary pool again."""
+    """Give ``database`` working ordinary and identity pools again."""
     database.pool = await asyncpg.create_pool(
         database_url, min_size=1, max_size=4, init=init_connection
     )
+    database.identity_pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+
+
+def upgrade_request(hub_url: str, headers: Mapping[str, str], *extra: str) -> bytes:
+    """The bytes of a websocket upgrade request for ``hub_url``, with extra raw header lines."""
+    netloc = hub_url.split("://", 1)[1].split("/", 1)[0]
+    lines = [
+        f"GET {CONNECT_PATH} HTTP/1.1",
+        f"Host: {netloc}",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Version: 13",
+        f"Sec-WebSocket-Protocol: {SUBPROTOCOL}",
+        *(f"{name}: {value}" for name, value in headers.items()),
+        *extra,
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+@asynccontextmanager
+async def raw_socket(
+    server: SidecarServer, *, source: str = "127.0.0.1", rcvbuf: int | None = None
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A plain TCP connection to the hub from ``source`` (any 127.x.y.z address works on
+    loopback, so tests can play several source addresses)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind((source, 0))
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with suppress(OSError):
+            await writer.wait_closed()
+
+
+async def http_status(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """Read a plain HTTP response: status, headers (lower-case names), body."""
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {
+            name.strip().lower(): value.strip()
+            for name, _, value in (line.partition(":") for line in lines[1:] if line)
+        }
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return int(lines[0].split(" ")[1]), headers, body
+
+
+def masked_frame(opcode: int, payload: bytes) -> bytes:
+    """A client frame (clients must mask) with a payload under 126 bytes."""
+    assert len(payload) < 126
+    mask = secrets.token_bytes(4)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + masked

@@ -28,6 +28,7 @@ import structlog
 from hubd.config import Config
 from hubd.daemon.admin import AdminServer
 from hubd.daemon.cancellation import raise_if_cancelled
+from hubd.daemon.fdlimit import plan_descriptors, raise_open_file_limit
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.daemon.wakeups import NotificationListener, Waker
@@ -37,6 +38,7 @@ from hubd.plugins.registry import load_provisioners
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.orphans import OrphanCollector
 from hubd.reconciler.settings import Hook, ReconcilerSettings
+from hubd.server.limits import ListenerLimits
 from hubd.server.router import SocketRouter
 from hubd.server.websocket import SidecarServer
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
@@ -109,6 +111,8 @@ class Daemon:
         self._heartbeating_since: float | None = None
         self._provisioners: dict[str, Provisioner] = {}
         """Monotonic time since which this instance's heartbeats have kept succeeding."""
+        self._last_heartbeat = 0.0
+        """Monotonic time of the last heartbeat the database accepted."""
         self._announcement: dict[str, object] = {}
         self._provisioner_ids: list[str] = []
 
@@ -188,7 +192,29 @@ class Daemon:
         )
         self._router = router
         self._connections = connections
-        server = SidecarServer.from_config(cfg.server, router=router, connections=connections)
+        limits = ListenerLimits()
+        plan = plan_descriptors(
+            raise_open_file_limit()[0],
+            requested=limits.max_connections,
+            # The three pools and the wake-up listener's own connection.
+            pool_connections=cfg.database.pool_size + 2 + 2 + 1,
+        )
+        if plan.too_low:
+            log.warning(
+                "open_file_limit_low",
+                limit=plan.limit,
+                reserved=plan.reserved,
+                max_connections=plan.max_connections,
+                wanted=plan.requested,
+                hint="raise LimitNOFILE= (or ulimit -n) so every sidecar socket fits",
+            )
+        server = SidecarServer.from_config(
+            cfg.server,
+            router=router,
+            connections=connections,
+            limits=limits,
+            max_connections=plan.max_connections,
+        )
         self._server = server
         try:
             await server.start()
@@ -203,7 +229,7 @@ class Daemon:
             self.hub_ws_url,
             self._provisioner_ids,
         )
-        self._heartbeating_since = time.monotonic()
+        self._heartbeating_since = self._last_heartbeat = time.monotonic()
         store = AllocationStore(db, instance_id=self.instance_id)
         self.store = store
         reconciler = Reconciler(
@@ -410,7 +436,7 @@ class Daemon:
                     self._heartbeating_since = now
                 elif self._heartbeating_since is None:
                     self._heartbeating_since = now
-                last_success = now
+                last_success = self._last_heartbeat = now
                 pause = interval
                 self.metrics.database_up.set(1)
             except StoreError as exc:
@@ -558,15 +584,19 @@ class Daemon:
             await asyncio.sleep(interval)
 
     async def _readiness(self) -> str | None:
-        """``None`` when ready; otherwise what is missing."""
+        """``None`` when ready; otherwise what is missing.
+
+        Answered from state the daemon already holds (the heartbeat's last success, the
+        listener's health), never by a query: a probe must answer at once even while a flood
+        of handshakes or slow statements holds every connection, or a liveness check would
+        restart a daemon that is merely busy.
+        """
         if self._stopping.is_set():
             return "shutting down"
         if self._db is None or self._server is None:
             return "starting"
-        try:
-            async with asyncio.timeout(2.0), self._db.connection("readiness") as conn:
-                await conn.fetchval("SELECT 1")
-        except (TimeoutError, StoreError):
+        overdue = time.monotonic() - self._last_heartbeat > self.config.instance.ttl
+        if self._heartbeating_since is None or overdue:
             return "database unreachable"
         if self._listener is None or not self._listener.healthy:
             return "wake-up listener down"

@@ -103,17 +103,25 @@ _SIDECAR_ENV: Final = (
     "HUBD_SIDECAR_ID",
     "HUBD_GENERATION",
 )
-# systemd hands these to the daemon alone; a child that inherited NOTIFY_SOCKET could report
-# readiness or watchdog pings on hubd's behalf.
-_NOT_INHERITED: Final = frozenset(
-    {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"}
-)
+# The only variables a sidecar inherits from the daemon. An allow-list, not a deny-list: the
+# daemon's environment holds its own secrets (PGPASSWORD, a database URL, cloud credentials,
+# systemd's NOTIFY_SOCKET) and a sidecar is code hubd merely runs. Anything else a sidecar needs
+# is named in [provisioners.options].env.
+_INHERITED: Final = ("PATH", "HOME", "LANG", "TZ")
 # Sidecar ids become file names: nothing that could climb out of the state directory.
 _SIDECAR_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _EXTERNAL_REF: Final = re.compile(r"local:([0-9]{1,10}):([0-9]{1,20})")
 _ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
-_TRANSIENT_ERRNOS: Final = frozenset({errno.EAGAIN, errno.ENOMEM, errno.ENFILE, errno.EMFILE})
+# Out of descriptors, memory or processes, or an I/O error: the machine's trouble, not the
+# sidecar's. Retried with backoff, never a verdict such as destroy_failed.
+_TRANSIENT_ERRNOS: Final = frozenset(
+    {errno.EAGAIN, errno.ENOMEM, errno.ENFILE, errno.EMFILE, errno.EIO, errno.EINTR, errno.ENOBUFS}
+)
+
+
+def _transient(exc: OSError) -> bool:
+    return exc.errno in _TRANSIENT_ERRNOS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,6 +369,16 @@ class LocalProvisioner:
 
     async def ensure(self, request: EnsureRequest) -> EnsureResult:
         """Start the sidecar's process unless a live one, verifiably ours, already runs."""
+        try:
+            return await self._ensure(request)
+        except OSError as exc:
+            # Reading /proc or the state directory while the machine is out of descriptors:
+            # nothing was decided, so it is retried.
+            if not _transient(exc):
+                raise
+            return Rejected(code="resources_exhausted", message=_os_error(exc), retryable=True)
+
+    async def _ensure(self, request: EnsureRequest) -> EnsureResult:
         sidecar_id = request.sidecar_id
         if not _SIDECAR_ID.fullmatch(sidecar_id):
             return Rejected(
@@ -387,6 +405,18 @@ class LocalProvisioner:
 
     async def destroy(self, request: DestroyRequest) -> DestroyResult:
         """Terminate the sidecar's process group (SIGTERM, then SIGKILL after ``grace``)."""
+        try:
+            return await self._destroy(request)
+        except OSError as exc:
+            # Out of descriptors or an I/O error says nothing about the sidecar: retried with
+            # backoff, never destroy_failed.
+            if not _transient(exc):
+                raise
+            return DestroyRejected(
+                code="resources_exhausted", message=_os_error(exc), retryable=True
+            )
+
+    async def _destroy(self, request: DestroyRequest) -> DestroyResult:
         sidecar_id = request.sidecar_id
         if not _SIDECAR_ID.fullmatch(sidecar_id):
             return DestroyRejected(
@@ -456,11 +486,7 @@ class LocalProvisioner:
     # -- starting --------------------------------------------------------------------------------
 
     def _environment(self, request: EnsureRequest) -> dict[str, str]:
-        env = {
-            name: value
-            for name, value in os.environ.items()
-            if not name.startswith("HUBD_") and name not in _NOT_INHERITED
-        }
+        env = {name: os.environ[name] for name in _INHERITED if name in os.environ}
         env.update(self.options.env)
         env.update(
             HUBD_URL=request.hub_ws_url,
@@ -715,6 +741,8 @@ class LocalProvisioner:
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if _transient(exc):
+                raise
             raise _CorruptRecord(f"cannot read {path}: {exc.strerror}") from None
         try:
             return _Record.from_json(data, sidecar_id)
@@ -772,6 +800,11 @@ def _not_owned() -> Rejected:
     )
 
 
+def _os_error(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "OSError")
+    return f"{name}: {exc.strerror or exc}; retried later"
+
+
 def _start_failure(program: str, exc: OSError) -> Rejected:
     if isinstance(exc, FileNotFoundError):
         where = "" if "/" in program else " in PATH"
@@ -790,5 +823,5 @@ def _start_failure(program: str, exc: OSError) -> Rejected:
         code="command_failed",
         message=f"sidecar command {program!r} could not be started: {exc.strerror or exc}",
         # Out of processes, memory or file descriptors: another try may succeed.
-        retryable=exc.errno in _TRANSIENT_ERRNOS,
+        retryable=_transient(exc),
     )

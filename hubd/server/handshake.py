@@ -26,6 +26,7 @@ __all__ = [
     "CONNECT_PATH",
     "MAX_GENERATION",
     "SUBPROTOCOL",
+    "UNAUTHORIZED",
     "CloseCode",
     "HandshakeRequest",
     "HeaderSource",
@@ -176,6 +177,15 @@ def unavailable(retry_after: int) -> Rejection:
     )
 
 
+UNAUTHORIZED: Final = Rejection(status=401, reason="unauthorized")
+"""Every authentication failure looks the same: an unknown allocation, an unknown sidecar and a
+wrong token share one body, so a refusal never says which allocation ids exist."""
+
+# Hashed against when there is no identity, so an unknown allocation costs the same hash and
+# comparison as a known one.
+_NO_HASH: Final = bytes(32)
+
+
 def authorize(request: HandshakeRequest, identity: SidecarIdentity | None) -> Rejection | None:
     """Decide 401 / 409 from the looked-up identity; ``None`` accepts the sidecar.
 
@@ -183,7 +193,8 @@ def authorize(request: HandshakeRequest, identity: SidecarIdentity | None) -> Re
     (409), and its token can no longer be verified because only the current hash is kept.
     """
     if identity is None:
-        return Rejection(status=401, reason="unknown allocation")
+        verify_token(request.token, _NO_HASH)
+        return UNAUTHORIZED
     if request.generation < identity.generation:
         return Rejection(status=409, reason="stale generation: this sidecar was replaced")
     if identity.status.terminal or identity.status in (Status.REPLACING, Status.RELEASING):
@@ -197,7 +208,7 @@ def authorize(request: HandshakeRequest, identity: SidecarIdentity | None) -> Re
         and _equal(request.sidecar_id, identity.sidecar_id)
     )
     if not (token_ok and sidecar_ok):
-        return Rejection(status=401, reason="unknown sidecar or wrong token")
+        return UNAUTHORIZED
     return None
 
 

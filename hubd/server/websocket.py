@@ -1,34 +1,45 @@
 """SidecarServer: the asyncio shell around the handshake decisions and the router.
 
 Authentication happens in ``process_request``, before the upgrade, so an unauthenticated peer
-never holds an open websocket. Two limits keep a flood of handshakes from hurting anyone else:
-at most ``max_pending_handshakes`` are being authenticated at once (more are refused with 503 at
-once, not queued), and at most ``max_concurrent_lookups`` identity look-ups use the database pool
-at once, so the claim loop always finds a connection.
+never holds an open websocket. What a peer can make the listener hold is bounded before
+websockets sees a byte (:mod:`hubd.server.limits` says how each cap was sized): sockets and
+unfinished handshakes are admitted by a :class:`~hubd.server.limits.SourceGate` as they are
+accepted, every byte before the upgrade goes through a
+:class:`~hubd.server.limits.HeaderScanner`, a socket whose peer stops reading is aborted once
+its write buffer is full or has stalled for a few seconds, and ping/pong frames spend the same
+budget as messages. Identity look-ups run at most ``max_concurrent_lookups`` at once on the
+store they are given (the daemon gives them a pool of their own), and a source address or an
+allocation that keeps failing or reconnecting is refused with 429 and ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import http
 import ipaddress
 import json
 import logging
 import ssl
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, Self, cast
 
 import attrs
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
+from websockets.protocol import Event
+from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
 from hubd.config import ServerConfig
 from hubd.errors import StoreError
+from hubd.logs import Sampler
 from hubd.redaction import scrub
 from hubd.server.handshake import (
     SUBPROTOCOL,
@@ -40,18 +51,19 @@ from hubd.server.handshake import (
     parse_request,
     unavailable,
 )
+from hubd.server.limits import BucketMap, HeaderScanner, ListenerLimits, SourceGate, TokenBucket
 from hubd.server.router import SocketEntry, SocketRouter
 from hubd.store.connections import ConnectionStore, SidecarIdentity
 
 __all__ = [
     "MAX_MESSAGE_SIZE",
-    "MessageBudget",
     "ServerStats",
     "SidecarServer",
     "WireLogger",
     "is_loopback_host",
     "tls_context",
 ]
+
 
 log = structlog.get_logger(__name__)
 
@@ -88,24 +100,6 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
     return context
 
 
-class MessageBudget:
-    """A token bucket: ``rate`` messages a second, bursts of ``burst``; the clock is passed in."""
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        self._rate = rate
-        self._burst = float(burst)
-        self._tokens = float(burst)
-        self._at = now
-
-    def take(self, now: float) -> bool:
-        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
-        self._at = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
-
-
 @attrs.define
 class ServerStats:
     """Counters a test or a metrics exporter reads."""
@@ -113,15 +107,182 @@ class ServerStats:
     accepted: int = 0
     handshakes_in_progress: int = 0
     rejected: collections.Counter[int] = attrs.field(factory=collections.Counter)
+    refused_early: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    """Sockets refused before websockets parsed anything, by reason."""
+    aborted: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    """Sockets aborted for a resource bound (write buffer, stall), by reason."""
     heartbeats: int = 0
     ignored_messages: int = 0
     ignored_by_kind: collections.Counter[str] = attrs.field(factory=collections.Counter)
 
 
+_CONTROL: Final = frozenset({Opcode.PING, Opcode.PONG})
+_STATUS_LINES: Final = {
+    429: "429 Too Many Requests",
+    431: "431 Request Header Fields Too Large",
+    503: "503 Service Unavailable",
+}
+
+
 class _SidecarConnection(ServerConnection):
-    """A server connection that carries the handshake it was authenticated with."""
+    """A server connection with hubd's resource bounds, carrying the handshake it was
+    authenticated with.
+
+    The bounds live in the asyncio protocol callbacks because that is the only place that sees
+    bytes before websockets buffers them, and write-buffer pressure before a writer is stuck.
+    """
 
     hubd_request: HandshakeRequest | None = None
+    budget: TokenBucket | None = None
+    """Messages and control frames together; set once the socket is open."""
+    on_violation: Callable[[str], None] | None = None
+    """Called (once) when the peer breaks the budget; set once the socket is registered."""
+
+    def __init__(
+        self, protocol: ServerProtocol, server: Server, *, hub: SidecarServer, **options: Any
+    ) -> None:
+        super().__init__(protocol, server, **options)
+        self._hub = hub
+        self._limits = hub.limits
+        self._scanner: HeaderScanner | None = HeaderScanner(hub.limits)
+        self.source = ""
+        self._counted = False
+        self._handshaking = False
+        self._refused = False
+        self._lingering = False
+        self._aborted = False
+        self._stall: asyncio.TimerHandle | None = None
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # websockets starts the handler task here; a refused socket's handler sees the
+        # connection lost and ends without calling process_request.
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        self.source = str(peer[0]) if peer else ""
+        gate = self._hub.gate
+        refusal = gate.admit(self.source, self.loop.time())
+        if refusal is not None:
+            self._refuse(refusal, early=True)
+            return
+        gate.opened(self.source)
+        self._counted = True
+        self._handshaking = True
+
+    def handshake_over(self) -> None:
+        """The handshake was decided (upgrade or refusal): its slot is free again."""
+        if self._handshaking:
+            self._handshaking = False
+            self._scanner = None
+            self._hub.gate.handshake_over(self.source)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.handshake_over()
+        if self._counted:
+            self._counted = False
+            self._hub.gate.closed()
+        if self._lingering:
+            self._lingering = False
+            self._hub.gate.lingering -= 1
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        super().connection_lost(exc)
+
+    def _refuse(self, rejection: Rejection, *, early: bool) -> None:
+        """Answer with a plain HTTP refusal, without websockets' parser: it is used before (or
+        instead of) reading the request.
+
+        The socket lingers (reads discarded) for ``refusal_linger`` after a half-close, so the
+        peer reads the status instead of a reset caused by its unread request; the number of
+        lingering sockets is capped too, beyond which a refusal is a plain abort.
+        """
+        self._refused = True
+        self._hub.refused(self, rejection, early=early)
+        self.handshake_over()
+        transport = self.transport
+        gate = self._hub.gate
+        if gate.lingering >= self._limits.max_handshakes:
+            self._aborted = True
+            transport.abort()
+            return
+        body = (rejection.reason + "\n").encode()
+        head = (
+            f"HTTP/1.1 {_STATUS_LINES.get(rejection.status, str(rejection.status))}\r\n"
+            "Server: hubd\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        )
+        if rejection.retry_after is not None:
+            head += f"Retry-After: {rejection.retry_after}\r\n"
+        transport.write(head.encode() + b"\r\n" + body)
+        gate.lingering += 1
+        self._lingering = True
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._stall = self.loop.call_later(self._hub.refusal_linger, transport.abort)
+        else:
+            transport.close()
+
+    # -- incoming bytes -------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        scanner = self._scanner
+        if scanner is not None:
+            problem = scanner.feed(data)
+            if problem is not None:
+                self._refuse(Rejection(status=431, reason=problem), early=False)
+                return
+        super().data_received(data)
+        # Automatic pongs (and close frames) are written without waiting for the buffer to
+        # drain: a peer that pings and never reads grows it here, so it is measured here.
+        if self.transport.get_write_buffer_size() > self._limits.max_write_buffer:
+            self._abort("write buffer full")
+
+    def process_event(self, event: Event) -> None:
+        if (
+            self.request is not None
+            and isinstance(event, Frame)
+            and event.opcode in _CONTROL
+            and self.budget is not None
+            and not self.budget.take(self.loop.time())
+        ):
+            # Pings cost the hub a pong each and pongs a dictionary look-up: they spend the
+            # same budget as messages, or a ping flood would be free.
+            self._violate("control frame rate exceeded")
+        super().process_event(event)
+
+    def _violate(self, why: str) -> None:
+        callback, self.on_violation = self.on_violation, None
+        if callback is not None:
+            callback(why)
+
+    # -- outgoing bytes -------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        # Every writer now waits in drain(), websockets' keepalive ping and close included:
+        # nothing else would ever end a socket whose peer stopped reading.
+        if self._stall is None:
+            self._stall = self.loop.call_later(
+                self._limits.write_stall_timeout, self._abort, "peer stopped reading"
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _abort(self, why: str) -> None:
+        self._stall = None
+        if self._aborted:
+            return
+        self._aborted = True
+        self._hub.aborted(self, why)
+        self.transport.abort()
 
 
 class SidecarServer:
@@ -142,14 +303,18 @@ class SidecarServer:
         open_timeout: float = 10.0,
         close_timeout: float = 10.0,
         max_message_size: int = MAX_MESSAGE_SIZE,
-        max_pending_handshakes: int = 1024,
+        limits: ListenerLimits | None = None,
+        max_connections: int | None = None,
         max_concurrent_lookups: int = 8,
         lookup_timeout: float = 5.0,
         retry_after: int = 5,
         message_rate: float = 20.0,
         message_burst: int = 200,
         backlog: int = 1024,
+        refusal_linger: float = 1.0,
     ) -> None:
+        """``max_connections`` overrides ``limits.max_connections`` (the daemon lowers it to
+        fit the descriptor limit)."""
         self._router = router
         self._connections = connections
         self._host = host
@@ -162,7 +327,15 @@ class SidecarServer:
         self._open_timeout = open_timeout
         self._close_timeout = close_timeout
         self._max_message_size = max_message_size
-        self._pending = asyncio.Semaphore(max_pending_handshakes)
+        self.limits = limits or ListenerLimits(retry_after=retry_after)
+        self.gate = SourceGate(self.limits, max_connections=max_connections)
+        self._reconnects = BucketMap(
+            self.limits.reconnect_rate, self.limits.reconnect_burst, self.limits.max_tracked
+        )
+        self.refusal_linger = refusal_linger
+        # A flood is one line per kind every few seconds, with the count of the lines it
+        # stands for, never a line per refused socket.
+        self._sampler = Sampler()
         self._lookups = asyncio.Semaphore(max_concurrent_lookups)
         self._lookup_timeout = lookup_timeout
         self._retry_after = retry_after
@@ -208,7 +381,11 @@ class SidecarServer:
             self._host,
             self._requested_port,
             process_request=self._process_request,
-            create_connection=_SidecarConnection,
+            # websockets calls this like the class it names; the partial hands each connection
+            # the server whose limits it applies.
+            create_connection=cast(
+                "type[ServerConnection]", functools.partial(_SidecarConnection, hub=self)
+            ),
             subprotocols=[Subprotocol(SUBPROTOCOL)],
             # Off: it multiplies per-connection memory and invites decompression bombs.
             compression=None,
@@ -218,6 +395,7 @@ class SidecarServer:
             ping_timeout=self._ping_timeout,
             close_timeout=self._close_timeout,
             max_size=self._max_message_size,
+            max_queue=self.limits.max_queue,
             logger=WireLogger("hubd.server.wire"),
             ssl=self._ssl,
             backlog=self._backlog,
@@ -267,32 +445,23 @@ class SidecarServer:
     async def _process_request(
         self, connection: ServerConnection, request: Request
     ) -> Response | None:
-        if self._pending.locked():
-            # Refused at once rather than queued: a queue would only turn a flood into a slow
-            # flood, with every waiting peer holding a socket.
-            return self._reject(
-                connection,
-                Rejection(status=503, reason="too many handshakes", retry_after=self._retry_after),
-                None,
+        assert isinstance(connection, _SidecarConnection)
+        self.stats.handshakes_in_progress += 1
+        try:
+            return await self._authenticate(connection, request)
+        except Exception as exc:  # noqa: BLE001 -- websockets would log a traceback instead
+            # No traceback: its frames could quote the request's headers, the token among
+            # them. The scrubbed message and the type locate the bug well enough.
+            log.error(  # noqa: TRY400
+                "handshake_failed", error=_describe(exc)
             )
-        async with self._pending:
-            self.stats.handshakes_in_progress += 1
-            try:
-                return await self._authenticate(connection, request)
-            except Exception as exc:  # noqa: BLE001 -- websockets would log a traceback instead
-                # No traceback: its frames could quote the request's headers, the token among
-                # them. The scrubbed message and the type locate the bug well enough.
-                log.error(  # noqa: TRY400
-                    "handshake_failed", error=_describe(exc)
-                )
-                return self._reject(
-                    connection, Rejection(status=500, reason="internal error"), None
-                )
-            finally:
-                self.stats.handshakes_in_progress -= 1
+            return self._reject(connection, Rejection(status=500, reason="internal error"), None)
+        finally:
+            self.stats.handshakes_in_progress -= 1
+            connection.handshake_over()
 
     async def _authenticate(
-        self, connection: ServerConnection, request: Request
+        self, connection: _SidecarConnection, request: Request
     ) -> Response | None:
         parsed = parse_request(request.path, request.headers)
         if isinstance(parsed, Rejection):
@@ -312,7 +481,17 @@ class SidecarServer:
         rejection = authorize(parsed, identity)
         if rejection is not None:
             return self._reject(connection, rejection, parsed)
-        assert isinstance(connection, _SidecarConnection)
+        # Counted only once authenticated: anyone may know an allocation id, and spending its
+        # budget must take its token. A token holder reconnecting in a loop is slowed to the
+        # bucket's rate, each reconnect being a record write and a ledger row.
+        now = asyncio.get_running_loop().time()
+        if not self._reconnects.take(parsed.allocation_id, now):
+            wait = max(1, round(self._reconnects.wait(parsed.allocation_id, now) + 0.5))
+            return self._reject(
+                connection,
+                Rejection(status=429, reason="reconnecting too often", retry_after=wait),
+                parsed,
+            )
         connection.hubd_request = parsed
         return None
 
@@ -322,9 +501,15 @@ class SidecarServer:
             return await self._connections.identity(allocation_id)
 
     def _reject(
-        self, connection: ServerConnection, rejection: Rejection, parsed: HandshakeRequest | None
+        self,
+        connection: _SidecarConnection,
+        rejection: Rejection,
+        parsed: HandshakeRequest | None,
     ) -> Response:
         self.stats.rejected[rejection.status] += 1
+        if rejection.status < 500 and rejection.status != 429:
+            # The peer got something wrong: its address spends from its failure budget.
+            self.gate.failed(connection.source, asyncio.get_running_loop().time())
         context: dict[str, Any] = {"status": rejection.status, "reason": rejection.reason}
         if parsed is not None:
             context.update(
@@ -334,11 +519,38 @@ class SidecarServer:
                 sidecar_id=scrub(parsed.sidecar_id),
                 generation=parsed.generation,
             )
-        log.info("handshake_rejected", remote=_remote(connection), **context)
+        self._note("handshake_rejected", f"rejected-{rejection.status}", connection, **context)
         response = connection.respond(http.HTTPStatus(rejection.status), rejection.reason + "\n")
         if rejection.retry_after is not None:
             response.headers["Retry-After"] = str(rejection.retry_after)
         return response
+
+    def refused(self, connection: _SidecarConnection, rejection: Rejection, *, early: bool) -> None:
+        """A socket refused by a resource bound, before websockets read its request."""
+        self.stats.refused_early[rejection.reason] += 1
+        if not early:
+            # Oversized or malformed headers: the peer's fault, like a bad handshake.
+            self.gate.failed(connection.source, asyncio.get_running_loop().time())
+        self._note(
+            "connection_refused",
+            f"refused-{rejection.reason}",
+            connection,
+            status=rejection.status,
+            reason=rejection.reason,
+        )
+
+    def aborted(self, connection: _SidecarConnection, why: str) -> None:
+        """A socket aborted for a resource bound (its peer stopped reading)."""
+        self.stats.aborted[why] += 1
+        self._note("connection_aborted", f"aborted-{why}", connection, reason=why)
+
+    def _note(self, event: str, key: str, connection: ServerConnection, **context: Any) -> None:
+        suppressed = self._sampler.admit(key, time.monotonic())
+        if suppressed is None:
+            return
+        if suppressed:
+            context["suppressed"] = suppressed
+        log.info(event, remote=_remote(connection), **context)
 
     # -- connection -----------------------------------------------------------------------------
 
@@ -350,7 +562,11 @@ class SidecarServer:
         if request is None:  # pragma: no cover -- process_request always sets it
             await connection.close(int(CloseCode.INTERNAL_ERROR), CloseCode.INTERNAL_ERROR.reason)
             return
+        loop = asyncio.get_running_loop()
+        # From the upgrade on, control frames spend it too (see _SidecarConnection).
+        connection.budget = TokenBucket(self._message_rate, self._message_burst, loop.time())
         entry = self._router.register(connection, request, remote=_remote(connection))
+        connection.on_violation = functools.partial(self._violation, entry)
         try:
             welcome = json.dumps(
                 {
@@ -371,19 +587,31 @@ class SidecarServer:
         finally:
             await self._router.unregister(entry)
 
-    async def _read(self, connection: ServerConnection, entry: SocketEntry) -> None:
+    async def _read(self, connection: _SidecarConnection, entry: SocketEntry) -> None:
         loop = asyncio.get_running_loop()
-        budget = MessageBudget(self._message_rate, self._message_burst, loop.time())
+        budget = connection.budget
+        assert budget is not None
         try:
             async for message in connection:
+                if entry.closed_by_hub is not None:
+                    # Closing: keep reading (see _drain) but act on nothing more.
+                    continue
                 if not budget.take(loop.time()):
-                    entry.log.warning("sidecar_message_rate_exceeded")
-                    self._router.close_socket(entry, CloseCode.POLICY)
-                    await _drain(connection)
-                    return
+                    connection.on_violation = None
+                    self._violation(entry, "message rate exceeded")
+                    continue
                 self._dispatch(entry, message)
         except ConnectionClosed:
             pass
+
+    def _violation(self, entry: SocketEntry, why: str) -> None:
+        """The peer broke its budget: closed with 1008. A peer that does not read the close
+        frame is aborted by the write-stall bound instead of holding the socket."""
+        if entry.closed_by_hub is not None:
+            return
+        if self._sampler.admit(f"policy-{why}", time.monotonic()) is not None:
+            entry.log.warning("sidecar_policy_violation", reason=why)
+        self._router.close_socket(entry, CloseCode.POLICY)
 
     def _dispatch(self, entry: SocketEntry, message: str | bytes) -> None:
         if isinstance(message, bytes):

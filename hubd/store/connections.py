@@ -196,7 +196,9 @@ class ConnectionStore:
         Raises :class:`~hubd.errors.DatabaseUnavailable` (or another ``StoreError``) when that
         cannot be known; callers must not read a failure as absence.
         """
-        async with self._db.connection("look up sidecar identity") as conn:
+        # On the identity pool: handshakes are caused by whoever reaches the listener, and must
+        # never queue ahead of claims and renewals.
+        async with self._db.identity_connection("look up sidecar identity") as conn:
             row = await conn.fetchrow(SQL.identity, allocation_id)
         return SidecarIdentity.from_row(row) if row is not None else None
 

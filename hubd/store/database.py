@@ -1,7 +1,10 @@
 """Connections to PostgreSQL and the translation of driver errors into hubd's own.
 
-Two pools: ``pool`` for ordinary work and ``lease_pool`` for lease renewals and heartbeats, so a
-pool saturated by slow statements can never starve the renewals that keep claims alive.
+Three pools: ``pool`` for ordinary work, ``lease_pool`` for lease renewals and heartbeats, so a
+pool saturated by slow statements can never starve the renewals that keep claims alive, and
+``identity_pool`` for the sidecar handshake's identity look-ups, which any process that can reach
+the listener can cause: a flood of handshakes waits for its own few connections and never for
+the claims', renewals' or readiness's.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class Database:
     dsn: str = attrs.field(repr=redact_dsn)
     pool: asyncpg.Pool
     lease_pool: asyncpg.Pool
+    identity_pool: asyncpg.Pool
 
     @asynccontextmanager
     async def connection(self, what: str) -> AsyncIterator[asyncpg.Connection]:
@@ -101,11 +105,19 @@ class Database:
             async with self.pool.acquire() as conn:
                 yield conn
 
+    @asynccontextmanager
+    async def identity_connection(self, what: str) -> AsyncIterator[asyncpg.Connection]:
+        with translate_errors(what):
+            async with self.identity_pool.acquire() as conn:
+                yield conn
+
     async def close(self) -> None:
+        await self.identity_pool.close()
         await self.lease_pool.close()
         await self.pool.close()
 
     def terminate(self) -> None:
+        self.identity_pool.terminate()
         self.lease_pool.terminate()
         self.pool.terminate()
 
@@ -115,6 +127,7 @@ async def connect_database(
     *,
     pool_size: int = 10,
     lease_pool_size: int = 2,
+    identity_pool_size: int = 2,
     connect_timeout: float = 10.0,
     **kwargs: Any,
 ) -> Database:
@@ -128,11 +141,17 @@ async def connect_database(
             timeout=connect_timeout,
             **kwargs,
         )
+        opened = [pool]
         try:
             lease_pool = await asyncpg.create_pool(
                 dsn, min_size=1, max_size=lease_pool_size, timeout=connect_timeout, **kwargs
             )
+            opened.append(lease_pool)
+            identity_pool = await asyncpg.create_pool(
+                dsn, min_size=1, max_size=identity_pool_size, timeout=connect_timeout, **kwargs
+            )
         except BaseException:
-            await pool.close()
+            for each in opened:
+                await each.close()
             raise
-    return Database(dsn=dsn, pool=pool, lease_pool=lease_pool)
+    return Database(dsn=dsn, pool=pool, lease_pool=lease_pool, identity_pool=identity_pool)

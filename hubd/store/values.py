@@ -17,10 +17,12 @@ __all__ = [
     "MAX_CODE_LENGTH",
     "MAX_MESSAGE_LENGTH",
     "MAX_SPEC_BYTES",
+    "MAX_SPEC_DEPTH",
     "Failure",
     "bounded_code",
     "bounded_message",
     "new_allocation_id",
+    "spec_depth_ok",
     "validate_allocation_id",
     "validate_label",
     "validate_provisioner_id",
@@ -31,11 +33,19 @@ MAX_CODE_LENGTH: Final = 64
 MAX_MESSAGE_LENGTH: Final = 500
 MAX_SPEC_BYTES: Final = 64 * 1024
 MAX_LABEL_LENGTH: Final = 200
+MAX_SPEC_DEPTH: Final = 32
+"""Nesting deeper than this is refused before anything recurses over it (json, PostgreSQL's
+jsonb and the CLI's printing all recurse)."""
 
 _ALLOCATION_ID: Final = re.compile(r"^al_[0-9a-f]{32}$")
 _PROVISIONER_ID: Final = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _CODE_CHARS: Final = re.compile(r"[^a-z0-9_.:-]+")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+# C0 and C1 controls (U+009B is a one-character terminal escape) and the bidirectional marks,
+# embeddings, overrides and isolates that make a label read differently from what it is.
+_UNPRINTABLE_LABEL: Final = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
 
 
 def new_allocation_id() -> str:
@@ -65,9 +75,29 @@ def validate_label(name: str, value: object) -> str | None:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_LABEL_LENGTH:
         raise InvalidRequest(f"{name} must be a non-empty string of at most {MAX_LABEL_LENGTH}")
-    if _CONTROL.search(value):
-        raise InvalidRequest(f"{name} must not contain control characters")
+    if _UNPRINTABLE_LABEL.search(value):
+        raise InvalidRequest(
+            f"{name} must not contain control characters or bidirectional formatting"
+        )
     return value
+
+
+def spec_depth_ok(value: object, limit: int = MAX_SPEC_DEPTH) -> bool:
+    """Whether ``value`` nests at most ``limit`` containers deep; iterative, so a hostile
+    depth costs no recursion."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
 
 
 def validate_spec(value: object) -> dict[str, Any]:
@@ -76,6 +106,8 @@ def validate_spec(value: object) -> dict[str, Any]:
         return {}
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"spec must be a JSON object, not {type(value).__name__}")
+    if not spec_depth_ok(value):
+        raise InvalidRequest(f"spec nests deeper than {MAX_SPEC_DEPTH} levels")
     try:
         encoded = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:

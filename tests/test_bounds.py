@@ -1,0 +1,254 @@
+"""The listener's resource bounds against real sockets over loopback and real PostgreSQL.
+
+Loopback answers on every 127.x.y.z address, so attackers here dial from 127.0.0.2 and up
+while the legitimate sidecar dials from 127.0.0.1, as distinct hosts would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import structlog
+from websockets.exceptions import ConnectionClosed
+
+from hubd.server.limits import ListenerLimits
+from hubd.store import AllocationStore, Database
+from tests.polling import eventually
+from tests.wskit import (
+    Hub,
+    Sidecar,
+    close_code_of,
+    dial,
+    http_status,
+    masked_frame,
+    raw_socket,
+    rejection,
+    running_hub,
+    sidecar_in,
+    upgrade_request,
+    welcome_of,
+    wrong_token,
+)
+
+PING = 0x9
+
+
+async def closed_by_hub(reader: asyncio.StreamReader) -> bool:
+    """Whether the hub ends the connection (EOF or reset) within the deadline."""
+    try:
+        async with asyncio.timeout(15):
+            while await reader.read(65536):
+                pass
+    except (ConnectionError, OSError):
+        pass
+    return True
+
+
+async def legit_welcome(hub: Hub, sidecar: Sidecar) -> None:
+    async with dial(hub.url, sidecar.headers()) as ws:
+        assert (await welcome_of(ws))["type"] == "welcome"
+
+
+class TestHandshakeBounds:
+    async def test_oversized_headers_refused(self, db: Database, store: AllocationStore) -> None:
+        """A handshake whose headers exceed the byte cap is refused with 431 after at most the
+        cap was read; the slot is freed and a legitimate sidecar still connects."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with running_hub(db) as hub:
+            async with raw_socket(hub.server, source="127.0.0.2") as (reader, writer):
+                padding = [f"X-Pad-{i}: {'a' * 1000}" for i in range(64)]
+                writer.write(upgrade_request(hub.url, sidecar.headers(), *padding))
+                status, _, body = await http_status(reader)
+                assert (status, body) == (431, b"request header too large\n")
+            await eventually(lambda: hub.server.gate.handshakes == 0)
+            await legit_welcome(hub, sidecar)
+
+    async def test_many_headers_refused(self, db: Database, store: AllocationStore) -> None:
+        """More header lines than the protocol needs are refused with 431."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with (
+            running_hub(db) as hub,
+            raw_socket(hub.server, source="127.0.0.2") as (reader, writer),
+        ):
+            many = [f"X-{i}: 1" for i in range(40)]
+            writer.write(upgrade_request(hub.url, sidecar.headers(), *many))
+            status, _, body = await http_status(reader)
+            assert (status, body) == (431, b"too many request headers\n")
+
+    async def test_long_line_refused(self, db: Database, store: AllocationStore) -> None:
+        """A header line longer than the protocol needs is refused with 431."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with (
+            running_hub(db) as hub,
+            raw_socket(hub.server, source="127.0.0.2") as (reader, writer),
+        ):
+            writer.write(upgrade_request(hub.url, sidecar.headers(), "X-Long: " + "b" * 4000))
+            status, _, body = await http_status(reader)
+            assert (status, body) == (431, b"request header line too long\n")
+
+    async def test_unfinished_handshakes_capped_per_source(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """Handshakes that never finish hold at most the per-source cap: the next one from that
+        address gets 429 with Retry-After, while another address still connects."""
+        sidecar, _ = await sidecar_in(store, db)
+        limits = ListenerLimits(max_handshakes_per_source=2)
+        async with running_hub(db, limits=limits) as hub:
+            async with (
+                raw_socket(hub.server, source="127.0.0.2") as (_, first),
+                raw_socket(hub.server, source="127.0.0.2") as (_, second),
+            ):
+                first.write(b"GET / HTTP/1.1\r\n")
+                second.write(b"GET / HTTP/1.1\r\n")
+                await eventually(lambda: hub.server.gate.handshakes == 2)
+                async with raw_socket(hub.server, source="127.0.0.2") as (reader, _):
+                    status, headers, body = await http_status(reader)
+                assert (status, body) == (429, b"too many handshakes from this address\n")
+                assert headers["retry-after"] == str(limits.retry_after)
+                await legit_welcome(hub, sidecar)
+            await eventually(lambda: hub.server.gate.handshakes == 0)
+            assert hub.server.gate.sources == 0
+
+    async def test_unfinished_handshakes_capped_in_total(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """Over the total cap of unfinished handshakes, any address gets 503 at once."""
+        limits = ListenerLimits(max_handshakes=2)
+        async with running_hub(db, limits=limits) as hub:
+            async with (
+                raw_socket(hub.server, source="127.0.0.2") as _,
+                raw_socket(hub.server, source="127.0.0.3") as _,
+            ):
+                await eventually(lambda: hub.server.gate.handshakes == 2)
+                async with raw_socket(hub.server, source="127.0.0.4") as (reader, _):
+                    status, headers, _body = await http_status(reader)
+                assert status == 503
+                assert "retry-after" in headers
+            await eventually(lambda: hub.server.gate.sockets == 0)
+
+    async def test_socket_cap(self, db: Database, store: AllocationStore) -> None:
+        """Established sockets are capped: one more is refused with 503 and Retry-After before
+        its headers are read, and admitted again once a socket closes."""
+        first, _ = await sidecar_in(store, db)
+        second, _ = await sidecar_in(store, db)
+        async with running_hub(db, max_connections=1) as hub:
+            async with dial(hub.url, first.headers()) as ws:
+                await welcome_of(ws)
+                refused = await rejection(hub.url, second.headers())
+                assert refused.response.status_code == 503
+                assert refused.response.headers["Retry-After"] == "5"
+            await eventually(lambda: hub.server.gate.sockets == 0)
+            await legit_welcome(hub, second)
+
+    async def test_failing_source_refused(self, db: Database, store: AllocationStore) -> None:
+        """An address that keeps failing handshakes is refused with 429 before its headers are
+        read, even with a good token; other addresses are unaffected. A flood of refusals is a
+        few log lines, not one per refusal."""
+        sidecar, _ = await sidecar_in(store, db)
+        limits = ListenerLimits(bad_handshake_burst=3, bad_handshake_rate=0.01)
+        bad = sidecar.headers(Authorization=f"Bearer {wrong_token()}")
+        async with running_hub(db, limits=limits) as hub:
+            with structlog.testing.capture_logs() as logs:
+                for _ in range(3):
+                    refused = await rejection(hub.url, bad, local_addr=("127.0.0.2", 0))
+                    assert refused.response.status_code == 401
+                for _ in range(30):
+                    refused = await rejection(
+                        hub.url, sidecar.headers(), local_addr=("127.0.0.2", 0)
+                    )
+                    assert refused.response.status_code == 429
+                    assert int(refused.response.headers["Retry-After"]) >= 5
+            await legit_welcome(hub, sidecar)
+        lines = [e for e in logs if e["event"] in ("handshake_rejected", "connection_refused")]
+        assert 0 < len(lines) <= 10
+
+
+class TestSocketBounds:
+    async def test_ping_flood_closed_1008(self, db: Database, store: AllocationStore) -> None:
+        """Pings spend the message budget: a ping flood is closed with 1008."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with (
+            running_hub(db, message_rate=1.0, message_burst=5) as hub,
+            dial(hub.url, sidecar.headers()) as ws,
+        ):
+            await welcome_of(ws)
+            try:
+                for index in range(50):
+                    await ws.ping(str(index))
+            except ConnectionClosed:
+                pass
+            assert await close_code_of(ws) == 1008
+            await eventually(lambda: hub.events.disconnected == [sidecar.target])
+
+    async def test_non_reading_peer_aborted(self, db: Database, store: AllocationStore) -> None:
+        """A peer that pings (within its budget) and never reads is aborted once the pongs it
+        leaves unread fill the write buffer or stall it, and its disconnect is reported."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with running_hub(db, message_rate=1e9, message_burst=10**9) as hub:
+            async with raw_socket(hub.server, rcvbuf=4096) as (reader, writer):
+                writer.write(upgrade_request(hub.url, sidecar.headers()))
+                async with asyncio.timeout(10):
+                    await reader.readuntil(b"\r\n\r\n")
+                await eventually(lambda: hub.events.connected == [sidecar.target])
+                ping = masked_frame(PING, b"p" * 125)
+
+                async def flood() -> None:
+                    try:
+                        while True:
+                            writer.write(ping * 64)
+                            await writer.drain()
+                    except (ConnectionError, OSError):
+                        return
+
+                async with asyncio.timeout(30):
+                    flooding = asyncio.create_task(flood())
+                    await eventually(lambda: sum(hub.server.stats.aborted.values()) == 1, within=30)
+                    flooding.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await flooding
+            await eventually(lambda: hub.events.disconnected == [sidecar.target])
+            assert hub.router.connection_count == 0
+            assert hub.server.gate.sockets == 0
+
+    async def test_reconnects_per_allocation(self, db: Database, store: AllocationStore) -> None:
+        """A token holder reconnecting in a loop is refused with 429 and Retry-After once its
+        allocation's reconnect budget is spent; another allocation is unaffected."""
+        looping, _ = await sidecar_in(store, db)
+        other, _ = await sidecar_in(store, db)
+        limits = ListenerLimits(reconnect_burst=3, reconnect_rate=0.01)
+        async with running_hub(db, limits=limits) as hub:
+            for _ in range(3):
+                await legit_welcome(hub, looping)
+            refused = await rejection(hub.url, looping.headers())
+            assert refused.response.status_code == 429
+            assert int(refused.response.headers["Retry-After"]) >= 1
+            await legit_welcome(hub, other)
+            message = json.dumps({"type": "heartbeat"})
+            async with dial(hub.url, other.headers()) as ws:
+                await welcome_of(ws)
+                await ws.send(message)
+                await eventually(lambda: hub.server.stats.heartbeats == 1)
+
+
+class TestIdentityPool:
+    async def test_lookups_wait_on_their_own_pool(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """Identity look-ups use a pool of their own: with it exhausted, handshakes get 503
+        while the ordinary pool (claims, readiness) still answers; then they succeed again."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with running_hub(db, lookup_timeout=0.5) as hub:
+            held = [
+                await db.identity_pool.acquire() for _ in range(db.identity_pool.get_max_size())
+            ]
+            try:
+                refused = await rejection(hub.url, sidecar.headers())
+                assert refused.response.status_code == 503
+                async with asyncio.timeout(5), db.connection("claims") as conn:
+                    assert await conn.fetchval("SELECT 1") == 1
+            finally:
+                for conn in held:
+                    await db.identity_pool.release(conn)
+            await legit_welcome(hub, sidecar)
