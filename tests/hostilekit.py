@@ -277,7 +277,9 @@ async def measure(
             result.rss_peak = max(result.rss_peak, rss_mib(pid))
             started = time.monotonic()
             try:
-                async with asyncio.timeout(2):
+                # A deadline for "answers at all", scaled for a loaded machine where this
+                # process is also the attacker; how fast it answers is the benchmark's to say.
+                async with asyncio.timeout(10):
                     status, _ = await http_get(daemon.admin_url + "/readyz")
                 if status != 200:
                     result.readyz_failures += 1
