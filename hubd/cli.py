@@ -137,9 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     request = alloc_commands.add_parser(
         "request", help="request an allocation; prints its id", parents=[common]
     )
-    request.add_argument("--provisioner", required=True)
-    request.add_argument("--tenant")
-    request.add_argument("--session")
+    request.add_argument(
+        "--provisioner", required=True, help="the provisioner id, as in [[provisioners]] id"
+    )
+    request.add_argument("--tenant", help="a label for the tenant the sidecar serves")
+    request.add_argument("--session", help="a label for the session the sidecar serves")
     request.add_argument("--spec", type=_json_object, default={}, help="a JSON object")
     request.add_argument("--wait", action="store_true", help="wait until ready or terminal")
     request.add_argument(
@@ -153,20 +155,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     release = alloc_commands.add_parser("release", help="release an allocation", parents=[common])
-    release.add_argument("id")
+    release.add_argument("id", help="the allocation id (al_…)")
 
     listing = alloc_commands.add_parser(
         "list", help="list allocations, newest first", parents=[common]
     )
-    listing.add_argument("--status", choices=[str(s) for s in Status])
-    listing.add_argument("--json", action="store_true")
-    listing.add_argument("--limit", type=int, default=1000)
+    listing.add_argument(
+        "--status", choices=[str(s) for s in Status], help="only allocations in this status"
+    )
+    listing.add_argument("--json", action="store_true", help="a JSON array instead of a table")
+    listing.add_argument(
+        "--limit", type=int, default=1000, help="at most this many, newest first (1000)"
+    )
 
     show = alloc_commands.add_parser(
         "show", help="an allocation, its history and next step", parents=[common]
     )
-    show.add_argument("id")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("id", help="the allocation id (al_…)")
+    show.add_argument("--json", action="store_true", help="one JSON object, history included")
 
     return parser
 

