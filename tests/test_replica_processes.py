@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 from hubd.store import AllocationStore, Status, connect_database
+from tests.balancer import Balancer
 from tests.daemonkit import (
     DaemonProcess,
     free_port,
@@ -218,6 +219,74 @@ class TestReplicaLoss:
             assert tracebacks(*daemons) == []
         finally:
             await stop_all(*daemons)
+
+    async def test_three_replicas_behind_a_balancer_survive_a_kill(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """Three replicas behind one TCP balancer address, thirty allocations spread over them
+        by the balancer: with one replica killed (SIGKILL), its sidecars come back through the
+        balancer to the survivors and every allocation is ready again at the same generation,
+        with the same sidecar processes and no violation in the history."""
+        ports = [free_port() for _ in range(3)]
+        balancer = Balancer([("127.0.0.1", p) for p in ports])
+        url = f"ws://127.0.0.1:{await balancer.start()}"
+        daemons = [
+            DaemonProcess(
+                write_config(
+                    state_dir / f"hubd-{index}.toml",
+                    database_url=database_url,
+                    state_dir=state_dir,
+                    marker=marker,
+                    server_port=port,
+                ),
+                env={"HUBD_SERVER_PUBLIC_URL": url},
+            )
+            for index, port in enumerate(ports)
+        ]
+        await install_observer(database_url)
+        try:
+            for daemon in daemons:
+                await daemon.start()
+            ids = await request_many(30, {"HUBD_DATABASE_URL": database_url})
+            await poll_until(lambda: all_ready(observer, ids), within=120, every=0.2)
+            before = await generations(observer, ids)
+            pids = sidecar_pids(marker)
+            head = await ledger_head(database_url)
+            conn = await asyncpg.connect(database_url)
+            try:
+                holders = await conn.fetch(
+                    "SELECT i.pid, count(*) AS n FROM hubd_sidecar_connections c "
+                    "JOIN hubd_instances i ON i.id = c.instance_id GROUP BY i.pid ORDER BY n DESC"
+                )
+            finally:
+                await conn.close()
+            assert len(holders) > 1, "the balancer should spread sockets over the replicas"
+            victim_pid = holders[0]["pid"]
+            victim = next(d for d in daemons if d.process and d.process.pid == victim_pid)
+            await victim.signal(signal.SIGKILL)
+            await victim.wait()
+
+            async def recovered() -> bool:
+                c = await asyncpg.connect(database_url)
+                try:
+                    on_victim = await c.fetchval(
+                        "SELECT count(*) FROM hubd_sidecar_connections c "
+                        "JOIN hubd_instances i ON i.id = c.instance_id WHERE i.pid = $1",
+                        victim_pid,
+                    )
+                finally:
+                    await c.close()
+                return on_victim == 0 and await all_ready(observer, ids)
+
+            await poll_until(recovered, within=90, every=0.2)
+            assert await generations(observer, ids) == before
+            assert sidecar_pids(marker) == pids
+            assert await abandoning_writes(database_url, ids, head) == []
+            assert broken(await violations(database_url)) == {}
+            assert tracebacks(*daemons) == []
+        finally:
+            await stop_all(*daemons)
+            await balancer.close()
 
 
 class TestPausedReplica:
