@@ -294,8 +294,10 @@ class TestPausedReplica:
         self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
     ) -> None:
         """A replica stopped (SIGSTOP) for three lease durations while it holds claims, then
-        resumed: the other replica converged meanwhile, and no lease of the paused one writes
-        after a newer lease wrote to the same allocation."""
+        resumed: the other replica converged meanwhile, no lease of the paused one writes after
+        a newer lease wrote to the same allocation, no healthy allocation is released or
+        replaced, and no plugin effect happens after its lease (one sidecar process per
+        allocation, of its current generation)."""
         slow = write_config(
             state_dir / "hubd-slow.toml",
             database_url=database_url,
@@ -313,8 +315,17 @@ class TestPausedReplica:
         paused, other = DaemonProcess(slow), DaemonProcess(fine)
         await install_observer(database_url)
         try:
-            await paused.start()
             env = {"HUBD_DATABASE_URL": database_url}
+            # Healthy work first, served by the replica that is not paused.
+            await other.start()
+            healthy = await request_many(4, env)
+            await poll_until(lambda: all_ready(observer, healthy), within=60, every=0.2)
+            healthy_before = await generations(observer, healthy)
+            head = await ledger_head(database_url)
+            await paused.start()
+            # The next requests go to the replica about to be paused: the other one is held
+            # for the second it takes them to be claimed (far less than the instance TTL).
+            await other.signal(signal.SIGSTOP)
             ids = await request_many(6, env)
             conn = await asyncpg.connect(database_url)
             try:
@@ -331,7 +342,7 @@ class TestPausedReplica:
 
                 await poll_until(holds_claims, within=30, every=0.05)
                 await paused.signal(signal.SIGSTOP)
-                await other.start()
+                await other.signal(signal.SIGCONT)
                 # The pause itself: three lease durations.
                 await asyncio.sleep(3 * LEASE)
                 await poll_until(lambda: all_ready(observer, ids), within=90, every=0.2)
@@ -362,10 +373,15 @@ class TestPausedReplica:
             assert await all_ready(observer, ids)
             # No plugin effect outlived its lease: exactly one sidecar process per allocation,
             # of its current generation (a paused ensure that spawned on resume would add one).
-            current = sorted([(i, str((await observer.get(i)).generation)) for i in ids])
+            current = sorted(
+                [(i, str((await observer.get(i)).generation)) for i in [*healthy, *ids]]
+            )
             await poll_until(
                 lambda: _true(sorted(sidecar_generations(marker)) == current), within=30
             )
+            assert await generations(observer, healthy) == healthy_before
+            assert await abandoning_writes(database_url, healthy, head) == []
+            assert await all_ready(observer, healthy)
             assert broken(await violations(database_url)) == {}
             assert tracebacks(paused, other) == []
         finally:
