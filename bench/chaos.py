@@ -66,6 +66,12 @@ class Cluster:
                 plugin="tests.slowplugin:create" if slow else "local",
                 plugin_options="ensure_delay = 3" if slow else "",
             )
+            # As in production: the connect deadline outlasts a sidecar's own detection of a
+            # frozen hub (keepalive 20 s + 20 s) plus the instance TTL, so a sidecar whose
+            # replica froze reaches a live one before its allocation is given up.
+            config.write_text(
+                config.read_text().replace('connect_timeout = "30s"', 'connect_timeout = "120s"')
+            )
             self.daemons.append(
                 DaemonProcess(config, env={"HUBD_SERVER_PUBLIC_URL": urls, **self.env})
             )

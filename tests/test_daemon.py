@@ -383,6 +383,12 @@ class TestOperatorInterfaces:
             ):
                 assert name in metrics
             assert (await http_get(daemon.admin_url + "/nope"))[0] == 404
+            # The test config's connect deadline (30 s) is shorter than its TTL plus the
+            # sidecar's keepalive: the daemon says so at start.
+            assert any(
+                str(line.get("event", "")).startswith("reconciler.connect_timeout is shorter")
+                for line in daemon.lines
+            )
             await daemon.signal(signal.SIGTERM)
             assert await daemon.wait() == 0
             await receive_until("STOPPING=1")

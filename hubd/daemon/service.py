@@ -41,6 +41,7 @@ from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server.limits import ListenerLimits
 from hubd.server.router import SocketRouter
 from hubd.server.websocket import SidecarServer
+from hubd.sidecar.client import SIDECAR_PING_INTERVAL, SIDECAR_PING_TIMEOUT
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from hubd.store.connect import resolve_dsn
 from hubd.store.connections import (
@@ -182,6 +183,18 @@ class Daemon:
     async def _serve(self, db: Database, dsn: str, provisioners: dict[str, Provisioner]) -> int:
         self._provisioners = provisioners
         cfg = self.config
+        keepalive = SIDECAR_PING_INTERVAL + SIDECAR_PING_TIMEOUT
+        if cfg.reconciler.connect_timeout < cfg.instance.ttl + keepalive:
+            # A sidecar notices a frozen replica only when its keepalive fails; its records
+            # are swept after one TTL. A connect deadline shorter than both gives up on a
+            # healthy sidecar before it can reach a live replica.
+            log.warning(
+                "reconciler.connect_timeout is shorter than instance.ttl plus the reference "
+                "sidecar's keepalive: a sidecar whose replica freezes may be given up before "
+                "it reaches another",
+                connect_timeout=cfg.reconciler.connect_timeout,
+                needed=cfg.instance.ttl + keepalive,
+            )
         rc = cfg.reconciler
         instances = InstanceStore(db)
         connections = ConnectionStore(db, instance_id=self.instance_id)

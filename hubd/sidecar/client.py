@@ -41,6 +41,8 @@ from hubd.tokens import token_is_well_formed
 
 __all__ = [
     "CONNECT_PATH",
+    "SIDECAR_PING_INTERVAL",
+    "SIDECAR_PING_TIMEOUT",
     "SUBPROTOCOL",
     "SidecarClient",
     "SidecarConfigError",
@@ -91,6 +93,11 @@ def connect_url(base: str) -> str:
     if parts.path in ("", "/"):
         parts = parts._replace(path=CONNECT_PATH)
     return urllib.parse.urlunsplit(parts)
+
+
+SIDECAR_PING_INTERVAL: Final = 20.0
+SIDECAR_PING_TIMEOUT: Final = 20.0
+"""The reference sidecar's keepalive: how long it takes at most to notice a hub that froze."""
 
 
 @attrs.frozen(kw_only=True)
@@ -161,8 +168,8 @@ class SidecarClient:
         backoff: Backoff | None = None,
         random: Callable[[], float] | None = None,
         open_timeout: float = 10.0,
-        ping_interval: float = 20.0,
-        ping_timeout: float = 20.0,
+        ping_interval: float = SIDECAR_PING_INTERVAL,
+        ping_timeout: float = SIDECAR_PING_TIMEOUT,
         close_timeout: float = 10.0,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
