@@ -104,6 +104,11 @@ class Reconciler:
     def active_claims(self) -> int:
         return len(self._active)
 
+    def leases_held(self) -> dict[str, str]:
+        """Allocation → lease id of each claim in progress that still owns its lease by the
+        local reckoning."""
+        return {aid: claim.lease_id for aid, claim in self._active.items() if claim.owns()}
+
     @property
     def queue_depth(self) -> int:
         return self._work.queue_depth
