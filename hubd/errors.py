@@ -11,6 +11,7 @@
      │    ├── SchemaMissing                           the database was never migrated
      │    └── InvalidRequest (ValueError)             bad input to the store
      ├── LeaseLost                        a claim no longer owns its allocation
+     ├── SidecarNotConnected              no sidecar connect came within a wait
      ├── OperationTimeout (TimeoutError)  an external operation outlived operation_timeout
      ├── PluginError                      a provisioner plugin misbehaved
      │    └── PluginLoadError             a plugin cannot be loaded or is misconfigured
@@ -34,6 +35,7 @@ __all__ = [
     "PluginError",
     "PluginLoadError",
     "SchemaMissing",
+    "SidecarNotConnected",
     "StoreError",
 ]
 
@@ -75,6 +77,10 @@ class InvalidRequest(StoreError, ValueError):
 
 class LeaseLost(HubdError):
     """The claim no longer owns its allocation's lease."""
+
+
+class SidecarNotConnected(HubdError):
+    """The sidecar did not connect before its connect deadline."""
 
 
 class OperationTimeout(HubdError, TimeoutError):

@@ -14,7 +14,8 @@ from typing import Protocol
 
 import attrs
 
-from hubd.errors import HubdError
+# Part of the seam (wait_ready raises it), defined with every other error and re-exported here.
+from hubd.errors import SidecarNotConnected
 
 __all__ = ["ConnectionEvents", "MemoryRouter", "Router", "SidecarNotConnected", "Target"]
 
@@ -25,10 +26,6 @@ class Target:
 
     allocation_id: str
     generation: int
-
-
-class SidecarNotConnected(HubdError):
-    """The sidecar did not connect before its connect deadline."""
 
 
 class Router(Protocol):

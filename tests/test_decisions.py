@@ -1,31 +1,105 @@
-"""The reconciler's decisions as plain functions: no loop, no database."""
+"""The reconciler's decisions as plain functions: no loop, no database.
+
+Each decision answers with the complete write a claim makes next; these tests read the write's
+every field.
+"""
 
 from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
 
 import attrs
 import pytest
 
+from hubd.errors import InitializationUncertain, OperationTimeout
 from hubd.plugins.protocol import Accepted, Destroyed, DestroyRejected, Rejected
 from hubd.reconciler.decisions import (
-    DestroyFailed,
-    Fail,
-    MarkAllocated,
+    AUTOMATIC_RECOVERY_DISABLED,
+    CAPPED_DELAY,
+    DestroyOutcome,
+    EnsureOutcome,
+    PluginOutcome,
     Proceed,
     Raised,
-    Replace,
-    RetryDestroy,
     Step,
     TimedOut,
+    abandon,
+    abandon_unsettled,
+    after_connect_window,
     after_destroy,
     after_ensure,
+    after_error,
+    after_on_ready,
+    await_connection,
+    backoff,
+    connect_window,
+    deadline_passed,
     effect_phase,
-    provisioner_mismatch,
+    outcome_text,
     replacement_becomes_release,
     retry_delay,
+    seconds_until,
     step_for,
-    unavailable_provisioner,
+    unless_connected,
+    wake_on_start,
 )
-from hubd.store import Phase, Status
+from hubd.reconciler.eligibility import (
+    provisioner_mismatch,
+    provisioner_problem,
+    provisioner_unavailable,
+)
+from hubd.reconciler.writes import (
+    Abandon,
+    FailNow,
+    MarkAllocated,
+    MarkDestroyFailed,
+    Park,
+    Retry,
+)
+from hubd.store import Allocation, AttemptKind, Failure, ParkMode, Phase, Status
+from hubd.store.connections import Readiness
+
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+def row(
+    status: Status,
+    *,
+    ensure_attempts: int = 0,
+    destroy_attempts: int = 0,
+    initialization_lease_id: str | None = None,
+    next_attempt_at: datetime | None = T0,
+    bound: tuple[str, str] | None = None,
+) -> Allocation:
+    """An allocation row as a claim reads it; only what decisions look at varies."""
+    return Allocation(
+        id="al_" + "d" * 32,
+        status=status,
+        generation=3,
+        provisioner_id="local",
+        provisioner_api_version=bound[0] if bound else None,
+        provisioner_binding_fingerprint=bound[1] if bound else None,
+        tenant_id=None,
+        session_id=None,
+        spec={},
+        sidecar_id="sc_1",
+        token_hash=None,
+        external_ref=None,
+        connect_deadline=None,
+        connection_ready=False,
+        connection_seq=7,
+        initialization_lease_id=initialization_lease_id,
+        ensure_attempts=ensure_attempts,
+        destroy_attempts=destroy_attempts,
+        next_attempt_at=next_attempt_at,
+        lease_id="ls_1",
+        lease_expires_at=None,
+        failure_code=None,
+        failure_message=None,
+        created_at=T0,
+        updated_at=T0,
+        finished_at=None,
+    )
 
 
 class TestBackoff:
@@ -37,28 +111,17 @@ class TestBackoff:
         """The delay is min(1 s * 2^min(attempt, 5), 30 s)."""
         assert retry_delay(attempt) == seconds
 
+    def test_counts_both_counters(self) -> None:
+        """An allocation's backoff counts ensure and destroy attempts together, so replacements
+        back off across generations."""
+        assert backoff(row(Status.PROVISIONING, ensure_attempts=1, destroy_attempts=2)) == 8
 
-class TestEnsure:
-    def test_accepted(self) -> None:
-        """An accepted ensure marks the allocation allocated with its external reference."""
-        assert after_ensure(Accepted("pod-1")) == MarkAllocated("pod-1")
+    def test_capped(self) -> None:
+        """Where no durable counter exists, the delay is the backoff's ceiling."""
+        assert CAPPED_DELAY == 30
 
-    def test_rejections(self) -> None:
-        """A retryable rejection replaces, a permanent one fails; both keep the plugin's code."""
-        retry = after_ensure(Rejected(code="quota", message="full", retryable=True))
-        assert isinstance(retry, Replace)
-        assert retry.failure.code == "quota"
-        permanent = after_ensure(Rejected(code="Bad Spec!", message="no", retryable=False))
-        assert isinstance(permanent, Fail)
-        assert permanent.failure.code == "bad_spec"
 
-    def test_raised_and_timed_out_replace(self) -> None:
-        """A raising or timed-out ensure replaces with ensure_failed."""
-        for outcome in (Raised("boom"), TimedOut()):
-            decision = after_ensure(outcome)
-            assert isinstance(decision, Replace)
-            assert decision.failure.code == "ensure_failed"
-
+class TestPluginOutcomes:
     @pytest.mark.parametrize(
         ("outcome", "phase"),
         [
@@ -69,25 +132,149 @@ class TestEnsure:
             (Rejected(code="c", message="m", retryable=True), Phase.FAILED),
         ],
     )
-    def test_ledger_phase(self, outcome: object, phase: Phase) -> None:
+    def test_ledger_phase(self, outcome: PluginOutcome, phase: Phase) -> None:
         """Only a timeout leaves the outcome unknown (ambiguous)."""
-        assert effect_phase(outcome) == phase  # type: ignore[arg-type]
+        assert effect_phase(outcome) == phase
+
+    @pytest.mark.parametrize(
+        ("outcome", "text"),
+        [
+            (Accepted("ref"), (None, None)),
+            (Destroyed(), (None, None)),
+            (Rejected(code="quota", message="full", retryable=True), ("quota", "full")),
+            (DestroyRejected(code="busy", message="wait", retryable=False), ("busy", "wait")),
+            (TimedOut(), ("ensure_timeout", "ensure did not finish within operation_timeout")),
+            (Raised("OSError: down"), ("ensure_failed", "OSError: down")),
+        ],
+    )
+    def test_ledger_text(self, outcome: PluginOutcome, text: tuple[str | None, str | None]) -> None:
+        """The ledger keeps a rejection's own code and message, names a timeout or a raise by
+        the call's kind, and records nothing for a success."""
+        assert outcome_text("ensure", outcome) == text
+
+
+class TestEnsure:
+    def test_accepted(self) -> None:
+        """An accepted ensure marks the allocation allocated with its external reference."""
+        assert after_ensure(
+            Accepted("pod-1"), row(Status.PROVISIONING), automatic_recovery=False
+        ) == MarkAllocated("pod-1")
+
+    def test_permanent_rejection_fails(self) -> None:
+        """A permanent rejection fails the provisioning row with the plugin's code."""
+        rejected = Rejected(code="Bad Spec!", message="no", retryable=False)
+        assert after_ensure(rejected, row(Status.PROVISIONING), automatic_recovery=False) == (
+            FailNow(expected=Status.PROVISIONING, failure=Failure("bad_spec", "no"))
+        )
+
+    @pytest.mark.parametrize(
+        ("outcome", "failure"),
+        [
+            (Rejected(code="quota", message="full", retryable=True), Failure("quota", "full")),
+            (Raised("boom"), Failure("ensure_failed", "boom")),
+            (
+                TimedOut(),
+                Failure("ensure_failed", "ensure did not finish within operation_timeout"),
+            ),
+        ],
+    )
+    def test_otherwise_replaces_after_backoff(
+        self, outcome: EnsureOutcome, failure: Failure
+    ) -> None:
+        """A retryable rejection, a raise or a timeout replaces the sidecar after the backoff
+        of the row's attempts, unguarded; automatic recovery does not apply while
+        provisioning."""
+        a = row(Status.PROVISIONING, ensure_attempts=2)
+        decided = after_ensure(outcome, a, automatic_recovery=False)
+        assert decided == Abandon(
+            release=False, expected=Status.PROVISIONING, delay=4, failure=failure
+        )
 
 
 class TestDestroy:
-    def test_outcomes(self) -> None:
-        """Destroyed proceeds; retryable rejection, raising and timeout retry; a permanent
-        rejection is destroy_failed."""
-        assert after_destroy(Destroyed()) == Proceed()
-        assert isinstance(
-            after_destroy(DestroyRejected(code="busy", message="m", retryable=True)), RetryDestroy
+    def test_destroyed_proceeds(self) -> None:
+        """Destroyed lets the claim go on to rebind or release."""
+        assert after_destroy(Destroyed(), row(Status.REPLACING)) == Proceed()
+
+    @pytest.mark.parametrize(
+        ("outcome", "failure"),
+        [
+            (DestroyRejected(code="busy", message="m", retryable=True), Failure("busy", "m")),
+            (Raised("x"), Failure("destroy_failed", "x")),
+            (
+                TimedOut(),
+                Failure("destroy_failed", "destroy did not finish within operation_timeout"),
+            ),
+        ],
+    )
+    def test_retries_count_destroy_attempts(
+        self, outcome: DestroyOutcome, failure: Failure
+    ) -> None:
+        """A retryable rejection, a raise or a timeout retries in the same status, bumping the
+        destroy counter, after the backoff of destroy attempts alone."""
+        a = row(Status.RELEASING, ensure_attempts=4, destroy_attempts=1)
+        decided = after_destroy(outcome, a)
+        assert decided == Retry(
+            expected=Status.RELEASING, delay=2, attempt_kind=AttemptKind.DESTROY, failure=failure
         )
-        assert isinstance(after_destroy(Raised("x")), RetryDestroy)
-        assert isinstance(after_destroy(TimedOut()), RetryDestroy)
-        assert isinstance(
-            after_destroy(DestroyRejected(code="gone", message="m", retryable=False)),
-            DestroyFailed,
+
+    def test_permanent_rejection(self) -> None:
+        """A permanent rejection is destroy_failed, with the plugin's code."""
+        rejected = DestroyRejected(code="gone", message="m", retryable=False)
+        assert after_destroy(rejected, row(Status.REPLACING)) == MarkDestroyFailed(
+            Failure("gone", "m")
         )
+
+
+class TestAbandon:
+    def test_recovery_switch(self) -> None:
+        """Only an allocated sidecar becomes a release when automatic recovery is off."""
+        assert replacement_becomes_release(Status.ALLOCATED, automatic_recovery=False)
+        assert not replacement_becomes_release(Status.ALLOCATED, automatic_recovery=True)
+        assert not replacement_becomes_release(Status.PROVISIONING, automatic_recovery=False)
+
+    def test_replacement_of_allocated(self) -> None:
+        """With automatic recovery, an allocated sidecar is replaced after the backoff."""
+        failure = Failure("sidecar_connect_failed", "gone")
+        a = row(Status.ALLOCATED, destroy_attempts=3)
+        assert abandon(a, failure, automatic_recovery=True) == Abandon(
+            release=False, expected=Status.ALLOCATED, delay=8, failure=failure
+        )
+
+    def test_release_says_why(self) -> None:
+        """Without automatic recovery an allocated sidecar is released at once, and the
+        failure says recovery is disabled."""
+        decided = abandon(
+            row(Status.ALLOCATED, ensure_attempts=5),
+            Failure("sidecar_connect_failed", "gone"),
+            automatic_recovery=False,
+        )
+        assert decided.release
+        assert decided.delay == 0
+        assert decided.failure == Failure(
+            "sidecar_connect_failed", AUTOMATIC_RECOVERY_DISABLED + "gone"
+        )
+
+    def test_guarded_on_initialization(self) -> None:
+        """Guarded on the initialization marker, the abandon names the lease that set it and
+        falls back to an immediate retry of the ordinary path."""
+        a = row(Status.ALLOCATED, initialization_lease_id="ls_0")
+        decided = abandon(
+            a, Failure("c", "m"), automatic_recovery=True, initialization_incomplete=True
+        )
+        assert decided.only_if_initialization_incomplete
+        assert decided.expected_initialization_lease_id == "ls_0"
+        assert decided.expected_connection_seq is None
+        assert decided.otherwise == Retry(expected=Status.ALLOCATED, delay=0)
+
+    def test_guarded_on_connection(self) -> None:
+        """Guarded on a connection number, the abandon falls back to an immediate retry."""
+        a = row(Status.ALLOCATED, initialization_lease_id="ls_0")
+        decided = abandon(a, Failure("c", "m"), automatic_recovery=False, connection_seq=9)
+        assert decided.expected_connection_seq == 9
+        assert decided.expected_initialization_lease_id is None
+        assert not decided.only_if_initialization_incomplete
+        assert decided.otherwise == Retry(expected=Status.ALLOCATED, delay=0)
 
 
 class TestStatusSteps:
@@ -109,14 +296,152 @@ class TestStatusSteps:
         """Each status maps to the step of architecture §1."""
         assert step_for(status, initialization_recorded=recorded) is step
 
-    def test_unavailable_provisioner(self) -> None:
-        """A missing provisioner fails only a pending allocation."""
-        failed = unavailable_provisioner(Status.PENDING, "why")
-        assert failed is not None
-        assert failed.failure.code == "provisioner_unavailable"
-        assert failed.failure.message == "why"
+    def test_unknown_ensure(self) -> None:
+        """A provisioning row found by a claim is replaced: ensure's outcome is unknown."""
+        decided = abandon_unsettled(
+            Step.REPLACE_UNKNOWN_ENSURE, row(Status.PROVISIONING), automatic_recovery=False
+        )
+        assert decided == Abandon(
+            release=False,
+            expected=Status.PROVISIONING,
+            delay=1,
+            failure=Failure(
+                "ensure_outcome_unknown", "a hub stopped before ensure's acceptance was recorded"
+            ),
+        )
+
+    def test_uncertain_initialization(self) -> None:
+        """A recorded, unfinished initialization abandons the sidecar while the marker stands."""
+        a = row(Status.ALLOCATED, initialization_lease_id="ls_0")
+        decided = abandon_unsettled(
+            Step.REPLACE_UNCERTAIN_INITIALIZATION, a, automatic_recovery=True
+        )
+        assert decided is not None
+        assert decided.failure.code == "sidecar_initialization_uncertain"
+        assert decided.expected_initialization_lease_id == "ls_0"
+        assert decided.otherwise == Retry(expected=Status.ALLOCATED, delay=0)
+
+    def test_other_steps_settle_nothing(self) -> None:
+        """Every other step has nothing unsettled to abandon."""
+        for step in (Step.BIND_AND_ENSURE, Step.WAIT_UNTIL_READY, Step.DESTROY_THEN_RELEASE):
+            assert abandon_unsettled(step, row(Status.PENDING), automatic_recovery=True) is None
+
+    def test_error_parks(self) -> None:
+        """A claim that failed parks for the capped delay, saying what was raised."""
+        assert after_error(ValueError("bad row")) == Park(
+            mode=ParkMode.RETRY_AFTER_ERROR,
+            delay=30,
+            failure=Failure("reconcile_error", "ValueError: bad row"),
+        )
+
+    def test_start_up_wakes_only_unscheduled_rows(self) -> None:
+        """Start-up makes an unscheduled row due, except an allocated one (the connection
+        repair's), and never moves an existing schedule."""
+        assert wake_on_start(row(Status.REPLACING, next_attempt_at=None))
+        assert not wake_on_start(row(Status.REPLACING))
+        assert not wake_on_start(row(Status.ALLOCATED, next_attempt_at=None))
+
+
+class TestConnectWait:
+    def test_seconds_until(self) -> None:
+        """The time left is counted on the database clock from the row's own timestamp."""
+        deadline = T0 + timedelta(seconds=100)
+        assert seconds_until(deadline, db_anchor=T0, elapsed=30) == 70
+        assert seconds_until(deadline, db_anchor=T0, elapsed=130) == -30
+        assert seconds_until(None, db_anchor=T0, elapsed=0) == 0
+
+    @pytest.mark.parametrize(("remaining", "window"), [(100, 5), (3, 3), (0, 0), (-20, 0)])
+    def test_window(self, remaining: float, window: float) -> None:
+        """One wait lasts until the deadline, at most one operation_timeout, none after it."""
+        assert connect_window(remaining, operation_timeout=5) == window
+
+    def test_connected_goes_on(self) -> None:
+        """A sidecar holding a live record goes on to ready; otherwise the claim parks for it,
+        fenced on the connection number it saw."""
+        assert unless_connected(Readiness(connected=True, connection_seq=4)) is None
+        assert unless_connected(Readiness(connected=False, connection_seq=4)) == (
+            await_connection(4)
+        )
+        assert await_connection(4) == Park(
+            mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=4
+        )
+
+    def test_missed_before_the_deadline_parks(self) -> None:
+        """A window that ends before the deadline gives the slot back and parks."""
+        decided = after_connect_window(
+            row(Status.ALLOCATED),
+            remaining=100,
+            window=5,
+            seen=Readiness(connected=False, connection_seq=4),
+            missed="no connect within 5s",
+            automatic_recovery=False,
+        )
+        assert decided == await_connection(4)
+
+    def test_missed_at_the_deadline_abandons(self) -> None:
+        """At the deadline the sidecar is abandoned, fenced on the connection number seen."""
+        decided = after_connect_window(
+            row(Status.ALLOCATED),
+            remaining=-12,
+            window=0,
+            seen=Readiness(connected=False, connection_seq=4),
+            missed=deadline_passed(-12),
+            automatic_recovery=True,
+        )
+        assert isinstance(decided, Abandon)
+        assert decided.failure == Failure(
+            "sidecar_connect_failed", "the sidecar did not connect before its deadline (12s ago)"
+        )
+        assert decided.expected_connection_seq == 4
+        assert decided.otherwise == Retry(expected=Status.ALLOCATED, delay=0)
+
+
+class TestOnReady:
+    @pytest.mark.parametrize(
+        "error",
+        [OperationTimeout("on_ready did not finish within 1s"), InitializationUncertain("half")],
+    )
+    def test_uncertain(self, error: Exception) -> None:
+        """A hook that timed out, or says its outcome is uncertain, abandons the sidecar while
+        its marker stands."""
+        a = row(Status.ALLOCATED, initialization_lease_id="ls_1")
+        decided = after_on_ready(error, a, automatic_recovery=True)
+        assert isinstance(decided, Abandon)
+        assert decided.failure == Failure("sidecar_initialization_uncertain", str(error))
+        assert decided.only_if_initialization_incomplete
+        assert decided.expected_initialization_lease_id == "ls_1"
+
+    def test_clean_failure_retries(self) -> None:
+        """Any other error is a clean failure: the marker is cleared and the hook retried
+        after the capped delay."""
+        a = row(Status.ALLOCATED, initialization_lease_id="ls_1")
+        assert after_on_ready(RuntimeError("boom"), a, automatic_recovery=True) == Retry(
+            expected=Status.ALLOCATED,
+            delay=30,
+            failure=Failure("sidecar_initialization_failed", "RuntimeError: boom"),
+            clear_initialization=True,
+        )
+
+
+class TestEligibility:
+    def test_unavailable_fails_only_pending(self) -> None:
+        """A missing provisioner fails a pending allocation; any other status retries after
+        its backoff, since infrastructure may exist."""
+        assert provisioner_unavailable(row(Status.PENDING), "why") == FailNow(
+            expected=Status.PENDING, failure=Failure("provisioner_unavailable", "why")
+        )
         for status in (Status.PROVISIONING, Status.ALLOCATED, Status.REPLACING, Status.RELEASING):
-            assert unavailable_provisioner(status, "why") is None
+            assert provisioner_unavailable(row(status, ensure_attempts=1), "why") == Retry(
+                expected=status, delay=2, failure=Failure("provisioner_unavailable", "why")
+            )
+
+    def test_problem_reads_the_rows_binding(self) -> None:
+        """The check compares the binding the row records with the configured provisioner."""
+        configured = {"local": _Bound()}
+        assert provisioner_problem(row(Status.ALLOCATED, bound=("1", "a" * 64)), configured) is None
+        problem = provisioner_problem(row(Status.ALLOCATED, bound=("0", "a" * 64)), configured)
+        assert problem is not None
+        assert "api_version 0" in problem
 
 
 @attrs.frozen
@@ -177,9 +502,3 @@ class TestProvisionerMismatch:
         assert problem is not None
         assert "api_version 1" in problem
         assert "api_version 0" in problem
-
-    def test_recovery_switch(self) -> None:
-        """Only an allocated sidecar becomes a release when automatic recovery is off."""
-        assert replacement_becomes_release(Status.ALLOCATED, automatic_recovery=False)
-        assert not replacement_becomes_release(Status.ALLOCATED, automatic_recovery=True)
-        assert not replacement_becomes_release(Status.PROVISIONING, automatic_recovery=False)

@@ -331,6 +331,32 @@ class ReconcilerMachine(RuleBasedStateMachine):
             )
             assert leased or scheduled or connected, f"{aid} is stranded in {status}"
 
+        # At most one live lease per allocation: of the claims in progress on every
+        # reconciler that still believe they own their allocation, at most one holds the lease
+        # the database calls live, and one whose lease the database has moved past can only be
+        # the stalled slow claim (every other claim ends within its step).
+        by_id = {row["id"]: row for row in rows}
+        believers: dict[str, list[tuple[str, bool]]] = {}
+        claimants = [(r, False) for r in self.reconcilers]
+        if self.slow is not None:
+            claimants.append((self.slow.reconciler, True))
+        for reconciler, stalled in claimants:
+            for aid, lease in reconciler.leases_held().items():
+                believers.setdefault(aid, []).append((lease, stalled))
+        for aid, held in believers.items():
+            row = by_id[aid]
+            live_lease = (
+                row["lease_id"]
+                if row["lease_expires_at"] is not None and row["lease_expires_at"] > now
+                else None
+            )
+            assert sum(lease == live_lease for lease, _ in held) <= 1, (
+                f"{aid} has two claims on one live lease"
+            )
+            assert all(stalled for lease, stalled in held if lease != live_lease), (
+                f"{aid} has a claim in progress whose lease is no longer live"
+            )
+
         # A lease that has been superseded on an allocation never writes there again. Rows
         # that settle an earlier lease's open call carry that lease's id, written by the new
         # owner, and are left out.

@@ -1,43 +1,104 @@
 """What follows what: the reconciler's decisions as plain functions over values.
 
-No loop, no database: each function maps an outcome to the next step, and the asyncio code in
-:mod:`hubd.reconciler.engine` carries the step out.
+No loop, no database: each function maps what a claim saw to the complete durable write it
+makes next (:mod:`hubd.reconciler.writes`), and the asyncio code (:mod:`hubd.reconciler.claim`,
+:mod:`hubd.reconciler.executor`) carries it out unchanged.
+
+The transitions (architecture §1), by the step a claimed status takes (:func:`step_for`):
+
+====================  ==========================================  ==============================
+status, step          what the claim saw                          write
+====================  ==========================================  ==============================
+any active            provisioner missing or bound otherwise      pending: ``FailNow``;
+                                                                  else ``Retry`` (backoff)
+pending: bind,        —                                           ``BindInitial`` → provisioning
+ensure                ensure accepted                             ``MarkAllocated`` → allocated
+                      ensure rejected for good                    ``FailNow`` → failed
+                      ensure rejected retryably, raised,          ``Abandon`` (backoff)
+                      timed out
+provisioning          ensure's outcome unknown (a hub stopped)    ``Abandon`` (backoff)
+allocated             an initialization recorded, not completed   ``Abandon`` if still recorded,
+                                                                  else ``Retry`` now
+allocated: wait       not connected, deadline beyond one wait     ``Park`` (await_connection)
+until ready           not connected by the deadline               ``Abandon`` if the connection
+                                                                  number held, else ``Retry`` now
+                      connected, no on_ready hook                 ``MarkReady``
+                      connected, hook                             ``BeginInitialization``, then:
+                      ... hook done                               ``MarkReady``
+                      ... hook timed out or uncertain             ``Abandon`` if still recorded,
+                                                                  else ``Retry`` now
+                      ... hook failed cleanly                     ``Retry`` (capped), marker
+                                                                  cleared
+replacing: destroy,   destroyed                                   ``BindReplacement``
+rebind                                                            → provisioning, then ensure
+replacing/releasing   destroy rejected retryably, raised,         ``Retry`` (destroy attempt)
+                      timed out
+                      destroy rejected for good                   ``MarkDestroyFailed``
+releasing: destroy,   destroyed                                   ``MarkReleased`` → released
+release
+any active            the claim itself failed (an error)          ``Park`` (retry_after_error)
+====================  ==========================================  ==============================
+
+``Abandon`` is a replacement (→ replacing, new generation), or, for an allocated sidecar while
+automatic recovery is off, a release (→ releasing). ``MarkReady`` is ready only if no
+connection was recorded or cleared since the claim looked; otherwise it is an immediate
+follow-up. Backoff is :func:`retry_delay` of the row's durable attempt counters; "capped" is
+its ceiling, used where no durable counter exists.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from typing import Final, Protocol
+from datetime import datetime, timedelta
+from typing import Final
 
 import attrs
 
+from hubd.errors import InitializationUncertain, OperationTimeout
 from hubd.plugins.protocol import Accepted, Destroyed, DestroyRejected, Rejected
-from hubd.store.models import Phase, Status
+from hubd.reconciler.writes import (
+    Abandon,
+    FailNow,
+    MarkAllocated,
+    MarkDestroyFailed,
+    Park,
+    Retry,
+)
+from hubd.store.allocations import AttemptKind, ParkMode
+from hubd.store.connections import Readiness
+from hubd.store.models import Allocation, Phase, Status
 from hubd.store.values import Failure
 
 __all__ = [
     "AUTOMATIC_RECOVERY_DISABLED",
+    "CAPPED_DELAY",
     "MAX_BACKOFF_ATTEMPT",
-    "DestroyFailed",
     "DestroyOutcome",
     "EnsureOutcome",
-    "Fail",
-    "MarkAllocated",
+    "PluginOutcome",
     "Proceed",
     "Raised",
-    "Replace",
-    "RetryDestroy",
     "Step",
     "TimedOut",
+    "abandon",
+    "abandon_unsettled",
+    "after_connect_window",
     "after_destroy",
     "after_ensure",
+    "after_error",
+    "after_on_ready",
+    "await_connection",
+    "backoff",
+    "connect_window",
+    "deadline_passed",
     "effect_phase",
-    "provisioner_mismatch",
+    "outcome_text",
     "replacement_becomes_release",
     "retry_delay",
+    "seconds_until",
     "step_for",
-    "unavailable_provisioner",
+    "unless_connected",
+    "wake_on_start",
 ]
 
 MAX_BACKOFF_ATTEMPT: Final = 5
@@ -49,6 +110,18 @@ AUTOMATIC_RECOVERY_DISABLED: Final = "Automatic recovery is disabled: "
 def retry_delay(attempt: int) -> float:
     """Seconds before the next try: ``min(1 s · 2^min(attempt, 5), 30 s)``."""
     return float(min(BASE_DELAY * 2 ** min(max(attempt, 0), MAX_BACKOFF_ATTEMPT), MAX_DELAY))
+
+
+CAPPED_DELAY: Final = retry_delay(MAX_BACKOFF_ATTEMPT)
+"""The backoff's ceiling: where no durable attempt counter exists, it keeps a step that always
+fails from becoming a hot loop."""
+
+
+def backoff(allocation: Allocation) -> float:
+    """The delay before ``allocation``'s next try, from its durable attempt counters."""
+    # Both counters: replacements of one allocation back off across generations, and a
+    # sidecar that becomes ready resets them.
+    return retry_delay(allocation.ensure_attempts + allocation.destroy_attempts)
 
 
 # -- outcomes of a plugin call ---------------------------------------------------------------
@@ -68,9 +141,10 @@ class TimedOut:
 
 EnsureOutcome = Accepted | Rejected | Raised | TimedOut
 DestroyOutcome = Destroyed | DestroyRejected | Raised | TimedOut
+PluginOutcome = EnsureOutcome | DestroyOutcome
 
 
-def effect_phase(outcome: EnsureOutcome | DestroyOutcome) -> Phase:
+def effect_phase(outcome: PluginOutcome) -> Phase:
     """The ledger phase that records ``outcome``."""
     if isinstance(outcome, Accepted | Destroyed):
         return Phase.COMMITTED
@@ -79,36 +153,80 @@ def effect_phase(outcome: EnsureOutcome | DestroyOutcome) -> Phase:
     return Phase.FAILED
 
 
-# -- after ensure --------------------------------------------------------------------------------
+def outcome_text(kind: str, outcome: PluginOutcome) -> tuple[str | None, str | None]:
+    """The ledger's error code and message for the outcome of a ``kind`` call."""
+    if isinstance(outcome, Rejected | DestroyRejected):
+        return outcome.code, outcome.message
+    if isinstance(outcome, TimedOut):
+        return f"{kind}_timeout", f"{kind} did not finish within operation_timeout"
+    if isinstance(outcome, Raised):
+        return f"{kind}_failed", outcome.message
+    return None, None
 
 
-@attrs.frozen
-class MarkAllocated:
-    external_ref: str | None
+# -- abandoning a sidecar ----------------------------------------------------------------------
 
 
-@attrs.frozen
-class Replace:
-    failure: Failure
+def replacement_becomes_release(status: Status, *, automatic_recovery: bool) -> bool:
+    """Replacing an allocated sidecar while automatic recovery is off releases it instead."""
+    return status is Status.ALLOCATED and not automatic_recovery
 
 
-@attrs.frozen
-class Fail:
-    failure: Failure
+def abandon(
+    allocation: Allocation,
+    failure: Failure,
+    *,
+    automatic_recovery: bool,
+    initialization_incomplete: bool = False,
+    connection_seq: int | None = None,
+) -> Abandon:
+    """Give up ``allocation``'s sidecar for ``failure``: a replacement after the backoff, or a
+    release. Guarded on the initialization marker the claim found
+    (``initialization_incomplete``) or on the connection number it saw; when the guard no
+    longer holds, the ordinary path is retried at once instead."""
+    guarded = initialization_incomplete or connection_seq is not None
+    release = replacement_becomes_release(allocation.status, automatic_recovery=automatic_recovery)
+    if release:
+        # A release is due at once: it only destroys, and no backoff protects anything.
+        expected, delay = Status.ALLOCATED, 0.0
+        failure = Failure(failure.code, AUTOMATIC_RECOVERY_DISABLED + failure.message)
+    else:
+        expected = (
+            Status.ALLOCATED if allocation.status is Status.ALLOCATED else Status.PROVISIONING
+        )
+        delay = backoff(allocation)
+    return Abandon(
+        release=release,
+        expected=expected,
+        delay=delay,
+        failure=failure,
+        only_if_initialization_incomplete=initialization_incomplete,
+        expected_initialization_lease_id=(
+            allocation.initialization_lease_id if initialization_incomplete else None
+        ),
+        expected_connection_seq=connection_seq,
+        otherwise=Retry(expected=allocation.status, delay=0) if guarded else None,
+    )
 
 
-def after_ensure(outcome: EnsureOutcome) -> MarkAllocated | Replace | Fail:
+# -- after ensure and destroy ------------------------------------------------------------------
+
+
+def after_ensure(
+    outcome: EnsureOutcome, allocation: Allocation, *, automatic_recovery: bool
+) -> MarkAllocated | Abandon | FailNow:
+    """What ensure's outcome makes of a provisioning ``allocation``."""
     if isinstance(outcome, Accepted):
         return MarkAllocated(outcome.external_ref)
     if isinstance(outcome, Rejected):
         failure = Failure(outcome.code, outcome.message)
-        return Replace(failure) if outcome.retryable else Fail(failure)
-    if isinstance(outcome, TimedOut):
-        return Replace(Failure("ensure_failed", "ensure did not finish within operation_timeout"))
-    return Replace(Failure("ensure_failed", outcome.message))
-
-
-# -- after destroy -------------------------------------------------------------------------------
+        if not outcome.retryable:
+            return FailNow(expected=Status.PROVISIONING, failure=failure)
+    elif isinstance(outcome, TimedOut):
+        failure = Failure("ensure_failed", "ensure did not finish within operation_timeout")
+    else:
+        failure = Failure("ensure_failed", outcome.message)
+    return abandon(allocation, failure, automatic_recovery=automatic_recovery)
 
 
 @attrs.frozen
@@ -116,27 +234,26 @@ class Proceed:
     """The old sidecar is gone: go on to rebind or to release."""
 
 
-@attrs.frozen
-class RetryDestroy:
-    failure: Failure
-
-
-@attrs.frozen
-class DestroyFailed:
-    failure: Failure
-
-
-def after_destroy(outcome: DestroyOutcome) -> Proceed | RetryDestroy | DestroyFailed:
+def after_destroy(
+    outcome: DestroyOutcome, allocation: Allocation
+) -> Proceed | Retry | MarkDestroyFailed:
+    """What destroy's outcome makes of a replacing or releasing ``allocation``."""
     if isinstance(outcome, Destroyed):
         return Proceed()
     if isinstance(outcome, DestroyRejected):
         failure = Failure(outcome.code, outcome.message)
-        return RetryDestroy(failure) if outcome.retryable else DestroyFailed(failure)
-    if isinstance(outcome, TimedOut):
-        return RetryDestroy(
-            Failure("destroy_failed", "destroy did not finish within operation_timeout")
-        )
-    return RetryDestroy(Failure("destroy_failed", outcome.message))
+        if not outcome.retryable:
+            return MarkDestroyFailed(failure)
+    elif isinstance(outcome, TimedOut):
+        failure = Failure("destroy_failed", "destroy did not finish within operation_timeout")
+    else:
+        failure = Failure("destroy_failed", outcome.message)
+    return Retry(
+        expected=allocation.status,
+        delay=retry_delay(allocation.destroy_attempts),
+        attempt_kind=AttemptKind.DESTROY,
+        failure=failure,
+    )
 
 
 # -- what a claim does -----------------------------------------------------------------------
@@ -171,63 +288,119 @@ def step_for(status: Status, *, initialization_recorded: bool) -> Step:
     return Step.NOTHING
 
 
-class _Bindable(Protocol):
-    """What a binding check needs of a provisioner (the plugin protocol's identity)."""
+def abandon_unsettled(
+    step: Step, allocation: Allocation, *, automatic_recovery: bool
+) -> Abandon | None:
+    """The write for a claim whose ``step`` finds an earlier claim's work unsettled: ensure
+    bound but its acceptance never recorded, or an initialization recorded but never
+    completed. ``None`` for any other step."""
+    if step is Step.REPLACE_UNKNOWN_ENSURE:
+        failure = Failure(
+            "ensure_outcome_unknown", "a hub stopped before ensure's acceptance was recorded"
+        )
+        return abandon(allocation, failure, automatic_recovery=automatic_recovery)
+    if step is Step.REPLACE_UNCERTAIN_INITIALIZATION:
+        failure = Failure(
+            "sidecar_initialization_uncertain",
+            "a previous initialization did not record completion",
+        )
+        return abandon(
+            allocation,
+            failure,
+            automatic_recovery=automatic_recovery,
+            initialization_incomplete=True,
+        )
+    return None
 
-    @property
-    def api_version(self) -> str: ...
 
-    @property
-    def binding_fingerprint(self) -> str: ...
+def after_error(error: BaseException) -> Park:
+    """A claim that failed with ``error`` parks; the row keeps its status."""
+    failure = Failure("reconcile_error", f"{type(error).__name__}: {error}")
+    return Park(mode=ParkMode.RETRY_AFTER_ERROR, delay=CAPPED_DELAY, failure=failure)
 
 
-def provisioner_mismatch(
+def wake_on_start(allocation: Allocation) -> bool:
+    """Whether start-up repair makes an active row due now: only an unscheduled row that is
+    not allocated (allocated rows are the connection repair's). Moving an existing schedule
+    earlier would erase a provisioner's backoff on every restart."""
+    return allocation.status is not Status.ALLOCATED and allocation.next_attempt_at is None
+
+
+# -- waiting for the sidecar's connect ---------------------------------------------------------
+
+
+def seconds_until(moment: datetime | None, *, db_anchor: datetime, elapsed: float) -> float:
+    """Seconds from now to ``moment`` on the database clock, estimated as ``elapsed`` local
+    seconds after ``db_anchor`` (a row's own timestamp: no local wall clock involved); 0 when
+    there is no moment."""
+    if moment is None:
+        return 0.0
+    return (moment - (db_anchor + timedelta(seconds=elapsed))).total_seconds()
+
+
+def connect_window(remaining: float, operation_timeout: float) -> float:
+    """How long one claim waits for the sidecar's connect, ``remaining`` seconds before its
+    deadline: up to the deadline, at most one ``operation_timeout`` (a claim holds a slot
+    while it waits); 0 once the deadline has passed."""
+    return max(0.0, min(remaining, operation_timeout))
+
+
+def deadline_passed(remaining: float) -> str:
+    """Why no window is left: the deadline passed ``-remaining`` seconds ago."""
+    return f"the sidecar did not connect before its deadline ({-remaining:.0f}s ago)"
+
+
+def await_connection(connection_seq: int) -> Park:
+    """Park until the connect deadline; fenced on the connection number the claim saw, so a
+    connect recorded since (on any replica) makes the row due now instead."""
+    return Park(mode=ParkMode.AWAIT_CONNECTION, delay=CAPPED_DELAY, connection_seq=connection_seq)
+
+
+def unless_connected(readiness: Readiness) -> Park | None:
+    """``None`` when the sidecar holds a live record (go on to ready), else park for it."""
+    return None if readiness.connected else await_connection(readiness.connection_seq)
+
+
+def after_connect_window(
+    allocation: Allocation,
     *,
-    provisioner_id: str,
-    bound_api_version: str | None,
-    bound_fingerprint: str | None,
-    configured: Mapping[str, _Bindable],
-) -> str | None:
-    """Why the configured provisioners cannot serve an allocation bound as given, in words an
-    operator can act on; ``None`` when the one it names can.
+    remaining: float,
+    window: float,
+    seen: Readiness,
+    missed: str,
+    automatic_recovery: bool,
+) -> Park | Abandon:
+    """No connect came in a window of ``window`` seconds, ``remaining`` before the deadline
+    (``missed`` says how the wait ended). Before the deadline, give the slot back and park;
+    at it, abandon the sidecar, fenced on the connection number seen, so one that connected
+    anywhere since is not abandoned for not connecting."""
+    if remaining > window:
+        return await_connection(seen.connection_seq)
+    return abandon(
+        allocation,
+        Failure("sidecar_connect_failed", missed),
+        automatic_recovery=automatic_recovery,
+        connection_seq=seen.connection_seq,
+    )
 
-    Fingerprints are digests of where sidecars run, not secrets; the first 12 hex characters
-    tell two bindings apart in a log line.
-    """
-    provisioner = configured.get(provisioner_id)
-    if provisioner is None:
-        known = ", ".join(sorted(configured)) or "none"
-        return (
-            f"provisioner {provisioner_id} is not configured on this daemon (configured: "
-            f"{known}); add it to [[provisioners]], or let a daemon that has it finish this "
-            "allocation"
+
+def after_on_ready(
+    error: Exception, allocation: Allocation, *, automatic_recovery: bool
+) -> Abandon | Retry:
+    """The on_ready hook raised ``error``. A hook that timed out may still be running, or may
+    have done half its work: like one that says so, its outcome is uncertain, and the sidecar
+    is abandoned while the marker still stands. Any other error is a clean failure: clear the
+    marker and retry, capped, since no durable counter exists for hook attempts."""
+    if isinstance(error, InitializationUncertain | OperationTimeout):
+        return abandon(
+            allocation,
+            Failure("sidecar_initialization_uncertain", str(error)),
+            automatic_recovery=automatic_recovery,
+            initialization_incomplete=True,
         )
-    if bound_api_version not in (None, provisioner.api_version):
-        return (
-            f"provisioner {provisioner_id} speaks api_version {provisioner.api_version}, but this "
-            f"allocation was bound with api_version {bound_api_version}; run the plugin version "
-            "it was bound with to finish it"
-        )
-    if bound_fingerprint not in (None, provisioner.binding_fingerprint):
-        assert bound_fingerprint is not None
-        return (
-            f"provisioner {provisioner_id} binding changed: this allocation was bound to "
-            f"fingerprint {bound_fingerprint[:12]}, the configured one is "
-            f"{provisioner.binding_fingerprint[:12]} (its options that decide where sidecars "
-            "run differ, e.g. hubd dev and hubd run on one database); serve it from a daemon "
-            "configured as when it was bound, or restore those options"
-        )
-    return None
-
-
-def unavailable_provisioner(status: Status, problem: str) -> Fail | None:
-    """A missing or re-bound provisioner fails a pending allocation (nothing was provisioned);
-    any other status retries later (``None``), since infrastructure may exist."""
-    if status is Status.PENDING:
-        return Fail(Failure("provisioner_unavailable", problem))
-    return None
-
-
-def replacement_becomes_release(status: Status, *, automatic_recovery: bool) -> bool:
-    """Replacing an allocated sidecar while automatic recovery is off releases it instead."""
-    return status is Status.ALLOCATED and not automatic_recovery
+    return Retry(
+        expected=Status.ALLOCATED,
+        delay=CAPPED_DELAY,
+        failure=Failure("sidecar_initialization_failed", f"{type(error).__name__}: {error}"),
+        clear_initialization=True,
+    )

@@ -1,0 +1,313 @@
+"""One claim's run: the allocation as last written, its lease, and how it does I/O.
+
+A :class:`ClaimRun` lives from the claim to its final write; :mod:`hubd.reconciler.steps` drives
+it. Every external operation it runs (store calls, plugin calls bracketed in the ledger, hooks,
+waits for a connect) runs under a time limit and the claim's cancellation, plugin calls and
+hooks after re-checking the lease. Its writes are values decided in
+:mod:`hubd.reconciler.decisions`, carried out by :func:`hubd.reconciler.executor.apply`.
+
+A claim that cannot prove it still owns the lease stops at once and writes nothing more: the
+durable schedule survives, and the lease expires on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+import attrs
+from structlog.typing import FilteringBoundLogger
+
+from hubd.errors import LeaseLost, OperationTimeout, PluginError, StoreError
+from hubd.plugins.protocol import (
+    Accepted,
+    Destroyed,
+    DestroyRejected,
+    Ownership,
+    Provisioner,
+    Rejected,
+)
+from hubd.reconciler import executor
+from hubd.reconciler.clock import Clock, wait_settled
+from hubd.reconciler.decisions import Raised, TimedOut, effect_phase, outcome_text
+from hubd.reconciler.lease import LeaseKeeper
+from hubd.reconciler.observer import ReconcilerObserver
+from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings
+from hubd.reconciler.work import LocalWork
+from hubd.reconciler.writes import Write
+from hubd.routing import Router, Target
+from hubd.store.allocations import AllocationStore
+from hubd.store.connections import ConnectionStore
+from hubd.store.ledger import LedgerStore, new_effect_id
+from hubd.store.models import Allocation, Fence, Phase
+
+__all__ = ["ClaimRun", "ClaimServices"]
+
+T = TypeVar("T")
+R = TypeVar("R", bound=Accepted | Rejected | Destroyed | DestroyRejected)
+
+
+@attrs.frozen(kw_only=True)
+class ClaimServices:
+    """What every claim of one reconciler shares."""
+
+    store: AllocationStore
+    ledger: LedgerStore
+    connections: ConnectionStore
+    provisioners: Mapping[str, Provisioner]
+    router: Router
+    hub_ws_url: str
+    settings: ReconcilerSettings
+    on_ready: Hook | None
+    on_initialization_recovery: Hook | None
+    clock: Clock
+    work: LocalWork
+    observer: ReconcilerObserver
+    active: Mapping[str, ClaimRun]
+    """The reconciler's claims in progress, by allocation."""
+    create_sidecar_id: Callable[[], str]
+    create_token: Callable[[], str]
+
+
+@attrs.define(eq=False, kw_only=True)
+class ClaimRun:
+    """A claim in progress: the allocation as last written, and how long the lease is ours."""
+
+    services: ClaimServices
+    allocation: Allocation
+    lease_id: str
+    lease: LeaseKeeper
+    db_anchor: datetime
+    local_anchor: float
+    log: FilteringBoundLogger
+    lost: LeaseLost | None = None
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(
+            allocation_id=self.allocation.id,
+            lease_id=self.lease_id,
+            generation=self.allocation.generation,
+        )
+
+    @property
+    def target(self) -> Target:
+        return Target(self.allocation.id, self.allocation.generation)
+
+    def owns(self) -> bool:
+        """Still owned by the local reckoning: not lost, local lease deadline not passed."""
+        return self.lost is None and not self.lease.expired
+
+    def ownership(self) -> Ownership:
+        """What a plugin call checks at the point of effect (see :class:`Ownership`)."""
+        return Ownership(
+            still_owned=self.owns,
+            deadline=lambda: self.lease.deadline,
+            deadline_utc=lambda: (
+                self.db_anchor + timedelta(seconds=self.lease.deadline - self.local_anchor)
+            ),
+        )
+
+    # -- running operations ------------------------------------------------------------------
+
+    async def op(self, coro: Coroutine[Any, Any, T], what: str, limit: float | None = None) -> T:
+        """Run an external operation under a time limit and the claim's cancellation.
+
+        A late or cancelled operation is asked to stop, but stays tracked until it settles, so
+        its allocation stays excluded from claims meanwhile.
+        """
+        # Cancellation is how a lost lease stops the claim, but a library can swallow one (on
+        # Python 3.11 asyncio.wait_for may): the recorded loss is checked as well, so a claim
+        # that lost its lease starts nothing more, whatever became of the cancellation.
+        if self.lost is not None:
+            coro.close()
+            raise self.lost
+        s = self.services
+        limit = s.settings.operation_timeout if limit is None else limit
+        task = s.work.spawn(
+            coro, allocation_id=self.allocation.id, name=f"{what} {self.allocation.id}"
+        )
+        try:
+            settled = await wait_settled(s.clock, task, limit)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not settled:
+            task.cancel()
+            raise OperationTimeout(f"{what} did not finish within {limit:g}s")
+        return task.result()
+
+    async def write(self, coro: Coroutine[Any, Any, Allocation | None], what: str) -> Allocation:
+        """A fenced transition that must match: ``None`` means the claim is lost."""
+        updated = await self.op(coro, what)
+        if updated is None:
+            raise LeaseLost(f"{what}: the fence matched nothing")
+        self.track(updated)
+        return updated
+
+    def track(self, allocation: Allocation) -> None:
+        if allocation.status is not self.allocation.status:
+            self.services.observer.transition(str(self.allocation.status), str(allocation.status))
+        self.allocation = allocation
+        self.db_anchor = allocation.updated_at
+        self.local_anchor = self.services.clock.monotonic()
+
+    def abort(self, cause: LeaseLost) -> None:
+        if self.lost is None:
+            self.lost = cause
+        task = self.task
+        # Inside the claim's own task the caller raises instead: cancelling ourselves would
+        # surface at some unrelated await further down the error path.
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+    async def queue_step(self, step: Callable[[], Awaitable[None]]) -> None:
+        """Run ``step`` in the allocation's queue, after connection events queued before it."""
+        s = self.services
+        if s.active.get(self.allocation.id) is not self:
+            raise LeaseLost("the claim is no longer active")
+
+        async def guarded() -> None:
+            if self.lost is not None:
+                raise self.lost
+            await step()
+
+        task = s.work.enqueue(self.allocation.id, guarded, "reconciliation step")
+        if not await wait_settled(s.clock, task, s.settings.operation_timeout):
+            # Stop this claim without queueing another write behind the stalled step. The step
+            # itself stays queued until it settles: that keeps its order with later connection
+            # events, and keeps the allocation excluded from new claims.
+            cause = LeaseLost("a queued step did not settle within operation_timeout")
+            self.abort(cause)
+            raise cause
+        task.result()
+
+    async def finish(
+        self, write: Callable[[], Coroutine[Any, Any, Allocation | None]]
+    ) -> Allocation | None:
+        """End the claim with a queued write; the row it wrote, or ``None`` if the claim was
+        lost."""
+        written: Allocation | None = None
+
+        async def step() -> None:
+            nonlocal written
+            written = await write()
+            if written is None:
+                self.log.info("final write matched nothing; the claim was lost")
+            elif written.status is not self.allocation.status:
+                self.services.observer.transition(str(self.allocation.status), str(written.status))
+
+        await self.queue_step(step)
+        return written
+
+    async def apply(self, write: Write) -> None:
+        await executor.apply(self, write)
+
+    async def with_lease(
+        self,
+        what: str,
+        call: Callable[[HookContext], Coroutine[Any, Any, T]],
+        limit: float | None = None,
+    ) -> T:
+        """Re-check the lease, then run an external call under the claim."""
+        try:
+            current = await self.op(self.services.store.lease_is_current(self.fence), "lease check")
+        except (OperationTimeout, StoreError) as exc:
+            raise LeaseLost(f"the lease could not be confirmed: {exc}") from exc
+        if not current:
+            raise LeaseLost("the lease is no longer current")
+        if self.lease.expired:
+            cause = LeaseLost("the local lease deadline passed")
+            self.abort(cause)
+            raise cause
+        context = HookContext(
+            allocation_id=self.allocation.id,
+            generation=self.allocation.generation,
+            lease_id=self.lease_id,
+        )
+        return await self.op(call(context), what, limit)
+
+    async def call_plugin(
+        self,
+        kind: str,
+        call: Callable[[], Coroutine[Any, Any, object]],
+        check: Callable[[object], R],
+    ) -> R | Raised | TimedOut:
+        """One plugin call, bracketed in the ledger by its intent and its outcome."""
+        s = self.services
+        effect_id = new_effect_id()
+        status = self.allocation.status
+        recorded = await self.op(
+            s.ledger.record_effect(
+                self.fence, effect_id=effect_id, kind=kind, phase=Phase.INTENT, status=status
+            ),
+            "record intent",
+        )
+        if not recorded:
+            raise LeaseLost(f"{kind} intent: the fence matched nothing")
+        started = s.clock.monotonic()
+        outcome: R | Raised | TimedOut
+        try:
+            outcome = check(await self.with_lease(kind, lambda _context: call()))
+        except (LeaseLost, asyncio.CancelledError):
+            # No outcome is written: the next owner records this call as ambiguous.
+            raise
+        except OperationTimeout:
+            outcome = TimedOut()
+        except PluginError as exc:
+            outcome = Raised(str(exc))
+            self._log_plugin_exception(kind)
+        except Exception as exc:  # noqa: BLE001 -- any failure of a plugin is an outcome
+            outcome = Raised(f"{type(exc).__name__}: {exc}")
+            self._log_plugin_exception(kind)
+        if not self.owns():
+            # The call came back after the local deadline (the process was paused, say): the
+            # deadline wins over whatever the plugin says, and nothing is written. The next
+            # owner settles this call as ambiguous.
+            cause = self.lost or LeaseLost(f"{kind} returned after the local lease deadline")
+            self.abort(cause)
+            raise cause
+        duration_ms = (s.clock.monotonic() - started) * 1000
+        s.observer.plugin_call(
+            self.allocation.provisioner_id, kind, duration_ms / 1000, type(outcome).__name__
+        )
+        code, message = outcome_text(kind, outcome)
+        recorded = await self.op(
+            s.ledger.record_effect(
+                self.fence,
+                effect_id=effect_id,
+                kind=kind,
+                phase=effect_phase(outcome),
+                status=status,
+                error_code=code,
+                message=message,
+                duration_ms=duration_ms,
+            ),
+            "record outcome",
+        )
+        if not recorded:
+            raise LeaseLost(f"{kind} outcome: the fence matched nothing")
+        self.log.info(
+            f"{kind} finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1)
+        )
+        return outcome
+
+    def _log_plugin_exception(self, kind: str) -> None:
+        """A plugin's exception, with its traceback, for the plugin's author: at warning the
+        first time for an allocation (no failed attempt recorded since it was last ready), at
+        debug after that, so a plugin that always raises does not flood the log. Called from
+        the ``except`` block that caught it."""
+        a = self.allocation
+        first = a.ensure_attempts + a.destroy_attempts == 0
+        say = self.log.warning if first else self.log.debug
+        say(
+            f"{kind} raised",
+            provisioner=a.provisioner_id,
+            hint="the traceback is the plugin's; later failures of this allocation log at debug"
+            if first
+            else None,
+            exc_info=True,
+        )

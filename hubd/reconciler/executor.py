@@ -1,0 +1,193 @@
+"""The executor: one function carries out every durable write a claim decides on.
+
+:func:`apply` maps a write value (:mod:`hubd.reconciler.writes`) to its one fenced statement
+and runs it on the path its kind calls for, then tells the router and the log what changed:
+
+- a write the claim goes on from (bind, mark allocated, begin initialization) or that ends the
+  allocation (fail, destroy failed, released) must match its fence, or the claim is lost;
+- a write that ends the claim (retry, park, mark ready, abandon) runs in the allocation's
+  queue (architecture §3), after connection events queued before it. An abandon whose guard
+  no longer holds writes its ``otherwise`` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from hubd.reconciler.writes import (
+    Abandon,
+    BeginInitialization,
+    BindInitial,
+    BindReplacement,
+    FailNow,
+    MarkAllocated,
+    MarkDestroyFailed,
+    MarkReady,
+    MarkReleased,
+    Park,
+    Retry,
+    Write,
+)
+from hubd.store.allocations import AllocationStore
+from hubd.store.models import Allocation, Fence
+
+if TYPE_CHECKING:
+    from hubd.reconciler.claim import ClaimRun
+
+__all__ = ["apply", "statement"]
+
+Statement = Coroutine[Any, Any, Allocation | None]
+
+
+def statement(store: AllocationStore, fence: Fence, write: Write) -> Statement:
+    """The fenced statement that carries ``write`` out (not yet awaited)."""
+    match write:
+        case BindInitial():
+            return store.bind_initial_sidecar(
+                fence,
+                sidecar_id=write.sidecar_id,
+                token_hash=write.token_hash,
+                connect_timeout=write.connect_timeout,
+                api_version=write.api_version,
+                binding_fingerprint=write.binding_fingerprint,
+            )
+        case BindReplacement():
+            return store.bind_replacement_sidecar(
+                fence,
+                sidecar_id=write.sidecar_id,
+                token_hash=write.token_hash,
+                connect_timeout=write.connect_timeout,
+            )
+        case MarkAllocated():
+            return store.mark_allocated(fence, external_ref=write.external_ref)
+        case BeginInitialization():
+            return store.begin_initialization(fence)
+        case MarkReady():
+            return store.mark_connection_ready(fence, connection_seq=write.connection_seq)
+        case Retry():
+            return store.schedule_retry(
+                fence,
+                expected_status=write.expected,
+                delay=write.delay,
+                attempt=write.attempt_kind,
+                failure=write.failure,
+                clear_initialization=write.clear_initialization,
+            )
+        case Park():
+            return store.park(
+                fence,
+                mode=write.mode,
+                delay=write.delay,
+                failure=write.failure,
+                connection_seq=write.connection_seq,
+            )
+        case Abandon(release=True):
+            return store.begin_unrecoverable_release(
+                fence, failure=write.failure, **_abandon_guard(write)
+            )
+        case Abandon():
+            return store.begin_replacement(
+                fence,
+                expected_status=write.expected,
+                delay=write.delay,
+                failure=write.failure,
+                **_abandon_guard(write),
+            )
+        case FailNow():
+            return store.fail_without_infrastructure(
+                fence, expected_status=write.expected, failure=write.failure
+            )
+        case MarkDestroyFailed():
+            return store.mark_destroy_failed(fence, failure=write.failure)
+        case MarkReleased():
+            return store.mark_released(fence)
+
+
+class _AbandonGuard(TypedDict):
+    only_if_initialization_incomplete: bool
+    expected_initialization_lease_id: str | None
+    expected_connection_seq: int | None
+
+
+def _abandon_guard(write: Abandon) -> _AbandonGuard:
+    """The guards a replacement and a release share, as the store takes them."""
+    return _AbandonGuard(
+        only_if_initialization_incomplete=write.only_if_initialization_incomplete,
+        expected_initialization_lease_id=write.expected_initialization_lease_id,
+        expected_connection_seq=write.expected_connection_seq,
+    )
+
+
+_WHAT: dict[type[Write], str] = {
+    BindInitial: "bind sidecar",
+    BindReplacement: "bind sidecar",
+    MarkAllocated: "mark allocated",
+    BeginInitialization: "begin initialization",
+    FailNow: "fail",
+    MarkDestroyFailed: "mark destroy failed",
+    MarkReleased: "mark released",
+}
+
+
+async def apply(run: ClaimRun, write: Write) -> None:
+    """Carry ``write`` out for ``run``. Raises :class:`~hubd.errors.LeaseLost` when a write the
+    claim goes on from matches nothing; a final write that matches nothing ends the claim."""
+    store, fence = run.services.store, run.fence
+    if isinstance(write, Abandon):
+        await _abandon(run, write)
+        return
+    if isinstance(write, Retry | Park | MarkReady):
+        written = await run.finish(functools.partial(statement, store, fence, write))
+        if written is not None:
+            _report_final(run, write, written)
+        return
+    done = await run.write(statement(store, fence, write), _WHAT[type(write)])
+    router = run.services.router
+    if isinstance(write, BindInitial | BindReplacement):
+        router.fence(done.id, done.generation)
+    elif isinstance(write, FailNow):
+        router.retire(done.id, done.generation)
+        run.log.warning("failed", code=write.failure.code, message=write.failure.message)
+    elif isinstance(write, MarkDestroyFailed):
+        router.retire(done.id, done.generation)
+        run.log.error("destroy failed for good", code=write.failure.code)
+    elif isinstance(write, MarkReleased):
+        router.retire(done.id, done.generation)
+        run.log.info("released")
+
+
+def _report_final(run: ClaimRun, write: Retry | Park | MarkReady, written: Allocation) -> None:
+    if isinstance(write, MarkReady):
+        if written.connection_ready:
+            run.log.info("ready")
+        else:
+            run.log.info("a connection event arrived during initialization; following up")
+    elif isinstance(write, Park) and write.connection_seq not in (None, written.connection_seq):
+        run.log.info("a connection event arrived while the claim looked; due now")
+
+
+async def _abandon(run: ClaimRun, write: Abandon) -> None:
+    s, fence, status = run.services, run.fence, run.allocation.status
+    guard_failed = False
+
+    async def step() -> None:
+        nonlocal guard_failed
+        updated = await statement(s.store, fence, write)
+        if updated is None:
+            # The guard no longer holds, or the lease was lost (then ``otherwise`` matches
+            # nothing either).
+            guard_failed = True
+            return
+        s.observer.transition(str(status), str(updated.status))
+        # Advance the fence before this step settles and the allocation becomes claimable
+        # again, so the abandoned sidecar cannot linger connected.
+        s.router.fence(updated.id, updated.generation)
+        run.log.warning("abandoning the sidecar", code=write.failure.code, to=str(updated.status))
+
+    await run.queue_step(step)
+    if guard_failed and write.otherwise is not None:
+        # The initialization completed (or its marker changed hands), or a connection was
+        # recorded, since this claim looked: retry the ordinary path at once.
+        await apply(run, write.otherwise)

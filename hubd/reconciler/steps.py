@@ -1,0 +1,247 @@
+"""The steps a claim takes, by status (architecture §1), over one :class:`ClaimRun`.
+
+Each step does its I/O (plugin calls, hooks, readiness look-ups, waits for a connect) through
+the claim, asks :mod:`hubd.reconciler.decisions` what the outcome means, and applies the write
+it answers with. Nothing here decides a delay, a failure text or an expected status.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hubd.errors import LeaseLost, SidecarNotConnected
+from hubd.plugins.protocol import (
+    DestroyRequest,
+    EnsureRequest,
+    Provisioner,
+    check_destroy_result,
+    check_ensure_result,
+)
+from hubd.reconciler.claim import ClaimRun
+from hubd.reconciler.decisions import (
+    Proceed,
+    Step,
+    abandon_unsettled,
+    after_connect_window,
+    after_destroy,
+    after_ensure,
+    after_on_ready,
+    connect_window,
+    deadline_passed,
+    seconds_until,
+    step_for,
+    unless_connected,
+)
+from hubd.reconciler.eligibility import provisioner_problem, provisioner_unavailable
+from hubd.reconciler.settings import hook_call
+from hubd.reconciler.writes import (
+    BeginInitialization,
+    BindInitial,
+    BindReplacement,
+    MarkAllocated,
+    MarkReady,
+    MarkReleased,
+    Retry,
+)
+from hubd.store.connections import Readiness
+from hubd.store.models import Status
+from hubd.tokens import hash_token
+
+__all__ = ["reconcile"]
+
+
+async def reconcile(run: ClaimRun) -> None:
+    """Take the step the claimed status calls for (architecture §1)."""
+    s, a = run.services, run.allocation
+    automatic_recovery = s.settings.automatic_replacement_recovery
+    s.router.fence(a.id, a.generation)
+    if a.status.terminal:
+        return
+    if a.status in (Status.PROVISIONING, Status.REPLACING, Status.RELEASING):
+        settled = await run.op(s.ledger.settle_open_effects(run.fence), "settle open effects")
+        if settled:
+            run.log.warning("earlier plugin calls ended without an outcome", count=settled)
+    if a.status is Status.ALLOCATED and s.on_initialization_recovery is not None:
+        recovery = hook_call(s.on_initialization_recovery, a)
+        await run.with_lease("initialization recovery", recovery)
+
+    problem = provisioner_problem(a, s.provisioners)
+    if problem is not None:
+        unavailable = provisioner_unavailable(a, problem)
+        if isinstance(unavailable, Retry):
+            run.log.warning("provisioner unavailable; retrying later", problem=problem)
+        await run.apply(unavailable)
+        return
+    provisioner = s.provisioners[a.provisioner_id]
+
+    step = step_for(a.status, initialization_recorded=a.initialization_lease_id is not None)
+    unsettled = abandon_unsettled(step, a, automatic_recovery=automatic_recovery)
+    if unsettled is not None:
+        await run.apply(unsettled)
+    elif step is Step.BIND_AND_ENSURE:
+        await _bind_and_ensure(run, provisioner, replacement=False)
+    elif step is Step.WAIT_UNTIL_READY:
+        await _wait_until_ready(run)
+    elif step is Step.DESTROY_THEN_REBIND:
+        if await _destroy_current(run, provisioner):
+            await _bind_and_ensure(run, provisioner, replacement=True)
+    elif step is Step.DESTROY_THEN_RELEASE and await _destroy_current(run, provisioner):
+        await run.apply(MarkReleased())
+
+
+async def _bind_and_ensure(run: ClaimRun, provisioner: Provisioner, *, replacement: bool) -> None:
+    s = run.services
+    token = s.create_token()
+    bind: BindInitial | BindReplacement
+    if replacement:
+        bind = BindReplacement(
+            sidecar_id=s.create_sidecar_id(),
+            token_hash=hash_token(token),
+            connect_timeout=s.settings.connect_timeout,
+        )
+    else:
+        bind = BindInitial(
+            sidecar_id=s.create_sidecar_id(),
+            token_hash=hash_token(token),
+            connect_timeout=s.settings.connect_timeout,
+            api_version=provisioner.api_version,
+            binding_fingerprint=provisioner.binding_fingerprint,
+        )
+    await run.apply(bind)
+    await _accept_ensure(run, provisioner, token)
+
+
+async def _accept_ensure(run: ClaimRun, provisioner: Provisioner, token: str) -> None:
+    s, a = run.services, run.allocation
+    assert a.sidecar_id is not None
+    request = EnsureRequest(
+        allocation_id=a.id,
+        generation=a.generation,
+        tenant_id=a.tenant_id,
+        session_id=a.session_id,
+        spec=a.spec,
+        sidecar_id=a.sidecar_id,
+        token=token,
+        hub_ws_url=s.hub_ws_url,
+        ownership=run.ownership(),
+    )
+    outcome = await run.call_plugin(
+        "ensure", functools.partial(provisioner.ensure, request), check_ensure_result
+    )
+    accepted = after_ensure(
+        outcome, a, automatic_recovery=s.settings.automatic_replacement_recovery
+    )
+    await run.apply(accepted)
+    if not isinstance(accepted, MarkAllocated):
+        return
+    # Acceptance and readiness are separate durable steps. Rather than hold a claim slot
+    # for the whole connect timeout, park until the connect deadline; the sidecar's
+    # connect (recorded on any replica) wakes the allocation, and one recorded since the
+    # look below makes the park itself fall through to "due now".
+    readiness = await _readiness(run)
+    park = unless_connected(readiness)
+    if park is None:
+        await _wait_until_ready(run, readiness)
+    else:
+        await run.apply(park)
+
+
+async def _readiness(run: ClaimRun) -> Readiness:
+    s = run.services
+    return await run.op(
+        s.connections.readiness(run.target, s.settings.instance_ttl), "readiness check"
+    )
+
+
+async def _wait_for_connect(run: ClaimRun, window: float) -> str | None:
+    """Wait up to ``window`` seconds for the sidecar's connect notification; how the wait
+    missed it, or ``None`` when one came."""
+    router, target = run.services.router, run.target
+    try:
+        await run.with_lease(
+            "sidecar connection",
+            lambda _context: router.wait_ready(target, window),
+            limit=window + run.services.settings.operation_timeout,
+        )
+    except SidecarNotConnected as exc:
+        return str(exc)
+    return None
+
+
+async def _wait_until_ready(run: ClaimRun, seen: Readiness | None = None) -> None:
+    s, a = run.services, run.allocation
+    automatic_recovery = s.settings.automatic_replacement_recovery
+    remaining = seconds_until(
+        a.connect_deadline,
+        db_anchor=run.db_anchor,
+        elapsed=s.clock.monotonic() - run.local_anchor,
+    )
+    # A readiness look-up that fails is not evidence the sidecar missed its deadline: the
+    # error propagates and the allocation is retried without giving up the generation.
+    readiness = seen or await _readiness(run)
+    if not readiness.connected:
+        window = connect_window(remaining, s.settings.operation_timeout)
+        if window > 0:
+            missed = await _wait_for_connect(run, window)
+        else:
+            # The look-up just before said "not connected" and no time is left to wait.
+            missed = deadline_passed(remaining)
+        if missed is not None:
+            missed_write = after_connect_window(
+                a,
+                remaining=remaining,
+                window=window,
+                seen=readiness,
+                missed=missed,
+                automatic_recovery=automatic_recovery,
+            )
+            await run.apply(missed_write)
+            return
+        # A notification is a hint: what counts is the record, and its number.
+        readiness = await _readiness(run)
+        park = unless_connected(readiness)
+        if park is not None:
+            await run.apply(park)
+            return
+
+    if s.on_ready is not None:
+        # The marker is durable before the hook runs: a crash inside the hook leaves it for
+        # the next claim, which then knows the initialization's outcome is uncertain.
+        await run.apply(BeginInitialization())
+        try:
+            await run.with_lease("on_ready", hook_call(s.on_ready, run.allocation))
+        except LeaseLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- any failure of a hook is an outcome
+            failed = after_on_ready(exc, run.allocation, automatic_recovery=automatic_recovery)
+            if isinstance(failed, Retry) and failed.failure is not None:
+                run.log.warning("on_ready hook failed", error=failed.failure.message)
+            await run.apply(failed)
+            return
+
+    # Fenced on the connection number seen above: a connect that landed during
+    # initialization, on any replica, may be a restarted sidecar whose takeover hid the
+    # disconnect, so the write becomes an immediate follow-up instead of "ready".
+    await run.apply(MarkReady(readiness.connection_seq))
+
+
+async def _destroy_current(run: ClaimRun, provisioner: Provisioner) -> bool:
+    """Destroy the bound sidecar; ``True`` when it is gone and the claim may go on."""
+    a = run.allocation
+    if a.sidecar_id is None:
+        return True
+    request = DestroyRequest(
+        allocation_id=a.id,
+        generation=a.generation,
+        sidecar_id=a.sidecar_id,
+        external_ref=a.external_ref,
+        ownership=run.ownership(),
+    )
+    outcome = await run.call_plugin(
+        "destroy", functools.partial(provisioner.destroy, request), check_destroy_result
+    )
+    destroyed = after_destroy(outcome, a)
+    if isinstance(destroyed, Proceed):
+        return True
+    await run.apply(destroyed)
+    return False
