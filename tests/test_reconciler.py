@@ -1010,3 +1010,35 @@ class TestReplacementBackoff:
         assert [entry["log_level"] for entry in raised] == ["warning", "debug"]
         assert all(entry["exc_info"] is True for entry in raised)
         assert raised[0]["provisioner"] == "fake"
+
+
+class TestLogLevels:
+    async def test_a_database_outage_mid_claim_is_a_warning(
+        self,
+        database_url: str,
+        store: AllocationStore,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A claim that meets a database that cannot answer logs a warning, not an error: an
+        outage is an expected condition, and the row is retried once it is back."""
+        import structlog.testing
+
+        own = await connect_database(database_url, pool_size=4)
+        reconciler = make_reconciler(own, router, provisioner)
+
+        async def ensure_then_lose_the_database(_request: object) -> object:
+            await own.pool.close()
+            return Accepted("ref")
+
+        provisioner.ensure_script.append(ensure_then_lose_the_database)
+        await store.request(provisioner_id="fake")
+        try:
+            with structlog.testing.capture_logs() as logs:
+                await reconciler.reconcile_next()
+                await reconciler.drain()
+        finally:
+            own.lease_pool.terminate()
+        failed = [e for e in logs if e["event"] == "reconciliation failed"]
+        assert failed
+        assert {e["log_level"] for e in failed} == {"warning"}

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
-from hubd.errors import LeaseLost, OperationTimeout, StoreError
+from hubd.errors import DatabaseUnavailable, LeaseLost, OperationTimeout, StoreError
 from hubd.plugins.protocol import Provisioner
 from hubd.reconciler.claim import ClaimRun, ClaimServices
 from hubd.reconciler.clock import Clock, SystemClock, wait_settled
@@ -228,7 +228,10 @@ class Reconciler:
             del self._active[aid]
 
     async def _park_after_error(self, claim: ClaimRun, error: BaseException) -> None:
-        claim.log.error("reconciliation failed", error=f"{type(error).__name__}: {error}")
+        # A database that cannot answer is an expected condition, handled by parking the row
+        # (or letting its lease lapse): a warning. Anything else is a fault worth an error.
+        report = claim.log.warning if isinstance(error, DatabaseUnavailable) else claim.log.error
+        report("reconciliation failed", error=f"{type(error).__name__}: {error}")
         if claim.lost is not None:
             return
         try:
