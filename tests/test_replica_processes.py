@@ -7,21 +7,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
 
 from hubd.store import AllocationStore, Status, connect_database
+from tests import test_daemon as daemon_tests
 from tests.balancer import Balancer
 from tests.daemonkit import (
     DaemonProcess,
     free_port,
-    kill_sidecars,
-    new_marker,
     sidecar_generations,
     sidecar_pids,
     write_config,
@@ -45,28 +42,11 @@ LEASE = 10.0  # lease_duration in daemonkit's config
 TTL = 5.0  # instance.ttl in daemonkit's config
 
 
-@pytest.fixture
-def marker() -> Iterator[str]:
-    value = new_marker()
-    try:
-        yield value
-    finally:
-        kill_sidecars(value)
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="hubd-r") as path:
-        yield Path(path)
-
-
-@pytest.fixture
-async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
-    db = await connect_database(database_url)
-    try:
-        yield AllocationStore(db, instance_id="observer")
-    finally:
-        await db.close()
+# The process tests' fixtures: a sidecar marker (its processes killed after the test), a
+# state dir, and an observer store on the test database.
+marker = daemon_tests.marker
+state_dir = daemon_tests.state_dir
+observer = daemon_tests.observer
 
 
 async def stays_put(
@@ -90,6 +70,38 @@ async def stays_put(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def kill_the_busiest(
+    dsn: str, observer: AllocationStore, daemons: list[DaemonProcess], ids: list[str]
+) -> tuple[float, int]:
+    """SIGKILL the replica holding the most sockets and wait until none is recorded on it and
+    every allocation is ready; returns the seconds that took and how many replicas held
+    sockets before."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        holders = await conn.fetch(
+            "SELECT i.pid, count(*) AS n FROM hubd_sidecar_connections c "
+            "JOIN hubd_instances i ON i.id = c.instance_id GROUP BY i.pid ORDER BY n DESC"
+        )
+        victim_pid = holders[0]["pid"]
+        victim = next(d for d in daemons if d.process and d.process.pid == victim_pid)
+        started = time.monotonic()
+        await victim.signal(signal.SIGKILL)
+        await victim.wait()
+
+        async def recovered() -> bool:
+            on_victim = await conn.fetchval(
+                "SELECT count(*) FROM hubd_sidecar_connections c "
+                "JOIN hubd_instances i ON i.id = c.instance_id WHERE i.pid = $1",
+                victim_pid,
+            )
+            return on_victim == 0 and await all_ready(observer, ids)
+
+        await poll_until(recovered, within=90, every=0.2)
+        return time.monotonic() - started, len(holders)
+    finally:
+        await conn.close()
 
 
 class TestDatabaseOutage:
@@ -228,34 +240,8 @@ class TestReplicaLoss:
             before = await generations(observer, ids)
             pids = sidecar_pids(marker)
             head = await ledger_head(database_url)
-            conn = await asyncpg.connect(database_url)
-            try:
-                holders = await conn.fetch(
-                    "SELECT i.pid, count(*) AS n FROM hubd_sidecar_connections c "
-                    "JOIN hubd_instances i ON i.id = c.instance_id GROUP BY i.pid ORDER BY n DESC"
-                )
-            finally:
-                await conn.close()
-            victim_pid = holders[0]["pid"]
-            victim = next(d for d in daemons if d.process and d.process.pid == victim_pid)
-            started = time.monotonic()
-            await victim.signal(signal.SIGKILL)
-            await victim.wait()
-
-            async def recovered() -> bool:
-                c = await asyncpg.connect(database_url)
-                try:
-                    on_victim = await c.fetchval(
-                        "SELECT count(*) FROM hubd_sidecar_connections c "
-                        "JOIN hubd_instances i ON i.id = c.instance_id WHERE i.pid = $1",
-                        victim_pid,
-                    )
-                finally:
-                    await c.close()
-                return on_victim == 0 and await all_ready(observer, ids)
-
-            await poll_until(recovered, within=90, every=0.2)
-            print(f"ready again {time.monotonic() - started:.1f}s after the kill")
+            took, _holders = await kill_the_busiest(database_url, observer, daemons, ids)
+            print(f"ready again {took:.1f}s after the kill")
             assert await generations(observer, ids) == before
             assert sidecar_pids(marker) == pids
             assert await abandoning_writes(database_url, ids, head) == []
@@ -296,33 +282,8 @@ class TestReplicaLoss:
             before = await generations(observer, ids)
             pids = sidecar_pids(marker)
             head = await ledger_head(database_url)
-            conn = await asyncpg.connect(database_url)
-            try:
-                holders = await conn.fetch(
-                    "SELECT i.pid, count(*) AS n FROM hubd_sidecar_connections c "
-                    "JOIN hubd_instances i ON i.id = c.instance_id GROUP BY i.pid ORDER BY n DESC"
-                )
-            finally:
-                await conn.close()
-            assert len(holders) > 1, "the balancer should spread sockets over the replicas"
-            victim_pid = holders[0]["pid"]
-            victim = next(d for d in daemons if d.process and d.process.pid == victim_pid)
-            await victim.signal(signal.SIGKILL)
-            await victim.wait()
-
-            async def recovered() -> bool:
-                c = await asyncpg.connect(database_url)
-                try:
-                    on_victim = await c.fetchval(
-                        "SELECT count(*) FROM hubd_sidecar_connections c "
-                        "JOIN hubd_instances i ON i.id = c.instance_id WHERE i.pid = $1",
-                        victim_pid,
-                    )
-                finally:
-                    await c.close()
-                return on_victim == 0 and await all_ready(observer, ids)
-
-            await poll_until(recovered, within=90, every=0.2)
+            _took, holders = await kill_the_busiest(database_url, observer, daemons, ids)
+            assert holders > 1, "the balancer should spread sockets over the replicas"
             assert await generations(observer, ids) == before
             assert sidecar_pids(marker) == pids
             assert await abandoning_writes(database_url, ids, head) == []
