@@ -248,6 +248,7 @@ class Measured:
     fds_after: int = 0
     readyz_worst: float = 0.0
     readyz_failures: int = 0
+    readyz_problems: list[str] = attrs.field(factory=list)
     legit: list[float] = attrs.field(factory=list)
     legit_failures: int = 0
     log_lines: int = 0
@@ -280,11 +281,13 @@ async def measure(
                 # A deadline for "answers at all", scaled for a loaded machine where this
                 # process is also the attacker; how fast it answers is the benchmark's to say.
                 async with asyncio.timeout(10):
-                    status, _ = await http_get(daemon.admin_url + "/readyz")
+                    status, body = await http_get(daemon.admin_url + "/readyz")
                 if status != 200:
                     result.readyz_failures += 1
-            except (OSError, TimeoutError):
+                    result.readyz_problems.append(f"{status} {body.strip()}")
+            except (OSError, TimeoutError) as exc:
                 result.readyz_failures += 1
+                result.readyz_problems.append(f"{type(exc).__name__}: {exc}")
             result.readyz_worst = max(result.readyz_worst, time.monotonic() - started)
             await asyncio.sleep(0.05)
 

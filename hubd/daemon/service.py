@@ -618,8 +618,9 @@ class Daemon:
             return "shutting down"
         if self._db is None or self._server is None:
             return "starting"
-        overdue = time.monotonic() - self._last_heartbeat > self.config.instance.ttl
-        if self._heartbeating_since is None or overdue:
+        # Unready only once the heartbeat is overdue by the TTL, as peers judge it: one failed
+        # beat under load is not an outage.
+        if time.monotonic() - self._last_heartbeat > self.config.instance.ttl:
             return "database unreachable"
         if self._listener is None or not self._listener.healthy:
             return "wake-up listener down"
