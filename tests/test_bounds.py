@@ -114,8 +114,9 @@ class TestHandshakeBounds:
     async def test_unfinished_handshakes_capped_in_total(
         self, db: Database, store: AllocationStore
     ) -> None:
-        """Over the total cap of unfinished handshakes, any address gets 503 at once."""
-        limits = ListenerLimits(max_handshakes=2)
+        """Over the total cap of unfinished handshakes, any address gets 503 at once while no
+        unfinished handshake is old enough to be evicted."""
+        limits = ListenerLimits(max_handshakes=2, handshake_eviction_age=1e9)
         async with running_hub(db, limits=limits) as hub:
             async with (
                 raw_socket(hub.server, source="127.0.0.2") as _,
@@ -126,6 +127,29 @@ class TestHandshakeBounds:
                     status, headers, _body = await http_status(reader)
                 assert status == 503
                 assert "retry-after" in headers
+            await eventually(lambda: hub.server.gate.sockets == 0)
+
+    async def test_stale_handshake_evicted_for_a_new_one(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """With every handshake slot held by sockets that never sent a byte, a legitimate
+        sidecar is not refused: the oldest unfinished handshake is aborted to make room."""
+        sidecar, _ = await sidecar_in(store, db)
+        limits = ListenerLimits(max_handshakes=2, handshake_eviction_age=0.0)
+        async with running_hub(db, limits=limits) as hub:
+            async with (
+                raw_socket(hub.server, source="127.0.0.2") as (oldest, _),
+                raw_socket(hub.server, source="127.0.0.3") as _,
+            ):
+                await eventually(lambda: hub.server.gate.handshakes == 2)
+                await legit_welcome(hub, sidecar)
+                async with asyncio.timeout(10):
+                    try:
+                        left = await oldest.read()
+                    except ConnectionResetError:
+                        left = b""
+                assert left == b""  # aborted, never answered
+                assert hub.server.stats.aborted["evicted by a newer handshake"] >= 1
             await eventually(lambda: hub.server.gate.sockets == 0)
 
     async def test_socket_cap(self, db: Database, store: AllocationStore) -> None:

@@ -72,6 +72,12 @@ class ListenerLimits:
     """Source addresses and allocations whose buckets are remembered; beyond it the fullest
     (least interesting) are forgotten first."""
     retry_after: int = 5
+    handshake_eviction_age: float = 1.0
+    """With every handshake slot taken, a new socket evicts the oldest unfinished handshake
+    that has run this long instead of being refused: a real sidecar finishes its handshake in
+    milliseconds, so slots held longer are the likeliest to be a half-open flood (the reason
+    nginx keeps `client_header_timeout` short), and a legitimate sidecar is not sent away to
+    wait out Retry-After behind them."""
 
 
 def connection_cap(requested: int, descriptor_limit: int, reserved: int) -> int:
@@ -250,3 +256,7 @@ class SourceGate:
     @property
     def sources(self) -> int:
         return len(self._per_source)
+
+    @property
+    def handshakes_full(self) -> bool:
+        return self.handshakes >= self.limits.max_handshakes

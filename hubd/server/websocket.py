@@ -162,13 +162,17 @@ class _SidecarConnection(ServerConnection):
         peer = transport.get_extra_info("peername")
         self.source = str(peer[0]) if peer else ""
         gate = self._hub.gate
-        refusal = gate.admit(self.source, self.loop.time())
+        now = self.loop.time()
+        if gate.handshakes_full:
+            self._hub.evict_stale_handshake(now)
+        refusal = gate.admit(self.source, now)
         if refusal is not None:
             self._refuse(refusal, early=True)
             return
         gate.opened(self.source)
         self._counted = True
         self._handshaking = True
+        self._hub.handshake_started(self, now)
 
     def handshake_over(self) -> None:
         """The handshake was decided (upgrade or refusal): its slot is free again."""
@@ -176,6 +180,12 @@ class _SidecarConnection(ServerConnection):
             self._handshaking = False
             self._scanner = None
             self._hub.gate.handshake_over(self.source)
+            self._hub.handshake_ended(self)
+
+    def evict(self) -> None:
+        """Give this unfinished handshake's slot to a newer socket: abort it."""
+        self.handshake_over()
+        self._abort("evicted by a newer handshake")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.handshake_over()
@@ -344,6 +354,8 @@ class SidecarServer:
         self._backlog = backlog
         self._server: Server | None = None
         self.stats = ServerStats()
+        # Unfinished handshakes in the order they started (dicts keep insertion order).
+        self._handshaking: dict[_SidecarConnection, float] = {}
 
     @classmethod
     def from_config(
@@ -538,6 +550,21 @@ class SidecarServer:
             status=rejection.status,
             reason=rejection.reason,
         )
+
+    def handshake_started(self, connection: _SidecarConnection, now: float) -> None:
+        self._handshaking[connection] = now
+
+    def handshake_ended(self, connection: _SidecarConnection) -> None:
+        self._handshaking.pop(connection, None)
+
+    def evict_stale_handshake(self, now: float) -> bool:
+        """Abort the oldest unfinished handshake older than the eviction age; ``True`` if one
+        was, so its slot is free for the socket that just arrived."""
+        oldest = next(iter(self._handshaking.items()), None)
+        if oldest is None or now - oldest[1] < self.limits.handshake_eviction_age:
+            return False
+        oldest[0].evict()
+        return True
 
     def aborted(self, connection: _SidecarConnection, why: str) -> None:
         """A socket aborted for a resource bound (its peer stopped reading)."""
