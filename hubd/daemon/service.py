@@ -271,6 +271,7 @@ class Daemon:
             queue_depth=lambda: reconciler.queue_depth,
             connected_sidecars=lambda: router.connection_count,
         )
+        self.metrics.bind_listener(server.stats)
         self._listener = NotificationListener(
             dsn=dsn,
             db=db,
