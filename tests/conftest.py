@@ -119,3 +119,35 @@ def store(db: Database) -> AllocationStore:
 @pytest.fixture
 def ledger(db: Database) -> LedgerStore:
     return LedgerStore(db, instance_id="in_test")
+
+
+# -- fixtures of the tests that run hubd processes ---------------------------------------------
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """A marker for the sidecar processes a test starts; whatever carries it is killed after."""
+    from tests.daemonkit import kill_sidecars, new_marker
+
+    value = new_marker()
+    try:
+        yield value
+    finally:
+        kill_sidecars(value)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    # Short: an embedded server's Unix socket may live under it.
+    with tempfile.TemporaryDirectory(prefix="hubd-d") as path:
+        yield Path(path)
+
+
+@pytest.fixture
+async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
+    """A store on the test database for reading what the processes wrote."""
+    db = await connect_database(database_url)
+    try:
+        yield AllocationStore(db, instance_id="observer")
+    finally:
+        await db.close()

@@ -7,8 +7,6 @@ import asyncio
 import os
 import signal
 import socket
-import tempfile
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,8 +17,6 @@ from tests.daemonkit import (
     DaemonProcess,
     free_port,
     http_get,
-    kill_sidecars,
-    new_marker,
     sidecar_generations,
     sidecar_pids,
     write_config,
@@ -28,30 +24,6 @@ from tests.daemonkit import (
 from tests.reconcilerkit import poll_until
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def marker() -> Iterator[str]:
-    value = new_marker()
-    try:
-        yield value
-    finally:
-        kill_sidecars(value)
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="hubd-d") as path:
-        yield Path(path)
-
-
-@pytest.fixture
-async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
-    db = await connect_database(database_url)
-    try:
-        yield AllocationStore(db, instance_id="observer")
-    finally:
-        await db.close()
 
 
 async def request_many(count: int, env: dict[str, str], *, wait: bool = False) -> list[str]:

@@ -7,7 +7,7 @@ import os
 import re
 import signal
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
@@ -15,9 +15,9 @@ import pytest
 
 from hubd.config import Config, StateConfig
 from hubd.daemon.dev import dev_config
-from hubd.store import AllocationStore, Status, connect_database
+from hubd.store import AllocationStore, Status
 from tests.clikit import run_hubd
-from tests.daemonkit import DEV_MARKER_VARIABLE, DaemonProcess, kill_sidecars, new_marker
+from tests.daemonkit import DEV_MARKER_VARIABLE, DaemonProcess
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,28 +27,10 @@ ANY_PORTS = {"HUBD_SERVER_LISTEN": "127.0.0.1:0", "HUBD_ADMIN_LISTEN": "127.0.0.
 
 
 @pytest.fixture
-def marker() -> Iterator[str]:
-    value = new_marker()
-    try:
-        yield value
-    finally:
-        kill_sidecars(value)
-
-
-@pytest.fixture
 def home() -> Iterator[Path]:
     # Short: the embedded server's Unix socket lives under it.
     with tempfile.TemporaryDirectory(prefix="hubd-v") as path:
         yield Path(path)
-
-
-@pytest.fixture
-async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
-    db = await connect_database(database_url)
-    try:
-        yield AllocationStore(db, instance_id="observer")
-    finally:
-        await db.close()
 
 
 def demo_id(process: DaemonProcess) -> str:

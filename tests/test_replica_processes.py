@@ -14,7 +14,6 @@ import asyncpg
 import pytest
 
 from hubd.store import AllocationStore, Status, connect_database
-from tests import test_daemon as daemon_tests
 from tests.balancer import Balancer
 from tests.daemonkit import (
     DaemonProcess,
@@ -40,13 +39,6 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 LEASE = 10.0  # lease_duration in daemonkit's config
 TTL = 5.0  # instance.ttl in daemonkit's config
-
-
-# The process tests' fixtures: a sidecar marker (its processes killed after the test), a
-# state dir, and an observer store on the test database.
-marker = daemon_tests.marker
-state_dir = daemon_tests.state_dir
-observer = daemon_tests.observer
 
 
 async def stays_put(
