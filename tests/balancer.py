@@ -25,13 +25,15 @@ class Balancer:
         return self.port
 
     async def close(self) -> None:
+        # Stop accepting first, so no connection is handed a task after the ones below were
+        # cancelled; every task closes both of its streams however it ends.
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
             await self._server.wait_closed()
+        while self._tasks:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
@@ -39,21 +41,20 @@ class Balancer:
         task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        for _ in self._backends:
-            host, port = self._backends[next(self._next)]
-            with contextlib.suppress(OSError):
-                upstream = await asyncio.open_connection(host, port)
-                break
-        if upstream is None:
-            writer.close()
-            return
-        up_reader, up_writer = upstream
+        up_writer: asyncio.StreamWriter | None = None
         try:
+            for _ in self._backends:
+                host, port = self._backends[next(self._next)]
+                with contextlib.suppress(OSError):
+                    up_reader, up_writer = await asyncio.open_connection(host, port)
+                    break
+            if up_writer is None:
+                return
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
-            for stream in (writer, up_writer):
-                stream.close()
+            writer.close()
+            if up_writer is not None:
+                up_writer.close()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
