@@ -1,47 +1,69 @@
-"""The lease keeper on virtual time, renewing against a real PostgreSQL."""
+"""Lease keepers and the batched renewer on virtual time, renewing against a real PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import asyncpg
 import pytest
 
 from hubd.errors import LeaseLost
 from hubd.reconciler.clock import ManualClock
-from hubd.reconciler.lease import LeaseKeeper
+from hubd.reconciler.lease import LeaseKeeper, LeaseRenewer
 from hubd.store import AllocationStore, Database
 from tests.reconcilerkit import poll_until
 from tests.storekit import new_lease
 
 LEASE = 30.0
+T = TypeVar("T")
 
 
-class Keeper:
-    """A keeper for a real claim, on a manual clock, with its renewals tracked."""
+class Leases:
+    """Real claims' keepers and one renewer, on a manual clock, with every request counted."""
 
-    def __init__(self, store: AllocationStore, allocation_id: str, lease_id: str) -> None:
+    def __init__(self, store: AllocationStore) -> None:
         self.clock = ManualClock()
-        self.lost: list[LeaseLost] = []
-        self.renewals: list[asyncio.Task[bool]] = []
+        self.lost: dict[str, list[LeaseLost]] = {}
+        self.renewals: list[asyncio.Task[Any]] = []
+        self.batches: list[list[tuple[str, str]]] = []
+        self.tasks: list[asyncio.Task[Any]] = []
 
-        def spawn(coro: object) -> asyncio.Task[bool]:
-            task: asyncio.Task[bool] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
-            self.renewals.append(task)
+        async def renew_many(leases: list[tuple[str, str]]) -> frozenset[str]:
+            self.batches.append(leases)
+            return await store.renew_leases(leases, LEASE)
+
+        def spawn(coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+            task = asyncio.ensure_future(coro)
+            (self.renewals if name == "lease renewal" else self.tasks).append(task)
             return task
 
-        self.keeper = LeaseKeeper(
-            renew=lambda: store.renew_lease(allocation_id, lease_id, LEASE),
+        self.renewer = LeaseRenewer(
+            renew_many=renew_many, clock=self.clock, lease_duration=LEASE, spawn=spawn
+        )
+
+    def keep(self, allocation_id: str, lease_id: str) -> LeaseKeeper:
+        lost = self.lost.setdefault(allocation_id, [])
+        keeper = LeaseKeeper(
+            allocation_id=allocation_id,
+            lease_id=lease_id,
             clock=self.clock,
             lease_duration=LEASE,
             started=self.clock.monotonic(),
-            spawn=spawn,
-            on_lost=self.lost.append,
+            on_lost=lost.append,
         )
+        self.tasks.append(asyncio.ensure_future(keeper.run()))
+        self.renewer.register(keeper)
+        return keeper
 
-    async def sleeping(self, count: int = 1) -> None:
-        """Wait until the keeper is parked on the manual clock."""
+    async def sleeping(self, count: int) -> None:
+        """Wait until ``count`` tasks are parked on the manual clock."""
         await poll_until(lambda: _is(self.clock.sleepers == count))
+
+    def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
 
 
 async def _is(value: bool) -> bool:
@@ -57,59 +79,66 @@ async def expiry(db: Database, allocation_id: str) -> float:
     return float(value)
 
 
-@pytest.fixture
-async def claimed(store: AllocationStore) -> tuple[str, str]:
+async def claim(store: AllocationStore) -> tuple[str, str]:
     allocation = await store.request(provisioner_id="fake")
     lease = new_lease()
     assert await store.claim_next(lease_id=lease, lease_duration=LEASE) is not None
     return allocation.id, lease
 
 
-class TestLeaseKeeper:
-    async def test_renews_every_third_and_moves_the_deadline(
-        self, store: AllocationStore, db: Database, claimed: tuple[str, str]
+class TestLeaseRenewal:
+    async def test_one_statement_renews_every_lease_each_third(
+        self, store: AllocationStore, db: Database
     ) -> None:
-        """After a third of the lease the keeper renews in the database and moves its local
-        deadline to the renewal's start plus the lease duration."""
-        allocation_id, lease = claimed
-        k = Keeper(store, allocation_id, lease)
-        before = await expiry(db, allocation_id)
-        run = asyncio.create_task(k.keeper.run())
-        await k.sleeping()
-        assert k.renewals == []
-        k.clock.advance(LEASE / 3)
-        await poll_until(lambda: _is(len(k.renewals) == 1 and k.renewals[0].done()))
-        await k.sleeping()
-        assert k.keeper.deadline == 1000 + LEASE / 3 + LEASE
-        assert await expiry(db, allocation_id) > before
-        assert not k.lost
-        run.cancel()
+        """After a third of the lease one request renews every registered lease in the
+        database, and each keeper moves its local deadline to that request's start plus the
+        lease duration."""
+        claims = [await claim(store) for _ in range(3)]
+        before = {aid: await expiry(db, aid) for aid, _ in claims}
+        leases = Leases(store)
+        keepers = [leases.keep(aid, lease) for aid, lease in claims]
+        await leases.sleeping(4)  # three deadline watches and the renewer
+        assert leases.batches == []
+        leases.clock.advance(LEASE / 3)
+        await poll_until(lambda: _is(len(leases.renewals) == 1 and leases.renewals[0].done()))
+        await leases.sleeping(4)
+        assert sorted(leases.batches[0]) == sorted(claims)
+        for keeper in keepers:
+            assert keeper.deadline == 1000 + LEASE / 3 + LEASE
+            assert await expiry(db, keeper.allocation_id) > before[keeper.allocation_id]
+        assert not any(leases.lost.values())
+        leases.stop()
 
-    async def test_refused_renewal_is_lost(
-        self, store: AllocationStore, db: Database, claimed: tuple[str, str]
+    async def test_refused_renewal_loses_only_that_lease(
+        self, store: AllocationStore, db: Database
     ) -> None:
-        """A renewal the database refuses (someone else holds the row) loses the lease."""
-        allocation_id, lease = claimed
-        k = Keeper(store, allocation_id, lease)
-        run = asyncio.create_task(k.keeper.run())
-        await k.sleeping()
+        """A lease the database no longer grants (someone else holds the row) is lost; the
+        others in the same round are renewed."""
+        (kept, kept_lease), (taken, taken_lease) = [await claim(store) for _ in range(2)]
+        leases = Leases(store)
+        keeper = leases.keep(kept, kept_lease)
+        leases.keep(taken, taken_lease)
+        await leases.sleeping(3)
         async with db.pool.acquire() as conn:
             await conn.execute(
-                "UPDATE hubd_allocations SET lease_id = 'ls_thief' WHERE id = $1", allocation_id
+                "UPDATE hubd_allocations SET lease_id = 'ls_thief' WHERE id = $1", taken
             )
-        k.clock.advance(LEASE / 3)
-        await run
-        assert [str(e) for e in k.lost] == ["lease renewal was refused"]
+        leases.clock.advance(LEASE / 3)
+        await poll_until(lambda: _is(bool(leases.lost[taken])))
+        assert [str(e) for e in leases.lost[taken]] == ["lease renewal was refused"]
+        assert leases.lost[kept] == []
+        assert keeper.deadline == 1000 + LEASE / 3 + LEASE
+        leases.stop()
 
     async def test_unanswered_renewal_loses_at_the_local_deadline(
-        self, store: AllocationStore, db: Database, database_url: str, claimed: tuple[str, str]
+        self, store: AllocationStore, database_url: str
     ) -> None:
         """A renewal that hangs (its row locked by another transaction) is given up when the
         local deadline passes, even though the database never answered."""
-        allocation_id, lease = claimed
-        k = Keeper(store, allocation_id, lease)
-        run = asyncio.create_task(k.keeper.run())
-        await k.sleeping()
+        allocation_id, lease = await claim(store)
+        leases = Leases(store)
+        leases.keep(allocation_id, lease)
+        await leases.sleeping(2)
         blocker = await asyncpg.connect(database_url)
         try:
             tx = blocker.transaction()
@@ -117,17 +146,35 @@ class TestLeaseKeeper:
             await blocker.execute(
                 "SELECT 1 FROM hubd_allocations WHERE id = $1 FOR UPDATE", allocation_id
             )
-            k.clock.advance(LEASE / 3)
-            await poll_until(lambda: _is(len(k.renewals) == 1))
-            await k.sleeping()  # waiting on the renewal with the deadline as its limit
-            assert not k.renewals[0].done()
-            k.clock.advance(LEASE)
-            await run
-            assert [str(e) for e in k.lost] == [
+            leases.clock.advance(LEASE / 3)
+            await poll_until(lambda: _is(len(leases.renewals) == 1))
+            # The deadline watch, and the renewer waiting on the request until the deadline.
+            await leases.sleeping(2)
+            assert not leases.renewals[0].done()
+            leases.clock.advance(LEASE)
+            await poll_until(lambda: _is(bool(leases.lost[allocation_id])))
+            assert [str(e) for e in leases.lost[allocation_id]] == [
                 "lease renewal did not answer before the local deadline"
             ]
             await tx.rollback()
         finally:
             await blocker.close()
         with pytest.raises(asyncio.CancelledError):
-            await k.renewals[0]
+            await leases.renewals[0]
+        leases.stop()
+
+    async def test_idle_renewer_sends_nothing(self, store: AllocationStore) -> None:
+        """With no lease registered the renewer runs no loop and sends no request; the loop
+        stops as soon as the last lease is given up."""
+        leases = Leases(store)
+        leases.clock.advance(LEASE)
+        assert leases.batches == []
+        assert leases.tasks == []
+        allocation_id, lease = await claim(store)
+        keeper = leases.keep(allocation_id, lease)
+        await leases.sleeping(2)
+        leases.renewer.unregister(keeper)
+        leases.stop()
+        await leases.sleeping(0)
+        leases.clock.advance(LEASE)
+        assert leases.batches == []

@@ -317,6 +317,75 @@ class TestBadInput:
 
 
 class TestClaims:
+    async def test_one_statement_claims_a_batch_oldest_first(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """A batch claim leases at most one row per lease id, oldest due first, each row under
+        the lease id at its position, and skips the excluded rows and rows already leased."""
+        rows = [await store.request(provisioner_id="fake") for _ in range(5)]
+        for age, row in zip((50, 40, 30, 20, 10), rows, strict=True):
+            await age_row(db, row.id, age)
+        leased = await claim_one(store, rows[0].id)
+        leases = [new_lease() for _ in range(3)]
+        claimed = await store.claim_due(lease_ids=leases, lease_duration=60, exclude=[rows[2].id])
+        assert [(a.id, lease) for a, lease in claimed] == [
+            (rows[1].id, leases[0]),
+            (rows[3].id, leases[1]),
+            (rows[4].id, leases[2]),
+        ]
+        assert all(a.lease_id == lease for a, lease in claimed)
+        assert (await store.get(rows[0].id)).lease_id == leased.lease_id
+        more = await store.claim_due(lease_ids=[new_lease(), new_lease()], lease_duration=60)
+        assert [a.id for a, _ in more] == [rows[2].id]
+
+    async def test_batch_claims_never_share_a_row(self, store: AllocationStore) -> None:
+        """Concurrent batch claims (as from several replicas) lease every due row exactly once."""
+        ids = {(await store.request(provisioner_id="fake")).id for _ in range(40)}
+        batches = await asyncio.gather(
+            *(
+                store.claim_due(lease_ids=[new_lease() for _ in range(8)], lease_duration=60)
+                for _ in range(8)
+            )
+        )
+        claimed = [a.id for batch in batches for a, _ in batch]
+        assert sorted(claimed) == sorted(ids)
+
+    async def test_renewals_in_one_statement_grant_only_held_live_leases(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """One renewal covers every pair given; it grants the leases still held and live and
+        refuses a lease taken over, an expired one and one never held."""
+        held, stolen, expired = [await store.request(provisioner_id="fake") for _ in range(3)]
+        held_fence = await claim_one(store, held.id)
+        stolen_fence = await claim_one(store, stolen.id)
+        expired_fence = await claim_one(store, expired.id)
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET lease_id = 'ls_thief' WHERE id = $1", stolen.id
+            )
+        await expire_lease(db, expired.id)
+        granted = await store.renew_leases(
+            [
+                (held.id, held_fence.lease_id),
+                (stolen.id, stolen_fence.lease_id),
+                (expired.id, expired_fence.lease_id),
+                (held.id, new_lease()),
+            ],
+            60,
+        )
+        assert granted == {held.id}
+
+    async def test_dropped_lease_is_claimable_at_once(self, store: AllocationStore) -> None:
+        """A claim that gives its lease back leaves the row due and claimable by anyone; a
+        lease no longer held cannot be dropped."""
+        allocation = await store.request(provisioner_id="fake")
+        fence = await claim_one(store, allocation.id)
+        assert not await store.drop_lease(allocation.id, new_lease())
+        assert await store.drop_lease(allocation.id, fence.lease_id)
+        again = await claim_one(store, allocation.id)
+        assert again.generation == fence.generation
+        assert not await store.drop_lease(allocation.id, fence.lease_id)
+
     async def test_oldest_due_first_and_exclusion(
         self, store: AllocationStore, db: Database
     ) -> None:
@@ -363,11 +432,10 @@ class TestClaims:
         first = await claim_one(store, allocation.id)
         assert await store.claim_next(lease_id=new_lease(), lease_duration=60) is None
         await expire_lease(db, allocation.id)
-        assert not await store.lease_is_current(first)
         assert not await store.renew_lease(allocation.id, first.lease_id, 60)
         second = await claim_one(store, allocation.id)
         assert second.lease_id != first.lease_id
-        assert await store.lease_is_current(second)
+        assert await store.renew_lease(allocation.id, second.lease_id, 60)
         assert await store.mark_allocated(first, external_ref=None) is None
 
     async def test_renewal_extends_by_database_clock(
@@ -409,7 +477,7 @@ class TestClaims:
             from hubd.store.allocations import SQL
 
             plan = await conn.fetchval(
-                "EXPLAIN (FORMAT JSON) " + SQL.claim_next, new_lease(), 60.0, []
+                "EXPLAIN (FORMAT JSON) " + SQL.claim_due, [new_lease()], 60.0, []
             )
         text = str(plan)
         assert "hubd_allocations_due_idx" in text

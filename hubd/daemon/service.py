@@ -326,15 +326,13 @@ class Daemon:
         connections: ConnectionStore,
     ) -> int:
         assert self._listener is not None
-        workers: set[asyncio.Task[None]] = set()
         try:
             async with asyncio.TaskGroup() as group:
 
                 def start(name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
                     return group.create_task(self._supervised(name, coro), name=name)
 
-                for index in range(self.config.reconciler.max_concurrent_claims):
-                    workers.add(start(f"claim-{index}", self._claim_loop(reconciler)))
+                dispatcher = start("claim-dispatcher", self._dispatch_loop(reconciler))
                 start("wake-listener", self._listener.run())
                 start("announce-ready", self._announce_ready())
                 start("heartbeat", self._heartbeat(instances))
@@ -344,7 +342,7 @@ class Daemon:
                     start("orphans", self._orphan_loop(self.store, db))
                 start("allocation-counts", self._count_loop(db))
                 start("watchdog", self._watchdog())
-                start("shutdown", self._stop_when_asked(workers))
+                start("shutdown", self._stop_when_asked(dispatcher, reconciler))
         except* _Stop:
             log.info("claim loops stopped")
         return 0
@@ -369,42 +367,45 @@ class Daemon:
         if self._on_started is not None:
             await self._on_started(self)
 
-    async def _stop_when_asked(self, workers: set[asyncio.Task[None]]) -> None:
+    async def _stop_when_asked(
+        self, dispatcher: asyncio.Task[None], reconciler: Reconciler
+    ) -> None:
         await self._stopping.wait()
         log.info("stopping: no new claims; waiting for claims in progress")
         self._waker.wake()
+        await asyncio.wait({dispatcher})
         grace = self.config.reconciler.shutdown_grace
-        if workers:
-            await self._unless_hurried(asyncio.wait(workers), grace)
-        unfinished = [w for w in workers if not w.done()]
+        await self._unless_hurried(reconciler.wait_claims(), grace)
+        unfinished = reconciler.cancel_claims()
         if unfinished:
             log.warning(
                 "grace period over; abandoning claims in progress (their leases will expire)",
-                claims=len(unfinished),
+                claims=unfinished,
             )
         raise _Stop
 
-    async def _claim_loop(self, reconciler: Reconciler) -> None:
-        """One claim slot: reconcile while there is work, sleep until woken or the next poll."""
+    async def _dispatch_loop(self, reconciler: Reconciler) -> None:
+        """The claim dispatcher: claim as many due allocations as there are free claim slots,
+        in one statement, then sleep until woken (a request, a connect, a claim that ended) or
+        the next poll. Idle, it costs one statement per poll interval, whatever the number of
+        claim slots."""
         poll = self.config.reconciler.poll_interval
         backoff = 0.5
         while not self._stopping.is_set():
             raise_if_cancelled()
             try:
-                worked = await reconciler.reconcile_next()
+                claimed = await reconciler.claim_batch()
                 backoff = 0.5
                 if self._claims_waiting:
                     self._claims_waiting = False
-                    log.info("claim loops reach the database again")
+                    log.info("claims reach the database again")
             except (DatabaseUnavailable, OperationTimeout) as exc:
                 self.metrics.loop_errors.labels(kind=type(exc).__name__).inc()
-                # Every claim slot meets the same outage at once: one warning per outage, not
-                # one per slot; the others say it at debug.
                 if not self._claims_waiting:
                     self._claims_waiting = True
-                    log.warning("claim loops wait for the database", error=str(exc))
+                    log.warning("claims wait for the database", error=str(exc))
                 else:
-                    log.debug("claim loop waits for the database", error=str(exc))
+                    log.debug("claims still wait for the database", error=str(exc))
                 await self._pause(backoff)
                 backoff = min(backoff * 2, poll)
                 continue
@@ -413,7 +414,8 @@ class Daemon:
                 log.exception("claim failed in the store")
                 await self._pause(poll)
                 continue
-            if not worked:
+            if claimed == 0 or reconciler.free_capacity == 0:
+                # Nothing more is due, or every slot is taken: a claim that ends wakes us.
                 await self._waker_or_stop(poll)
 
     async def _pause(self, seconds: float) -> None:

@@ -34,22 +34,23 @@ SELFCHECK_CHANNEL = "hubd_selfcheck"
 
 
 class Waker:
-    """Wakes every worker waiting for work."""
+    """Wakes the claim dispatcher: level-triggered, so a wake-up that arrives while the
+    dispatcher is busy claiming is kept for its next wait, never lost."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
 
     def wake(self) -> None:
-        # set() wakes every current waiter; clearing at once keeps later waits waiting.
         self._event.set()
-        self._event.clear()
 
     async def wait(self, limit: float) -> None:
-        """Return when woken or after ``limit`` seconds (the poll fallback)."""
+        """Return when woken (now, if woken since the last wait) or after ``limit`` seconds
+        (the poll fallback)."""
         raise_if_cancelled()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(limit):
                 await self._event.wait()
+        self._event.clear()
 
 
 class NotificationListener:

@@ -23,6 +23,8 @@ settles.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 from collections.abc import Callable, Mapping
 
 import structlog
@@ -32,7 +34,7 @@ from hubd.plugins.protocol import Provisioner
 from hubd.reconciler.claim import ClaimRun, ClaimServices
 from hubd.reconciler.clock import Clock, SystemClock, wait_settled
 from hubd.reconciler.decisions import after_error, wake_on_start
-from hubd.reconciler.lease import LeaseKeeper
+from hubd.reconciler.lease import LeaseKeeper, LeaseRenewer
 from hubd.reconciler.observer import NullObserver, ReconcilerObserver
 from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings
 from hubd.reconciler.steps import reconcile
@@ -80,6 +82,13 @@ class Reconciler:
         self._active: dict[str, ClaimRun] = {}
         self._work = LocalWork(on_settled)
         self._admitted = 0
+        self._claims: set[asyncio.Task[None]] = set()
+        self._renewer = LeaseRenewer(
+            renew_many=lambda leases: store.renew_leases(leases, self.settings.lease_duration),
+            clock=self._clock,
+            lease_duration=self.settings.lease_duration,
+            spawn=functools.partial(self._work.spawn, allocation_id=None),
+        )
         self._services = ClaimServices(
             store=store,
             ledger=ledger,
@@ -123,20 +132,72 @@ class Reconciler:
 
     # -- claims ----------------------------------------------------------------------------------
 
-    async def reconcile_next(self) -> bool:
-        """Claim one due allocation and reconcile it; ``False`` when there was nothing to do or
-        no capacity."""
+    @property
+    def free_capacity(self) -> int:
+        """Claims this reconciler may still admit: local work that outlived its claim (a late
+        query or plugin call) keeps holding a slot until it settles."""
         retained = self._work.busy() - frozenset(self._active)
-        if self._admitted + len(retained) >= self.settings.max_concurrent_claims:
+        return max(0, self.settings.max_concurrent_claims - self._admitted - len(retained))
+
+    async def claim_batch(self) -> int:
+        """Claim as many due allocations as there is capacity for, in one statement, and start
+        a tracked task for each claim; how many were claimed. The tasks run on their own: the
+        reconciler's ``on_settled`` callback says when capacity frees up."""
+        claimed = await self._claim(self.free_capacity)
+        for allocation, lease_id, started in claimed:
+            self._admitted += 1
+            claim = self._work.spawn(
+                self._reconcile_claim(allocation, lease_id, started),
+                allocation_id=None,
+                name=f"claim {allocation.id}",
+            )
+            self._claims.add(claim)
+            claim.add_done_callback(self._claim_ended)
+        return len(claimed)
+
+    def _claim_ended(self, task: asyncio.Task[None]) -> None:
+        self._claims.discard(task)
+        self._release_admission()
+
+    async def wait_claims(self) -> None:
+        """Wait until every claim started by :meth:`claim_batch` has ended."""
+        while self._claims:
+            await asyncio.wait(set(self._claims))
+
+    def cancel_claims(self) -> int:
+        """Cancel the claims still in progress (their leases expire on their own); how many."""
+        for task in self._claims:
+            task.cancel()
+        return len(self._claims)
+
+    async def reconcile_next(self) -> bool:
+        """Claim one due allocation and reconcile it to the end of its claim; ``False`` when
+        there was nothing to do or no capacity."""
+        if self.free_capacity < 1:
             return False
         self._admitted += 1
-        query: asyncio.Task[Allocation | None] | None = None
         try:
-            lease_id = self._create_lease_id()
+            claimed = await self._claim(1)
+            if not claimed:
+                return False
+            await self._reconcile_claim(*claimed[0])
+            return True
+        finally:
+            self._admitted -= 1
+
+    async def _claim(self, capacity: int) -> list[tuple[Allocation, str, float]]:
+        """Lease up to ``capacity`` due allocations; each with its lease id and the moment the
+        claim statement started (the lease's local deadline counts from there)."""
+        if capacity < 1:
+            return []
+        lease_ids = [self._create_lease_id() for _ in range(capacity)]
+        self._admitted += capacity
+        query: asyncio.Task[list[tuple[Allocation, str]]] | None = None
+        try:
             started = self._clock.monotonic()
             query = self._work.spawn(
-                self._store.claim_next(
-                    lease_id=lease_id,
+                self._store.claim_due(
+                    lease_ids=lease_ids,
                     lease_duration=self.settings.lease_duration,
                     exclude=self.busy_allocations(),
                 ),
@@ -151,20 +212,16 @@ class Reconciler:
             if not settled:
                 query.cancel()
                 raise OperationTimeout("the claim query did not finish within operation_timeout")
-            allocation = query.result()
-            if allocation is None:
-                return False
-            await self._reconcile_claim(allocation, lease_id, started)
-            return True
+            return [(allocation, lease_id, started) for allocation, lease_id in query.result()]
         finally:
             if query is None or query.done():
-                self._admitted -= 1
+                self._admitted -= capacity
             else:
                 # A claim query that outlived its limit still holds capacity until it settles.
-                query.add_done_callback(lambda _: self._release_admission())
+                query.add_done_callback(lambda _: self._release_admission(capacity))
 
-    def _release_admission(self) -> None:
-        self._admitted -= 1
+    def _release_admission(self, count: int = 1) -> None:
+        self._admitted -= count
 
     async def reconcile_until_idle(self, max_iterations: int = 100) -> int:
         done = 0
@@ -176,12 +233,15 @@ class Reconciler:
         bound = log.bind(
             allocation_id=allocation.id, generation=allocation.generation, lease_id=lease_id
         )
-        if allocation.id in self._active or self._work.is_busy(allocation.id):
-            # Local work started after this claim's exclusion snapshot. Let the lease expire
-            # rather than put another write behind that work.
-            bound.info("claim raced local work; leaving its lease to expire")
-            return
         aid = allocation.id
+        if aid in self._active or self._work.is_busy(aid):
+            # Local work started after this claim's exclusion snapshot. Give the lease back
+            # rather than put another write behind that work; the row is claimable again once
+            # the work settles, which wakes the claimers.
+            bound.info("claim_raced_local_work")
+            with contextlib.suppress(StoreError):
+                await self._store.drop_lease(aid, lease_id)
+            return
 
         def lost(cause: LeaseLost) -> None:
             # The claim is built below, around this keeper; the keeper reports a loss only
@@ -189,11 +249,11 @@ class Reconciler:
             claim.abort(cause)
 
         lease = LeaseKeeper(
-            renew=lambda: self._store.renew_lease(aid, lease_id, self.settings.lease_duration),
+            allocation_id=aid,
+            lease_id=lease_id,
             clock=self._clock,
             lease_duration=self.settings.lease_duration,
             started=started,
-            spawn=lambda coro: self._work.spawn(coro, allocation_id=aid, name="lease renewal"),
             on_lost=lost,
         )
         claim = ClaimRun(
@@ -206,10 +266,11 @@ class Reconciler:
             log=bound,
         )
         self._active[aid] = claim
+        self._renewer.register(lease)
         self._observer.claimed()
         body = self._work.spawn(reconcile(claim), allocation_id=aid, name="claim body")
         claim.task = body
-        keeper = self._work.spawn(lease.run(), allocation_id=None, name="lease keeper")
+        keeper = self._work.spawn(lease.run(), allocation_id=None, name="lease deadline")
         try:
             try:
                 await asyncio.wait({body})
@@ -225,6 +286,7 @@ class Reconciler:
                 await self._park_after_error(claim, failure)
         finally:
             keeper.cancel()
+            self._renewer.unregister(lease)
             del self._active[aid]
 
     async def _park_after_error(self, claim: ClaimRun, error: BaseException) -> None:

@@ -128,39 +128,58 @@ class AllocationStore:
 
     # -- claims and leases -------------------------------------------------------------------
 
+    async def claim_due(
+        self, *, lease_ids: Sequence[str], lease_duration: float, exclude: Iterable[str] = ()
+    ) -> list[tuple[Allocation, str]]:
+        """Lease up to ``len(lease_ids)`` due active allocations whose ids are not in
+        ``exclude``, oldest first, in one statement; each with the lease id it was given."""
+        if not lease_ids:
+            return []
+        with translate_errors("claim"):
+            async with self._db.pool.acquire() as conn:
+                rows: Sequence[asyncpg.Record] = await conn.fetch(
+                    SQL.claim_due, list(lease_ids), float(lease_duration), sorted(set(exclude))
+                )
+        claimed = [Allocation.from_row(row) for row in rows]
+        return [(a, a.lease_id) for a in claimed if a.lease_id is not None]
+
     async def claim_next(
         self, *, lease_id: str, lease_duration: float, exclude: Iterable[str] = ()
     ) -> Allocation | None:
         """Lease the oldest due active allocation whose id is not in ``exclude``."""
-        return await self._transition(
-            "claim",
-            SQL.claim_next,
-            lease_id,
-            float(lease_duration),
-            sorted(set(exclude)),
+        claimed = await self.claim_due(
+            lease_ids=[lease_id], lease_duration=lease_duration, exclude=exclude
         )
+        return claimed[0][0] if claimed else None
+
+    async def renew_leases(
+        self, leases: Iterable[tuple[str, str]], lease_duration: float
+    ) -> frozenset[str]:
+        """Extend every (allocation, lease) pair still held and live, in one statement; the
+        allocations renewed. Runs on the lease pool, so renewals never queue behind slow work.
+        """
+        pairs = sorted(set(leases))
+        if not pairs:
+            return frozenset()
+        with translate_errors("renew leases"):
+            async with self._db.lease_pool.acquire() as conn:
+                rows: Sequence[asyncpg.Record] = await conn.fetch(
+                    SQL.renew_leases,
+                    [aid for aid, _ in pairs],
+                    [lease for _, lease in pairs],
+                    float(lease_duration),
+                )
+        return frozenset(row["id"] for row in rows)
 
     async def renew_lease(self, allocation_id: str, lease_id: str, lease_duration: float) -> bool:
-        """Extend a live lease; ``False`` when it is no longer ours or already expired.
+        """Extend one live lease; ``False`` when it is no longer ours or already expired."""
+        renewed = await self.renew_leases([(allocation_id, lease_id)], lease_duration)
+        return allocation_id in renewed
 
-        Runs on the lease pool, so renewals never queue behind slow work.
-        """
-        with translate_errors("renew lease"):
-            async with self._db.lease_pool.acquire() as conn:
-                expires = await conn.fetchval(
-                    SQL.renew_lease, allocation_id, lease_id, float(lease_duration)
-                )
-        return expires is not None
-
-    async def lease_is_current(self, fence: Fence) -> bool:
-        # On the main pool: the lease pool is kept for renewals, which must never queue behind
-        # a check that runs before every plugin call.
-        with translate_errors("check lease"):
-            async with self._db.pool.acquire() as conn:
-                current: bool = await conn.fetchval(
-                    SQL.lease_is_current, fence.allocation_id, fence.lease_id, fence.generation
-                )
-        return current
+    async def drop_lease(self, allocation_id: str, lease_id: str) -> bool:
+        """Give a lease back unchanged otherwise; ``False`` when it was no longer ours."""
+        row = await self._fetchrow("drop lease", SQL.drop_lease, allocation_id, lease_id)
+        return row is not None
 
     # -- fenced transitions --------------------------------------------------------------------
 

@@ -50,40 +50,58 @@ WITH prior AS (
 )
 SELECT updated.* FROM updated, woken;
 
--- name: claim_next
--- Lease the oldest due active row not in the exclusion list ($3). Expiry is set by the database
--- clock so replicas with skewed clocks agree. Served by hubd_allocations_due_idx.
+-- name: claim_due
+-- Lease up to one due active row per lease id in $1 (a text[]), oldest first, skipping rows not
+-- in the exclusion list ($3) and rows another claimer has locked: one statement fills every free
+-- claim slot. Each row gets the lease id at its position. Served by hubd_allocations_due_idx.
+WITH due AS (
+    SELECT id, row_number() OVER (ORDER BY next_attempt_at, id) AS slot
+    FROM (
+        SELECT id, next_attempt_at FROM hubd_allocations
+        WHERE next_attempt_at IS NOT NULL
+          AND next_attempt_at <= now()
+          AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+          AND (lease_expires_at IS NULL OR lease_expires_at <= now())
+          AND id <> ALL ($3::text[])
+        ORDER BY next_attempt_at, id
+        LIMIT cardinality($1::text[])
+        FOR UPDATE SKIP LOCKED
+    ) AS locked
+)
 UPDATE hubd_allocations AS a SET
-    lease_id = $1,
+    lease_id = leases.lease_id,
     lease_expires_at = now() + make_interval(secs => $2),
     updated_at = now()
-FROM (
-    SELECT id FROM hubd_allocations
-    WHERE next_attempt_at IS NOT NULL
-      AND next_attempt_at <= now()
-      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
-      AND (lease_expires_at IS NULL OR lease_expires_at <= now())
-      AND id <> ALL ($3::text[])
-    ORDER BY next_attempt_at, id
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED
-) AS due
+FROM due
+JOIN unnest($1::text[]) WITH ORDINALITY AS leases (lease_id, slot) ON leases.slot = due.slot
 WHERE a.id = due.id
 RETURNING a.*;
 
--- name: renew_lease
--- Extend a lease that is still ours and still live; returns no row when it is not.
-UPDATE hubd_allocations
+-- name: renew_leases
+-- Extend, in one statement, every lease in the pairs ($1 ids, $2 lease ids) that is still held
+-- and live; returns the ids renewed. Rows are locked in id order, so two renewals (or a
+-- renewal and a set statement) never deadlock.
+WITH held AS (
+    SELECT a.id FROM hubd_allocations AS a
+    JOIN unnest($1::text[], $2::text[]) AS mine (id, lease_id)
+      ON a.id = mine.id AND a.lease_id = mine.lease_id
+    WHERE a.lease_expires_at > clock_timestamp()
+    ORDER BY a.id
+    FOR UPDATE OF a
+)
+UPDATE hubd_allocations AS a
 SET lease_expires_at = now() + make_interval(secs => $3)
-WHERE id = $1 AND lease_id = $2 AND lease_expires_at > clock_timestamp()
-RETURNING lease_expires_at;
+FROM held
+WHERE a.id = held.id AND a.lease_expires_at > clock_timestamp()
+RETURNING a.id;
 
--- name: lease_is_current
--- Whether the claim ($2, generation $3) still owns the row.
-SELECT EXISTS (
-    SELECT 1 FROM hubd_allocations
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
-);
+-- name: drop_lease
+-- Give a lease back without any other change, so the row is claimable at once: a claim that
+-- found local work still running on its allocation must not hold the row for a whole lease.
+UPDATE hubd_allocations
+SET lease_id = NULL, lease_expires_at = NULL
+WHERE id = $1 AND lease_id = $2
+RETURNING id;
 
 -- name: bind_initial_sidecar
 -- pending → provisioning: bind the provisioner if unbound ($8 api version, $9 fingerprint) and a
