@@ -137,10 +137,14 @@ class RecordingRouter(MemoryRouter):
     router does (the same statements), on behalf of one hub instance. ``connect`` and
     ``disconnect`` stand for a sidecar's socket opening and closing on that instance."""
 
-    def __init__(self, db: Database, *, instance_id: str = "in_test") -> None:
+    def __init__(
+        self, db: Database, *, instance_id: str = "in_test", ready_on_connect: bool = False
+    ) -> None:
         super().__init__()
         self.instance_id = instance_id
-        self.connections = ConnectionStore(db, instance_id=instance_id)
+        self.connections = ConnectionStore(
+            db, instance_id=instance_id, ready_on_connect=ready_on_connect
+        )
         self._instances = InstanceStore(db)
         self._db = db
         self.current: dict[str, tuple[Target, str]] = {}

@@ -11,12 +11,12 @@ from contextlib import asynccontextmanager
 import asyncpg
 
 from hubd.routing import Target
-from hubd.store import AllocationStore, Database, Status
+from hubd.store import AllocationStore, Database, Fence, LedgerStore, ParkMode, Status
 from hubd.store.connections import SQL as CONNECTION_SQL
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from tests.polling import eventually
-from tests.wskit import record_row, sidecar_in
+from tests.wskit import Sidecar, record_row, sidecar_in
 
 
 @asynccontextmanager
@@ -35,6 +35,7 @@ async def record_held_open(
                 target.generation,
                 sidecar_id,
                 instance,
+                False,
             )
             assert row["seq"] is not None
             yield conn
@@ -137,3 +138,90 @@ class TestRacingStatements:
         kept = await record_row(db, sidecar.allocation_id)
         assert kept is not None
         assert kept["connection_id"] == "cn_b"
+
+
+async def parked(store: AllocationStore, db: Database) -> tuple[Sidecar, Fence]:
+    """An allocated sidecar whose claim parked it to wait for its connect (no lease held)."""
+    sidecar, fence = await sidecar_in(store, db)
+    current = await store.get(sidecar.allocation_id)
+    written = await store.park(
+        fence, mode=ParkMode.AWAIT_CONNECTION, delay=60, connection_seq=current.connection_seq
+    )
+    assert written is not None
+    assert written.lease_id is None
+    return sidecar, fence
+
+
+class TestReadyOnConnect:
+    async def test_connect_of_a_parked_allocation_makes_it_ready_in_the_same_statement(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """With no on-ready hook, the record of a parked allocation's connect makes it ready,
+        unscheduled and unleased, with its ledger row, and no claim is needed."""
+        sidecar, _ = await parked(store, db)
+        connections = ConnectionStore(db, instance_id="in_a", ready_on_connect=True)
+        record = await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)
+        assert record.ready
+        after = await store.get(sidecar.allocation_id)
+        assert after.ready
+        assert after.next_attempt_at is None
+        assert after.connect_deadline is None
+        assert after.lease_id is None
+        assert after.connection_seq == record.seq
+        history = await LedgerStore(db, instance_id="in_a").history(sidecar.allocation_id)
+        assert history[-1].kind == "mark_ready"
+        assert history[-1].instance_id == "in_a"
+
+    async def test_connect_with_a_hook_or_under_a_live_lease_only_wakes(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """With an on-ready hook to run, or while a claim holds the lease, the record only
+        makes the allocation due: the claim decides."""
+        leased, fence = await sidecar_in(store, db)
+        sidecar, _ = await parked(store, db)
+        hooked = ConnectionStore(db, instance_id="in_a", ready_on_connect=False)
+        record = await hooked.record("cn_a", sidecar.target, sidecar.sidecar_id)
+        assert not record.ready
+        after = await store.get(sidecar.allocation_id)
+        assert not after.ready
+        assert after.next_attempt_at is not None
+
+        direct = ConnectionStore(db, instance_id="in_a", ready_on_connect=True)
+        record = await direct.record("cn_b", leased.target, leased.sidecar_id)
+        assert not record.ready
+        after = await store.get(leased.allocation_id)
+        assert not after.ready
+        assert after.lease_id == fence.lease_id
+
+    async def test_connect_blocked_behind_a_claim_leaves_it_to_the_claim(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        """A connect recorded while another replica's claim of the parked allocation holds its
+        row lock, uncommitted: once the claim commits, the record sees the live lease and only
+        bumps the connection number, so the claim's park or ready falls through to a look."""
+        sidecar, _ = await parked(store, db)
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET next_attempt_at = now() WHERE id = $1",
+                sidecar.allocation_id,
+            )
+        claimer = await asyncpg.connect(database_url)
+        try:
+            async with claimer.transaction():
+                await claimer.execute(
+                    "UPDATE hubd_allocations SET lease_id = 'ls_claim', "
+                    "lease_expires_at = now() + interval '60 seconds' WHERE id = $1",
+                    sidecar.allocation_id,
+                )
+                connections = ConnectionStore(db, instance_id="in_a", ready_on_connect=True)
+                record = asyncio.create_task(
+                    connections.record("cn_a", sidecar.target, sidecar.sidecar_id)
+                )
+                await blocked_on_a_lock(database_url)
+                assert not record.done()
+        finally:
+            await claimer.close()
+        assert not (await record).ready
+        after = await store.get(sidecar.allocation_id)
+        assert not after.ready
+        assert after.lease_id == "ls_claim"

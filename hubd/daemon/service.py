@@ -197,7 +197,9 @@ class Daemon:
             )
         rc = cfg.reconciler
         instances = InstanceStore(db)
-        connections = ConnectionStore(db, instance_id=self.instance_id)
+        connections = ConnectionStore(
+            db, instance_id=self.instance_id, ready_on_connect=self._on_ready is None
+        )
         router = SocketRouter(
             connections,
             instance_ttl=cfg.instance.ttl,
@@ -344,7 +346,7 @@ class Daemon:
                 start("watchdog", self._watchdog())
                 start("shutdown", self._stop_when_asked(dispatcher, reconciler))
         except* _Stop:
-            log.info("claim loops stopped")
+            log.info("claims stopped")
         return 0
 
     async def _supervised(self, name: str, coro: Coroutine[Any, Any, None]) -> None:

@@ -370,6 +370,8 @@ class SocketRouter:
                 return False
             entry.recorded = True
             entry.seq = record.seq
+            if record.ready:
+                entry.log.info("sidecar_ready_on_connect")
             # The record replaced whatever the superseded socket had written: nothing left to
             # clean up for it, and no chain of old sockets kept alive by a flapping sidecar.
             entry.superseded = None

@@ -140,6 +140,8 @@ class Record:
 
     outcome: RecordOutcome
     seq: int | None = None
+    ready: bool = False
+    """The allocation became ready in the same statement."""
 
 
 def connected_payload(target: Target, seq: int, connection_id: str) -> str:
@@ -186,9 +188,12 @@ def parse_sockets_payload(payload: str) -> SocketControl | None:
 class ConnectionStore:
     """The statements on ``hubd_sidecar_connections``, for one hub instance."""
 
-    def __init__(self, db: Database, *, instance_id: str) -> None:
+    def __init__(self, db: Database, *, instance_id: str, ready_on_connect: bool = False) -> None:
+        """``ready_on_connect``: a connect that finds its allocation parked waiting for it makes
+        it ready in the same statement. Only right when no on-ready hook must run first."""
         self._db = db
         self.instance_id = instance_id
+        self._ready_on_connect = ready_on_connect
 
     async def identity(self, allocation_id: str) -> SidecarIdentity | None:
         """The allocation's current identity, or ``None`` when no such allocation exists.
@@ -213,11 +218,12 @@ class ConnectionStore:
                 target.generation,
                 sidecar_id,
                 self.instance_id,
+                self._ready_on_connect,
             )
         if row is None:
             return Record(RecordOutcome.RETIRED)
         if row["seq"] is not None:
-            return Record(RecordOutcome.RECORDED, row["seq"])
+            return Record(RecordOutcome.RECORDED, row["seq"], ready=row["ready"])
         status = Status(row["status"])
         if status.terminal:
             return Record(RecordOutcome.RETIRED)

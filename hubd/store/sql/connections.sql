@@ -15,20 +15,50 @@ FROM hubd_allocations WHERE id = $1;
 -- Connection $1 of allocation $2, generation $3, sidecar $4 on instance $5 becomes the current one.
 -- Written only while the allocation still accepts exactly that sidecar (current generation and
 -- identity, provisioning or allocated). In the same statement: the connection number is bumped,
--- the allocation is made due (a claim holding it sees the bump when it parks or marks ready, so a
--- connect on a leased row is never lost), and 'hubd_connected' carries
--- '<allocation>:<generation>:<seq>:<connection>' to every replica: waiters wake, and a replica holding an
--- older socket of the same generation closes it as superseded. Returns the allocation's status
--- and generation (no row: no such allocation) and the record's number (NULL: not written).
-WITH alloc AS (
-    UPDATE hubd_allocations SET
-        connection_seq = connection_seq + 1,
-        next_attempt_at = CASE WHEN next_attempt_at IS NULL OR next_attempt_at > now()
-                               THEN now() ELSE next_attempt_at END,
-        updated_at = now()
+-- and 'hubd_connected' carries '<allocation>:<generation>:<seq>:<connection>' to every replica:
+-- waiters wake, and a replica holding an older socket of the same generation closes it as
+-- superseded. Then one of two things:
+-- * With $6 (no on-ready hook to run) and the allocation parked waiting for this connect
+--   (allocated, not ready, no initialization marker, no live lease), it becomes ready here, with
+--   its ledger row: no claim is needed, and none can be running (a claim holds a live lease, and
+--   a claim that lost it can write nothing).
+-- * Otherwise the allocation is made due and woken (a claim holding it sees the bump when it
+--   parks or marks ready, so a connect on a leased row is never lost).
+-- Returns the allocation's status and generation (no row: no such allocation), the record's
+-- number (NULL: not written) and whether the allocation became ready.
+WITH prior AS (
+    SELECT id,
+           ($6::boolean AND status = 'allocated' AND NOT connection_ready
+            AND initialization_lease_id IS NULL
+            AND (lease_expires_at IS NULL OR lease_expires_at <= clock_timestamp())) AS ready_now
+    FROM hubd_allocations
     WHERE id = $2 AND generation = $3 AND sidecar_id = $4
       AND status IN ('provisioning', 'allocated')
-    RETURNING id, generation, connection_seq
+    FOR UPDATE
+), alloc AS (
+    UPDATE hubd_allocations AS a SET
+        connection_seq = a.connection_seq + 1,
+        connection_ready = a.connection_ready OR prior.ready_now,
+        next_attempt_at = CASE WHEN prior.ready_now THEN NULL
+                               WHEN a.next_attempt_at IS NULL OR a.next_attempt_at > now()
+                               THEN now() ELSE a.next_attempt_at END,
+        connect_deadline = CASE WHEN prior.ready_now THEN NULL ELSE a.connect_deadline END,
+        lease_id = CASE WHEN prior.ready_now THEN NULL ELSE a.lease_id END,
+        lease_expires_at = CASE WHEN prior.ready_now THEN NULL ELSE a.lease_expires_at END,
+        ensure_attempts = CASE WHEN prior.ready_now THEN 0 ELSE a.ensure_attempts END,
+        destroy_attempts = CASE WHEN prior.ready_now THEN 0 ELSE a.destroy_attempts END,
+        failure_code = CASE WHEN prior.ready_now THEN NULL ELSE a.failure_code END,
+        failure_message = CASE WHEN prior.ready_now THEN NULL ELSE a.failure_message END,
+        updated_at = now()
+    FROM prior
+    WHERE a.id = prior.id
+    RETURNING a.id, a.generation, a.connection_seq, prior.ready_now
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    SELECT id, generation, $5, 'mark_ready', 'allocated', 'allocated', 'committed',
+           'ready on connect'
+    FROM alloc WHERE ready_now
 ), written AS (
     INSERT INTO hubd_sidecar_connections
         (connection_id, allocation_id, generation, sidecar_id, instance_id, seq)
@@ -43,12 +73,14 @@ WITH alloc AS (
     RETURNING allocation_id, generation, seq, connection_id
 ), notified AS (
     SELECT pg_notify('hubd_connected',
-                     allocation_id || ':' || generation || ':' || seq || ':' || connection_id),
-           pg_notify('hubd_wake', allocation_id)
-    FROM written
+                     w.allocation_id || ':' || w.generation || ':' || w.seq || ':'
+                     || w.connection_id),
+           CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', w.allocation_id) END
+    FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
 SELECT current.status, current.generation,
        (SELECT seq FROM written) AS seq,
+       coalesce((SELECT ready_now FROM alloc), false) AS ready,
        (SELECT count(*) FROM notified) AS notified
 FROM (SELECT status, generation FROM hubd_allocations WHERE id = $2) AS current;
 
