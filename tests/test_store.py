@@ -483,6 +483,42 @@ class TestClaims:
         assert "hubd_allocations_due_idx" in text
         assert "Seq Scan" not in text
 
+    async def test_status_counts_cost_follows_active_rows(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """With 100,000 finished rows, the status counts are exact for active statuses and
+        estimated from statistics for terminal ones, and neither statement scans the table."""
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
+                SELECT 'al_' || md5(i::text), CASE WHEN i % 4 = 0 THEN 'failed' ELSE 'released'
+                END, 'fake', now()
+                FROM generate_series(1, 100000) AS i
+                """
+            )
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations (id, provisioner_id, next_attempt_at)
+                SELECT 'al_' || md5('due' || i::text), 'fake', now()
+                FROM generate_series(1, 300) AS i
+                """
+            )
+            await conn.execute("ANALYZE hubd_allocations")
+            from hubd.store.allocations import SQL
+
+            plans = [
+                str(await conn.fetchval("EXPLAIN (FORMAT JSON) " + sql))
+                for sql in (SQL.count_active, SQL.estimate_statuses)
+            ]
+        assert all("Seq Scan on hubd_allocations" not in plan for plan in plans), plans
+        counts = await store.status_counts()
+        assert counts[Status.PENDING] == 300
+        assert counts[Status.ALLOCATED] == 0
+        assert 70_000 <= counts[Status.RELEASED] <= 80_000
+        assert 20_000 <= counts[Status.FAILED] <= 30_000
+        assert counts[Status.DESTROY_FAILED] == 0
+
     async def test_concurrent_claimers_never_share_a_row(
         self, store: AllocationStore, db: Database
     ) -> None:

@@ -59,7 +59,6 @@ log = structlog.get_logger(__name__)
 DEAD_INSTANCE_TTLS = 10
 """An instance row is deleted once its heartbeat is this many TTLs old."""
 
-_COUNT_BY_STATUS = "SELECT status, count(*) AS n FROM hubd_allocations GROUP BY status"
 
 
 def listen_error(key: str, listen: str, exc: OSError) -> ConfigError:
@@ -328,6 +327,8 @@ class Daemon:
         connections: ConnectionStore,
     ) -> int:
         assert self._listener is not None
+        store = self.store
+        assert store is not None
         try:
             async with asyncio.TaskGroup() as group:
 
@@ -340,9 +341,9 @@ class Daemon:
                 start("heartbeat", self._heartbeat(instances))
                 start("repair", self._repair_loop(reconciler, connections, instances))
                 start("socket-check", self._socket_check_loop())
-                if self.config.orphans.mode != "off" and self.store is not None:
-                    start("orphans", self._orphan_loop(self.store, db))
-                start("allocation-counts", self._count_loop(db))
+                if self.config.orphans.mode != "off":
+                    start("orphans", self._orphan_loop(store, db))
+                start("allocation-counts", self._count_loop(store))
                 start("watchdog", self._watchdog())
                 start("shutdown", self._stop_when_asked(dispatcher, reconciler))
         except* _Stop:
@@ -588,14 +589,15 @@ class Daemon:
             except StoreError as exc:
                 log.warning("repair sweep failed", error=str(exc))
 
-    async def _count_loop(self, db: Database) -> None:
+    async def _count_loop(self, store: AllocationStore) -> None:
         statuses = [str(s) for s in Status]
         while True:
             raise_if_cancelled()
             try:
-                async with db.connection("count allocations") as conn:
-                    rows = await conn.fetch(_COUNT_BY_STATUS)
-                self.metrics.set_allocation_counts({r["status"]: r["n"] for r in rows}, statuses)
+                counts = await store.status_counts()
+                self.metrics.set_allocation_counts(
+                    {str(status): n for status, n in counts.items()}, statuses
+                )
                 self.metrics.database_up.set(1)
             except StoreError:
                 self.metrics.database_up.set(0)
