@@ -13,6 +13,7 @@ from typing import Final
 import pytest
 from websockets.exceptions import InvalidMessage
 
+from hubd.backoff import Backoff
 from hubd.server import handshake
 from hubd.sidecar import client as sidecar_client
 from hubd.sidecar.client import (
@@ -25,7 +26,6 @@ from hubd.sidecar.client import (
 )
 from hubd.sidecar.policy import (
     Action,
-    Backoff,
     after_close,
     after_connect_error,
     after_http_status,
