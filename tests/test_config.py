@@ -16,14 +16,12 @@ from hubd.config import (
     ProvisionerConfig,
     ReconcilerConfig,
     ServerConfig,
-    format_duration,
     load_config,
-    parse_duration,
-    parse_listen,
     redact_url,
     render_toml,
 )
 from hubd.errors import ConfigError
+from hubd.units import format_duration, parse_duration, parse_listen
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "config" / "hubd.toml"
 PASSWORD = "s3cr3t-canary"
