@@ -154,9 +154,7 @@ class AllocationStore:
         expires = await self._db.fetchval(
             "renew lease",
             SQL.renew_lease(
-                allocation_id=allocation_id,
-                lease_id=lease_id,
-                lease_duration=float(lease_duration),
+                allocation_id=allocation_id, lease_id=lease_id, lease_duration=float(lease_duration)
             ),
             pool=Pool.LEASE,
         )
@@ -397,7 +395,7 @@ class AllocationStore:
     # -- plumbing ---------------------------------------------------------------------------------
 
     async def _fenced(
-        self, what: str, statement: Statement, fence: Fence, **params: object
+        self, what: str, statement: Statement, fence: Fence, /, **params: object
     ) -> Allocation | None:
         return await self._transition(
             what,

@@ -12,12 +12,13 @@ from __future__ import annotations
 import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import asyncpg
 import attrs
+from asyncpg import Connection, Record
 
 from hubd.errors import (
     AllocationNotFound,
@@ -132,51 +133,38 @@ class Database:
                 yield pooled
 
     async def fetchrow(
-        self,
-        what: str,
-        query: Bound,
-        *,
-        pool: Pool = Pool.MAIN,
-        conn: asyncpg.Connection | None = None,
-    ) -> asyncpg.Record | None:
-        async with self.connection(what, pool=pool, conn=conn) as used:
-            row: asyncpg.Record | None = await used.fetchrow(query.sql, *query.args)
+        self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
+    ) -> Record | None:
+        row: Record | None = await self._run(Connection.fetchrow, what, query, pool, conn)
         return row
 
     async def fetch(
-        self,
-        what: str,
-        query: Bound,
-        *,
-        pool: Pool = Pool.MAIN,
-        conn: asyncpg.Connection | None = None,
-    ) -> list[asyncpg.Record]:
-        async with self.connection(what, pool=pool, conn=conn) as used:
-            rows: list[asyncpg.Record] = await used.fetch(query.sql, *query.args)
+        self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
+    ) -> list[Record]:
+        rows: list[Record] = await self._run(Connection.fetch, what, query, pool, conn)
         return rows
 
     async def fetchval(
-        self,
-        what: str,
-        query: Bound,
-        *,
-        pool: Pool = Pool.MAIN,
-        conn: asyncpg.Connection | None = None,
+        self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
     ) -> Any:
-        async with self.connection(what, pool=pool, conn=conn) as used:
-            return await used.fetchval(query.sql, *query.args)
+        return await self._run(Connection.fetchval, what, query, pool, conn)
 
     async def execute(
+        self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
+    ) -> str:
+        status: str = await self._run(Connection.execute, what, query, pool, conn)
+        return status
+
+    async def _run(
         self,
+        method: Callable[..., Awaitable[Any]],
         what: str,
         query: Bound,
-        *,
-        pool: Pool = Pool.MAIN,
-        conn: asyncpg.Connection | None = None,
-    ) -> str:
+        pool: Pool,
+        conn: Connection | None,
+    ) -> Any:
         async with self.connection(what, pool=pool, conn=conn) as used:
-            status: str = await used.execute(query.sql, *query.args)
-        return status
+            return await method(used, query.sql, *query.args)
 
     @property
     def _pools(self) -> Mapping[Pool, asyncpg.Pool]:

@@ -67,7 +67,7 @@ class Statement:
     sql: str = attrs.field(repr=False)
     params: tuple[str, ...]
 
-    def __call__(self, **values: object) -> Bound:
+    def __call__(self, /, **values: object) -> Bound:
         missing = [name for name in self.params if name not in values]
         unknown = sorted(set(values).difference(self.params))
         if missing or unknown:
