@@ -1,9 +1,10 @@
-"""Named SQL statements: translation of ``:name`` parameters, keyword binding, and that the
-``.sql`` files and the store modules that reference them agree. No database."""
+"""Named SQL statements: translation of ``:name`` parameters, keyword binding, that the ``.sql``
+files and the store modules that reference them agree, and running a bound statement."""
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import re
 from importlib import resources
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 import hubd.store
+from hubd.errors import InvalidRequest
+from hubd.store.database import Database, Pool
 from hubd.store.queries import load_queries, parse_queries, translate
 
 STORE = Path(hubd.store.__file__).parent
@@ -184,3 +187,48 @@ class TestBinding:
             parse_queries("t.sql", "-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;\n")
         with pytest.raises(ValueError, match="is empty"):
             parse_queries("t.sql", "-- name: a\n-- nothing here\n")
+
+
+class TestDatabase:
+    """Running a bound statement through :class:`Database`, against a real PostgreSQL."""
+
+    QUERIES = parse_queries(
+        "t.sql",
+        "-- name: add\nSELECT :x::int + 1;\n-- name: divide\nSELECT 1 / :x::int;\n",
+    )
+
+    async def test_a_statement_runs_on_the_pool_it_names(self, db: Database) -> None:
+        """With every connection of the main pool taken, a statement on the lease pool still
+        answers: renewals never queue behind ordinary work."""
+        held = [await db.pool.acquire() for _ in range(db.pool.get_max_size())]
+        try:
+            async with asyncio.timeout(10):
+                assert await db.fetchval("add", self.QUERIES.add(x=1), pool=Pool.LEASE) == 2
+        finally:
+            for conn in held:
+                await db.pool.release(conn)
+
+    async def test_driver_errors_are_translated_naming_the_operation(self, db: Database) -> None:
+        """A driver error leaves as hubd's own, naming what was being done."""
+        with pytest.raises(InvalidRequest, match="divide things: rejected by the schema"):
+            await db.fetchval("divide things", self.QUERIES.divide(x=0))
+
+    async def test_a_caller_connection_keeps_the_statement_in_its_transaction(
+        self, db: Database
+    ) -> None:
+        """Given ``conn``, the statement runs there: inside the caller's transaction it sees
+        what that transaction wrote, and nothing of it survives a rollback."""
+        temp = parse_queries(
+            "t.sql",
+            "-- name: put\nINSERT INTO scratch VALUES (:v);\n-- name: count\n"
+            "SELECT count(*) FROM scratch;\n",
+        )
+        async with db.pool.acquire() as conn:
+            await conn.execute("CREATE TABLE scratch (v int)")
+            tx = conn.transaction()
+            await tx.start()
+            await db.execute("put", temp.put(v=1), conn=conn)
+            assert await db.fetchval("count", temp.count(), conn=conn) == 1
+            assert await db.fetchval("count", temp.count()) == 0
+            await tx.rollback()
+            assert await db.fetchval("count", temp.count()) == 0
