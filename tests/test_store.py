@@ -476,9 +476,8 @@ class TestClaims:
             await conn.execute("ANALYZE hubd_allocations")
             from hubd.store.allocations import SQL
 
-            plan = await conn.fetchval(
-                "EXPLAIN (FORMAT JSON) " + SQL.claim_due, [new_lease()], 60.0, []
-            )
+            claim = SQL.claim_due(lease_ids=[new_lease()], lease_duration=60.0, exclude=[])
+            plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + claim.sql, *claim.args)
         text = str(plan)
         assert "hubd_allocations_due_idx" in text
         assert "Seq Scan" not in text
@@ -508,8 +507,8 @@ class TestClaims:
             from hubd.store.allocations import SQL
 
             plans = [
-                str(await conn.fetchval("EXPLAIN (FORMAT JSON) " + sql))
-                for sql in (SQL.count_active, SQL.estimate_statuses)
+                str(await conn.fetchval("EXPLAIN (FORMAT JSON) " + bound.sql))
+                for bound in (SQL.count_active(), SQL.estimate_statuses())
             ]
         assert all("Seq Scan on hubd_allocations" not in plan for plan in plans), plans
         counts = await store.status_counts()

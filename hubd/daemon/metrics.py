@@ -105,7 +105,10 @@ class Metrics:
             registry=r,
         )
         self.loop_errors = Counter(
-            "hubd_claim_loop_errors", "Errors the claim dispatcher recovered from", ["kind"], registry=r
+            "hubd_claim_loop_errors",
+            "Errors the claim dispatcher recovered from",
+            ["kind"],
+            registry=r,
         )
 
     def bind_gauges(
