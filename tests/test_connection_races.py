@@ -225,3 +225,39 @@ class TestReadyOnConnect:
         after = await store.get(sidecar.allocation_id)
         assert not after.ready
         assert after.lease_id == "ls_claim"
+
+
+class TestPools:
+    async def test_connect_is_recorded_while_claims_and_lookups_hold_every_connection(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """With every connection of the main pool (claims) and the identity pool (handshake
+        look-ups) taken, a sidecar's connect is still recorded and made ready at once: socket
+        records have connections of their own."""
+        sidecar, _ = await parked(store, db)
+        held = [
+            (pool, await pool.acquire())
+            for pool in (db.pool, db.identity_pool)
+            for _ in range(pool.get_max_size())
+        ]
+        try:
+            connections = ConnectionStore(db, instance_id="in_a", ready_on_connect=True)
+            async with asyncio.timeout(10):
+                record = await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)
+            assert record.ready
+        finally:
+            for pool, conn in held:
+                await pool.release(conn)
+        assert (await store.get(sidecar.allocation_id)).ready
+
+    async def test_a_released_connection_keeps_its_session(self, db: Database) -> None:
+        """Connections go back to their pool without asyncpg's reset round trip: a session
+        setting made on one is still there for its next user (hubd makes none; this is how
+        the saved round trip shows)."""
+        async with db.pool.acquire() as conn:
+            pid = await conn.fetchval("SELECT pg_backend_pid()")
+            await conn.execute("SET application_name = 'hubd-kept'")
+        async with db.pool.acquire() as conn:
+            assert await conn.fetchval("SELECT pg_backend_pid()") == pid
+            assert await conn.fetchval("SHOW application_name") == "hubd-kept"
+            await conn.execute("RESET application_name")

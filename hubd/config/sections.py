@@ -98,7 +98,11 @@ class DatabaseConfig:
     url: str = _text("")
     """A ``postgres://`` / ``postgresql://`` URL; empty runs the embedded PostgreSQL."""
     pool_size: int = _integer(10)
-    """Connections in the daemon's pool (lease renewals use connections of their own)."""
+    """Connections in the daemon's main pool, which claims and sweeps share. Lease renewals (2),
+    handshake look-ups (2) and socket records (4) have pools of their own, and the wake-up
+    listener one connection: a replica opens at most ``pool_size + 9``. A claim holds a
+    connection only while one statement runs, never while it waits on a plugin or a sidecar, so
+    the pool need not grow with ``max_concurrent_claims``."""
 
     def __attrs_post_init__(self) -> None:
         if self.url and not self.url.startswith(("postgres://", "postgresql://")):

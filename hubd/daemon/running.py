@@ -34,6 +34,7 @@ from hubd.store.connections import (
     parse_connected_payload,
     parse_sockets_payload,
 )
+from hubd.store.database import connections_opened
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
 
@@ -131,8 +132,8 @@ class Listening:
         plan = plan_descriptors(
             raise_open_file_limit()[0],
             requested=limits.max_connections,
-            # The three pools and the wake-up listener's own connection.
-            pool_connections=config.database.pool_size + 2 + 2 + 1,
+            # The pools and the wake-up listener's own connection.
+            pool_connections=connections_opened(config.database.pool_size) + 1,
         )
         if plan.too_low:
             log.warning(

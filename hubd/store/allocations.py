@@ -424,7 +424,15 @@ class AllocationStore:
                 yield conn
             finally:
                 if not conn.is_closed():
-                    await self._db.fetchval(what, SQL.release_sweep_lock(lock_name=name), conn=conn)
+                    try:
+                        await self._db.fetchval(
+                            what, SQL.release_sweep_lock(lock_name=name), conn=conn
+                        )
+                    except BaseException:
+                        # Pooled connections are not reset on release: one that may still hold
+                        # the lock must not go back to the pool. Closing it releases the lock.
+                        conn.terminate()
+                        raise
 
     # -- plumbing ---------------------------------------------------------------------------------
 

@@ -232,6 +232,7 @@ class ConnectionStore:
                 instance_id=self.instance_id,
                 ready_on_connect=self._ready_on_connect,
             ),
+            pool=Pool.SOCKETS,
         )
         if row is None:
             return Record(RecordOutcome.RETIRED)
@@ -246,7 +247,9 @@ class ConnectionStore:
         """Write a swept record of a socket that is still open again; its number, or ``None``
         when the allocation moved on or another connection took over meanwhile."""
         row = await self._db.fetchrow(
-            "reassert connection", self._claim(SQL.reassert, connection_id, target, sidecar_id)
+            "reassert connection",
+            self._claim(SQL.reassert, connection_id, target, sidecar_id),
+            pool=Pool.SOCKETS,
         )
         return None if row is None else int(row["seq"])
 
@@ -256,6 +259,7 @@ class ConnectionStore:
         cleared = await self._db.fetchval(
             "clear connection",
             SQL.clear(allocation_id=allocation_id, connection_id=connection_id),
+            pool=Pool.SOCKETS,
         )
         return cleared is not None
 
@@ -272,6 +276,7 @@ class ConnectionStore:
                 instance_id=self.instance_id,
                 connect_timeout=float(connect_timeout),
             ),
+            pool=Pool.SOCKETS,
         )
         return bool(row is not None and row["cleared"])
 
@@ -325,6 +330,7 @@ class ConnectionStore:
             SQL.check_sockets(
                 allocation_ids=[a for a, _ in sockets], connection_ids=[c for _, c in sockets]
             ),
+            pool=Pool.SOCKETS,
         )
         return [
             SocketCheck(

@@ -1,10 +1,20 @@
 """Connections to PostgreSQL and the translation of driver errors into hubd's own.
 
-Three pools: ``pool`` for ordinary work, ``lease_pool`` for lease renewals and heartbeats, so a
-pool saturated by slow statements can never starve the renewals that keep claims alive, and
-``identity_pool`` for the sidecar handshake's identity look-ups, which any process that can reach
-the listener can cause: a flood of handshakes waits for its own few connections and never for
-the claims', renewals' or readiness's.
+Four pools, so that no workload waits on another's connections:
+
+- ``pool`` for claims and ordinary work;
+- ``lease_pool`` for lease renewals and heartbeats: a pool saturated by slow statements can
+  never starve the renewals that keep claims alive;
+- ``identity_pool`` for the sidecar handshake's identity look-ups, which any process that can
+  reach the listener can cause: a flood of handshakes waits for its own few connections;
+- ``socket_pool`` for the connection records of authenticated sockets (record, re-assert,
+  clear, disconnect, socket checks): a sidecar's connect is never refused or delayed because
+  many claims are busy, nor because of a flood of unauthenticated handshakes.
+
+hubd owns every use of a pooled connection and leaves no session state behind (no LISTEN, no
+SET, no cursors; the one advisory lock is released, or its connection closed, by its holder), so
+a connection goes back to its pool without asyncpg's reset query: that saves a round trip on
+every release. An open transaction is still rolled back by asyncpg itself.
 """
 
 from __future__ import annotations
@@ -30,7 +40,14 @@ from hubd.errors import (
 from hubd.redaction import redact_dsn
 from hubd.store.queries import Bound
 
-__all__ = ["Database", "Pool", "connect_database", "init_connection", "translate_errors"]
+__all__ = [
+    "Database",
+    "Pool",
+    "connect_database",
+    "connections_opened",
+    "init_connection",
+    "translate_errors",
+]
 
 # Errors that mean "the database cannot answer right now", not "the answer is no".
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -99,6 +116,7 @@ class Pool(enum.Enum):
     MAIN = "main"
     LEASE = "lease"
     IDENTITY = "identity"
+    SOCKETS = "sockets"
 
 
 @attrs.define(kw_only=True)
@@ -114,6 +132,7 @@ class Database:
     pool: asyncpg.Pool
     lease_pool: asyncpg.Pool
     identity_pool: asyncpg.Pool
+    socket_pool: asyncpg.Pool
 
     @asynccontextmanager
     async def connection(
@@ -172,49 +191,70 @@ class Database:
             Pool.MAIN: self.pool,
             Pool.LEASE: self.lease_pool,
             Pool.IDENTITY: self.identity_pool,
+            Pool.SOCKETS: self.socket_pool,
         }
 
     async def close(self) -> None:
-        await self.identity_pool.close()
-        await self.lease_pool.close()
-        await self.pool.close()
+        for pool in reversed(list(self._pools.values())):
+            await pool.close()
 
     def terminate(self) -> None:
-        self.identity_pool.terminate()
-        self.lease_pool.terminate()
-        self.pool.terminate()
+        for pool in reversed(list(self._pools.values())):
+            pool.terminate()
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """The pools' reset hook: nothing to undo (see the module docstring)."""
+
+
+LEASE_POOL_SIZE = 2
+IDENTITY_POOL_SIZE = 2
+SOCKET_POOL_SIZE = 4
+
+
+def connections_opened(pool_size: int) -> int:
+    """The most connections the daemon's pools open with a main pool of ``pool_size``."""
+    return pool_size + LEASE_POOL_SIZE + IDENTITY_POOL_SIZE + SOCKET_POOL_SIZE
 
 
 async def connect_database(
     dsn: str,
     *,
     pool_size: int = 10,
-    lease_pool_size: int = 2,
-    identity_pool_size: int = 2,
+    lease_pool_size: int = LEASE_POOL_SIZE,
+    identity_pool_size: int = IDENTITY_POOL_SIZE,
+    socket_pool_size: int = SOCKET_POOL_SIZE,
     connect_timeout: float = 10.0,
     **kwargs: Any,
 ) -> Database:
-    """Open both pools; a server that cannot be reached raises :class:`DatabaseUnavailable`."""
+    """Open every pool; a server that cannot be reached raises :class:`DatabaseUnavailable`."""
+    sizes = {
+        Pool.MAIN: pool_size,
+        Pool.LEASE: lease_pool_size,
+        Pool.IDENTITY: identity_pool_size,
+        Pool.SOCKETS: socket_pool_size,
+    }
+    opened: dict[Pool, asyncpg.Pool] = {}
     with translate_errors(f"connect to {redact_dsn(dsn)}"):
-        pool = await asyncpg.create_pool(
-            dsn,
-            min_size=1,
-            max_size=pool_size,
-            init=init_connection,
-            timeout=connect_timeout,
-            **kwargs,
-        )
-        opened = [pool]
         try:
-            lease_pool = await asyncpg.create_pool(
-                dsn, min_size=1, max_size=lease_pool_size, timeout=connect_timeout, **kwargs
-            )
-            opened.append(lease_pool)
-            identity_pool = await asyncpg.create_pool(
-                dsn, min_size=1, max_size=identity_pool_size, timeout=connect_timeout, **kwargs
-            )
+            for which, size in sizes.items():
+                opened[which] = await asyncpg.create_pool(
+                    dsn,
+                    min_size=1,
+                    max_size=size,
+                    init=init_connection,
+                    reset=_keep_session,
+                    timeout=connect_timeout,
+                    **kwargs,
+                )
         except BaseException:
-            for each in opened:
+            for each in opened.values():
                 await each.close()
             raise
-    return Database(dsn=dsn, pool=pool, lease_pool=lease_pool, identity_pool=identity_pool)
+    return Database(
+        dsn=dsn,
+        pool=opened[Pool.MAIN],
+        lease_pool=opened[Pool.LEASE],
+        identity_pool=opened[Pool.IDENTITY],
+        socket_pool=opened[Pool.SOCKETS],
+    )
