@@ -210,18 +210,20 @@ async def record_row(db: Database, allocation_id: str) -> dict[str, Any] | None:
 
 
 async def take_away(database: Database) -> None:
-    """Close the ordinary and identity pools: every statement on them now fails as "database
-    unavailable"."""
+    """Close the ordinary, identity and socket pools: every statement on them now fails as
+    "database unavailable"."""
     await database.pool.close()
     await database.identity_pool.close()
+    await database.socket_pool.close()
 
 
 async def bring_back(database: Database, database_url: str) -> None:
-    """Give ``database`` working ordinary and identity pools again."""
+    """Give ``database`` working ordinary, identity and socket pools again."""
     database.pool = await asyncpg.create_pool(
         database_url, min_size=1, max_size=4, init=init_connection
     )
     database.identity_pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+    database.socket_pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
 
 
 def upgrade_request(hub_url: str, headers: Mapping[str, str], *extra: str) -> bytes:
