@@ -15,6 +15,7 @@ and the plugin's own record of what it started and stopped (a stand-in for the e
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import itertools
 import random
@@ -198,11 +199,16 @@ class SimProvisioner:
 
 @attrs.define
 class Coverage:
-    pairs: set[tuple[str, Fault]] = attrs.field(factory=set)
-    boundaries: dict[str, int] = attrs.field(factory=dict)
+    """How often each boundary was reached, and each (boundary, fault) pair landed."""
+
+    pairs: collections.Counter[tuple[str, Fault]] = attrs.field(factory=collections.Counter)
+    boundaries: collections.Counter[str] = attrs.field(factory=collections.Counter)
 
     def saw(self, boundary: str) -> None:
-        self.boundaries[boundary] = self.boundaries.get(boundary, 0) + 1
+        self.boundaries[boundary] += 1
+
+    def missing(self) -> set[tuple[str, Fault]]:
+        return expected_pairs() - set(self.pairs)
 
 
 @attrs.define(eq=False)
@@ -220,7 +226,7 @@ class Policy:
         if self.quiet or self.rng.random() >= self.rate:
             return None
         fault = self.rng.choice(faults_at(boundary))
-        self.coverage.pairs.add((boundary, fault))
+        self.coverage.pairs[boundary, fault] += 1
         return fault
 
     @contextmanager
@@ -402,10 +408,10 @@ class Simulation:
         if roll < 0.12 and len(self.ids) < 6:
             allocation = await self.store.request(provisioner_id="fake")
             self.ids.append(allocation.id)
-            self.trace.append(f"{number}: request {allocation.id}")
+            self.trace.append(f"{number}: request {self.label(allocation.id)}")
         elif roll < 0.17 and self.ids:
             allocation_id = rng.choice(self.ids)
-            self.trace.append(f"{number}: release {allocation_id}")
+            self.trace.append(f"{number}: release {self.label(allocation_id)}")
             self.released.add(allocation_id)
             await self.store.release(allocation_id)
         elif roll < 0.52:
@@ -427,11 +433,12 @@ class Simulation:
             if held:
                 index, allocation_id = rng.choice(held)
                 replica = self.replicas[index]
-                self.trace.append(f"{number}: {allocation_id} disconnects from {index}")
+                label = self.label(allocation_id)
+                self.trace.append(f"{number}: {label} disconnects from {index}")
                 await replica.disconnect(allocation_id)
         elif roll < 0.94 and self.ids:
             allocation_id, seconds = rng.choice(self.ids), rng.choice([2.0, 31.0, 61.0])
-            self.trace.append(f"{number}: {seconds:g}s pass for {allocation_id}")
+            self.trace.append(f"{number}: {seconds:g}s pass for {self.label(allocation_id)}")
             await age_row(self.db, allocation_id, seconds)
         else:
             self.trace.append(f"{number}: repair on replica {replica.index}")
@@ -462,6 +469,11 @@ class Simulation:
             if not self._settled(r)
         ]
         raise AssertionError(f"seed {self.seed} did not converge: {pending}")
+
+    def label(self, allocation_id: str) -> str:
+        """The allocation by request order: ids are random, traces must compare across
+        replays."""
+        return f"a{self.ids.index(allocation_id)}"
 
     def _settled(self, row: Allocation) -> bool:
         if row.id in self.released:
