@@ -1,7 +1,7 @@
 """The boundaries between a claim's durable steps, and the hook that can land a fault on them.
 
-hubd injects no faults itself: in production the hook is ``None`` and a boundary costs one
-attribute test. A simulation test passes a :class:`FaultHook` that, at a boundary, raises or
+hubd injects no faults itself: in production the hook is ``None`` and a boundary costs a call
+that tests one attribute. A simulation test passes a :class:`FaultHook` that, at a boundary, raises or
 blocks the way the fault it stands for would show up there: a crash cancels the claim, a
 database outage raises :class:`~hubd.errors.DatabaseUnavailable`, a pause returns only after
 the lease has run out. Every statement still runs against the real database; the hook only
@@ -46,5 +46,6 @@ class Site:
 
 class FaultHook(Protocol):
     async def at(self, site: Site) -> None:
-        """Called in the claim's own task at every boundary. Returning lets the claim go on;
-        raising or cancelling ends it as the fault would."""
+        """Called at every boundary, in the task running the claim's step (the claim's body,
+        or the claimer's own task when it parks the row after an error). Returning lets the
+        claim go on; raising ends it as the fault would."""
