@@ -17,7 +17,7 @@ from hubd.store import Database
 from tests.faultkit import install_observer
 from tests.simkit import Coverage, FakeSidecar, Simulation, describe, reset
 
-CI_SEEDS = 40
+CI_SEEDS = 150
 
 
 def seeds() -> list[int]:

@@ -1,10 +1,10 @@
 """The boundaries between a claim's durable steps, and the hook that can land a fault on them.
 
 hubd injects no faults itself: in production the hook is ``None`` and a boundary costs a call
-that tests one attribute. A simulation test passes a :class:`FaultHook` that, at a boundary, raises or
-blocks the way the fault it stands for would show up there: a crash cancels the claim, a
-database outage raises :class:`~hubd.errors.DatabaseUnavailable`, a pause returns only after
-the lease has run out. Every statement still runs against the real database; the hook only
+that tests one attribute. A simulation test passes a :class:`FaultHook` that, at a boundary,
+raises or blocks the way the fault it stands for would show up there: a crash cancels the
+claim, a database outage raises :class:`~hubd.errors.DatabaseUnavailable`, a pause returns only
+after the lease has run out. Every statement still runs against the real database; the hook only
 decides *when* things go wrong, so faults can land between every pair of durable steps.
 """
 
