@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = ["REDACTED", "redact_dsn", "scrub"]
+__all__ = ["REDACTED", "describe_error", "redact_dsn", "scrub"]
 
 REDACTED: Final = "***"
 
@@ -51,3 +51,9 @@ def redact_dsn(dsn: str) -> str:
     if qmark:
         query = _QUERY_PASSWORD.sub(rf"\g<1>{REDACTED}", query)
     return f"{scheme}{sep}{head}{qmark}{query}"
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception's type and message for a log line, scrubbed of anything secret-looking."""
+    text = str(exc)
+    return scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)

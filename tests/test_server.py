@@ -4,6 +4,7 @@ PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -14,25 +15,24 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 import structlog
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from hubd.backoff import Backoff
 from hubd.config import ServerConfig
+from hubd.daemon.metrics import Metrics
+from hubd.daemon.running import wake_listener
 from hubd.errors import DatabaseUnavailable
 from hubd.routing import SidecarNotConnected, Target
 from hubd.server import HandshakeRequest, SidecarServer, SocketRouter
 from hubd.server.limits import ListenerLimits
 from hubd.sidecar.client import SidecarClient, SidecarConfigError, SidecarSettings
-from hubd.sidecar.policy import Backoff
 from hubd.store import AllocationStore, Database, Failure, Status, connect_database
 from hubd.store.connections import (
-    CONNECTED_CHANNEL,
     ConnectionStore,
     RecordOutcome,
-    parse_connected_payload,
 )
 from hubd.store.instances import InstanceStore
 from hubd.store.values import new_allocation_id
@@ -558,34 +558,44 @@ class TestWaitReady:
     async def test_other_replica_notification(
         self, db: Database, sidecar: Sidecar, database_url: str
     ) -> None:
-        """A connect recorded by another replica reaches wait_ready through the
-        hubd_connected NOTIFY written by the same statement as the record."""
+        """A connect recorded by another replica reaches wait_ready here through the daemon's
+        own wake-up listener: the hubd_connected NOTIFY written by the same statement as the
+        record, heard on the LISTEN connection and handed to the router as the daemon wires
+        it."""
         instances = InstanceStore(db)
         await instances.register(INSTANCE_ID, "here", 1, None)
         await instances.register("in_peer", "there", 2, None)
         router = SocketRouter(ConnectionStore(db, instance_id=INSTANCE_ID))
         peer = ConnectionStore(db, instance_id="in_peer")
-        listener = await asyncpg.connect(database_url)
-        heard: list[str] = []
-
-        def on_notify(_conn: object, _pid: int, _channel: str, payload: str) -> None:
-            heard.append(payload)
-            notice = parse_connected_payload(payload)
-            if notice is not None:
-                router.notice_connected(notice)
-
-        await listener.add_listener(CONNECTED_CHANNEL, on_notify)
+        wakes: list[None] = []
+        listener = wake_listener(
+            dsn=database_url,
+            db=db,
+            router=router,
+            metrics=Metrics(),
+            on_wake=lambda: wakes.append(None),
+            on_reconnected=lambda: None,
+            poll_interval=5.0,
+        )
+        listening = asyncio.create_task(listener.run(), name="wake-listener")
         try:
+            async with asyncio.timeout(30):
+                await listener.up.wait()
+            woken_at_start = len(wakes)
             waiting = asyncio.create_task(router.wait_ready(sidecar.target, 30))
             await eventually(lambda: router.waiter_count == 1)
             record = await peer.record("cn_peer", sidecar.target, sidecar.sidecar_id)
             assert record.outcome is RecordOutcome.RECORDED
             await waiting
-            assert heard == [f"{sidecar.allocation_id}:{sidecar.generation}:{record.seq}:cn_peer"]
             assert await router.is_ready(sidecar.target)
+            # The same notice wakes the claim loops: the allocation may be ready to mark.
+            await eventually(lambda: len(wakes) > woken_at_start)
         finally:
-            await listener.close()
+            listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listening
         assert router.waiter_count == 0
+        assert not listener.healthy
 
     async def test_timeout(self, hub: Hub, sidecar: Sidecar) -> None:
         """wait_ready raises SidecarNotConnected when nothing connects in time, leaking no

@@ -13,6 +13,7 @@ from typing import Final
 import pytest
 from websockets.exceptions import InvalidMessage
 
+from hubd.backoff import Backoff, Retries
 from hubd.server import handshake
 from hubd.sidecar import client as sidecar_client
 from hubd.sidecar.client import (
@@ -25,7 +26,6 @@ from hubd.sidecar.client import (
 )
 from hubd.sidecar.policy import (
     Action,
-    Backoff,
     after_close,
     after_connect_error,
     after_http_status,
@@ -174,6 +174,22 @@ class TestBackoff:
         """A backoff needs 0 < base <= cap."""
         with pytest.raises(ValueError, match="base"):
             Backoff(base=base, cap=cap)
+
+
+class TestRetries:
+    def test_a_retry_loop_waits_the_ceilings_and_starts_over_after_a_success(self) -> None:
+        """A daemon loop's waits double from the first up to the cap, without jitter, and a
+        success starts the schedule over."""
+        retries = Retries.doubling(0.5, 10.0)
+        assert [retries.next_delay() for _ in range(7)] == [0.5, 1, 2, 4, 8, 10, 10]
+        retries.reset()
+        assert retries.next_delay() == 0.5
+
+    def test_a_cap_below_the_first_wait_lowers_it(self) -> None:
+        """A loop whose cap (a poll interval) is shorter than the first wait never waits
+        longer than the cap."""
+        retries = Retries.doubling(0.5, 0.1)
+        assert [retries.next_delay() for _ in range(3)] == [0.1, 0.1, 0.1]
 
 
 ENV: Final = MappingProxyType(

@@ -408,9 +408,8 @@ class TestClaims:
             await conn.execute("ANALYZE hubd_allocations")
             from hubd.store.allocations import SQL
 
-            plan = await conn.fetchval(
-                "EXPLAIN (FORMAT JSON) " + SQL.claim_next, new_lease(), 60.0, []
-            )
+            claim = SQL.claim_next(lease_id=new_lease(), lease_duration=60.0, exclude=[])
+            plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + claim.sql, *claim.args)
         text = str(plan)
         assert "hubd_allocations_due_idx" in text
         assert "Seq Scan" not in text

@@ -42,7 +42,7 @@ class AdminServer:
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self._host, self._port)
-        log.info("admin listener up", host=self._host, port=self.port)
+        log.info("admin_listener_up", host=self._host, port=self.port)
 
     async def close(self) -> None:
         if self._server is not None:

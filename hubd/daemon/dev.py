@@ -108,8 +108,7 @@ class DevSession:
     """Allocations this session requested whose release has not finished: id → what holds it."""
 
     async def on_started(self, daemon: Daemon) -> None:
-        store = daemon.store
-        assert store is not None
+        store = daemon.running.store
         allocation = await store.request(provisioner_id="local", session_id="hubd-dev-demo")
         self.requested.append(allocation.id)
         _say(f"\n==> requested demo allocation {allocation.id}; waiting for its sidecar to connect")
@@ -131,7 +130,7 @@ class DevSession:
             f"  {hubd} alloc list\n"
             f"  {hubd} alloc show {allocation.id}\n"
             f"  {hubd} alloc release {allocation.id}\n"
-            f"  curl -s http://{config.admin.host}:{daemon.admin.port if daemon.admin else 0}"
+            f"  curl -s http://{config.admin.host}:{daemon.running.admin.port}"
             "/metrics\n"
             f"Data: {config.state_path / 'pgdata'}   Stop with Ctrl-C (releases what this session "
             "requested; twice stops at once).\n"
@@ -142,9 +141,7 @@ class DevSession:
         """Release what this session requested and wait for it: a dev session's sidecars live
         in their own sessions and would otherwise outlive it. Anything else in the database
         (requested from another shell, or by an application) is not dev's to end."""
-        store, reconciler = daemon.store, daemon.reconciler
-        assert store is not None
-        assert reconciler is not None
+        store, reconciler = daemon.running.store, daemon.running.reconciler
         # Until the database says otherwise, nothing is known to be released: a second Ctrl-C
         # that cuts this short reports these.
         self.left = dict.fromkeys(self.requested, "release not confirmed")

@@ -24,7 +24,7 @@ def notify(state: str) -> bool:
             sock.connect(address)
             sock.sendall(state.encode())
     except OSError as exc:
-        log.warning("sd_notify failed", state=state, error=str(exc))
+        log.warning("sd_notify_failed", state=state, error=str(exc))
         return False
     return True
 

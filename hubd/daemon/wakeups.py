@@ -20,17 +20,20 @@ from typing import Any
 import asyncpg
 import structlog
 
+from hubd.backoff import Retries
 from hubd.daemon.cancellation import raise_if_cancelled
+from hubd.store.channels import (
+    CHANNELS,
+    CONNECTED_CHANNEL,
+    SELFCHECK_CHANNEL,
+    SOCKETS_CHANNEL,
+    WAKE_CHANNEL,
+)
 from hubd.store.database import Database, init_connection
 
 __all__ = ["NotificationListener", "Waker"]
 
 log = structlog.get_logger(__name__)
-
-WAKE_CHANNEL = "hubd_wake"
-CONNECTED_CHANNEL = "hubd_connected"
-SOCKETS_CHANNEL = "hubd_sockets"
-SELFCHECK_CHANNEL = "hubd_selfcheck"
 
 
 class Waker:
@@ -94,7 +97,7 @@ class NotificationListener:
 
     async def run(self) -> None:
         """Listen forever; reconnect with capped backoff whenever the connection is lost."""
-        backoff = 0.5
+        retries = Retries.doubling(0.5, 10.0)
         while True:
             raise_if_cancelled()
             conn: asyncpg.Connection | None = None
@@ -103,30 +106,24 @@ class NotificationListener:
                 await init_connection(conn)
                 lost = asyncio.Event()
                 conn.add_termination_listener(_setter(lost))
-                for channel in (
-                    WAKE_CHANNEL,
-                    CONNECTED_CHANNEL,
-                    SOCKETS_CHANNEL,
-                    SELFCHECK_CHANNEL,
-                ):
+                for channel in CHANNELS:
                     await conn.add_listener(channel, self._notified)
                 self.healthy = True
                 self.up.set()
-                backoff = 0.5
-                log.info("listening for wake-ups")
+                retries.reset()
+                log.info("wake_listener_listening")
                 # Anything notified while we were not listening is lost: poll everything once,
                 # and compare the sockets held here with the database.
                 self._on_wake()
                 self._on_reconnected()
                 await self._watch(lost)
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                log.warning("wake-up listener lost its connection", error=str(exc))
+                log.warning("wake_listener_connection_lost", error=str(exc))
             finally:
                 self.healthy = False
                 if conn is not None:
                     conn.terminate()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+            await asyncio.sleep(retries.next_delay())
 
     async def _watch(self, lost: asyncio.Event) -> None:
         """Return when the connection is lost or stops delivering our own notifications."""
@@ -139,7 +136,7 @@ class NotificationListener:
                 return
             if not await self._selfcheck():
                 self._on_selfcheck_failure()
-                log.warning("wake-up self-check did not come back; reconnecting the listener")
+                log.warning("wake_selfcheck_missed_reconnecting")
                 return
 
     async def _selfcheck(self) -> bool:

@@ -199,7 +199,7 @@ class ClaimRun:
             nonlocal written
             written = await write()
             if written is None:
-                self.log.info("final write matched nothing; the claim was lost")
+                self.log.info("final_write_matched_nothing_claim_lost")
             elif written.status is not self.allocation.status:
                 self.services.observer.transition(str(self.allocation.status), str(written.status))
 
@@ -308,7 +308,7 @@ class ClaimRun:
         if not recorded:
             raise LeaseLost(f"{kind} outcome: the fence matched nothing")
         self.log.info(
-            f"{kind} finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1)
+            f"{kind}_finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1)
         )
         return outcome
 
@@ -321,7 +321,7 @@ class ClaimRun:
         first = a.ensure_attempts + a.destroy_attempts == 0
         say = self.log.warning if first else self.log.debug
         say(
-            f"{kind} raised",
+            f"{kind}_raised",
             provisioner=a.provisioner_id,
             hint="the traceback is the plugin's; later failures of this allocation log at debug"
             if first

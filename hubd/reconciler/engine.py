@@ -182,7 +182,7 @@ class Reconciler:
         if allocation.id in self._active or self._work.is_busy(allocation.id):
             # Local work started after this claim's exclusion snapshot. Let the lease expire
             # rather than put another write behind that work.
-            bound.info("claim raced local work; leaving its lease to expire")
+            bound.info("claim_raced_local_work_lease_left_to_expire")
             return
         aid = allocation.id
 
@@ -223,7 +223,7 @@ class Reconciler:
             if body.cancelled() or isinstance(failure, LeaseLost):
                 self._observer.lease_lost()
                 cause = claim.lost or failure
-                claim.log.info("claim stopped: lease no longer held", reason=str(cause))
+                claim.log.info("claim_stopped_lease_lost", reason=str(cause))
             elif failure is not None:
                 await self._park_after_error(claim, failure)
         finally:
@@ -234,14 +234,14 @@ class Reconciler:
         # A database that cannot answer is an expected condition, handled by parking the row
         # (or letting its lease lapse): a warning. Anything else is a fault worth an error.
         report = claim.log.warning if isinstance(error, DatabaseUnavailable) else claim.log.error
-        report("reconciliation failed", error=f"{type(error).__name__}: {error}")
+        report("reconciliation_failed", error=f"{type(error).__name__}: {error}")
         if claim.lost is not None:
             return
         try:
             await claim.apply(after_error(error))
         except (LeaseLost, OperationTimeout, StoreError) as exc:
             # The row keeps its past schedule; once the lease expires any claimer retries it.
-            claim.log.warning("could not park after an error", error=str(exc))
+            claim.log.warning("park_after_error_failed", error=str(exc))
 
     # -- start-up and repair -----------------------------------------------------------------------
 

@@ -129,7 +129,7 @@ class OrphanCollector:
                 _check_listing(listed)
             except Exception as exc:  # noqa: BLE001 -- a plugin's failure skips one sweep
                 log.warning(
-                    "orphan sweep could not list sidecars",
+                    "orphan_sweep_listing_failed",
                     provisioner=provisioner.id,
                     error=f"{type(exc).__name__}: {exc}",
                 )
@@ -184,7 +184,7 @@ class OrphanCollector:
     ) -> None:
         why = "dry-run" if self._dry_run else "its allocation is unknown to this database"
         log.warning(
-            "orphan sidecar found",
+            "orphan_sidecar_found",
             provisioner=provisioner.id,
             sidecar_id=sidecar.sidecar_id,
             allocation_id=sidecar.allocation_id,
@@ -220,7 +220,7 @@ class OrphanCollector:
             code, message = result.code, result.message
         ok = isinstance(result, Destroyed)
         log.warning(
-            "orphan sidecar destroyed" if ok else "orphan sidecar not destroyed",
+            "orphan_sidecar_destroyed" if ok else "orphan_sidecar_not_destroyed",
             provisioner=provisioner.id,
             sidecar_id=sidecar.sidecar_id,
             allocation_id=sidecar.allocation_id,
@@ -255,7 +255,7 @@ class OrphanCollector:
                 message=message,
             )
         except StoreError as exc:
-            log.warning("orphan evidence not written", error=str(exc))
+            log.warning("orphan_evidence_not_written", error=str(exc))
 
 
 _FAR_FUTURE = datetime.max.replace(tzinfo=UTC)

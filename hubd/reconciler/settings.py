@@ -8,8 +8,9 @@ from typing import Any
 import attrs
 
 from hubd.store.models import Allocation
+from hubd.units import positive
 
-__all__ = ["Hook", "HookContext", "ReconcilerSettings", "hook_call"]
+__all__ = ["Hook", "HookContext", "ReconcilerSettings", "claim_rules_problem", "hook_call"]
 
 
 @attrs.frozen(kw_only=True)
@@ -36,12 +37,40 @@ class ReconcilerSettings:
 
     def __attrs_post_init__(self) -> None:
         for name in ("lease_duration", "connect_timeout", "operation_timeout", "instance_ttl"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.operation_timeout >= self.lease_duration:
-            raise ValueError("operation_timeout must be shorter than lease_duration")
-        if self.max_concurrent_claims < 1:
-            raise ValueError("max_concurrent_claims must be at least 1")
+            try:
+                positive(getattr(self, name), getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        broken = claim_rules_problem(
+            lease_duration=self.lease_duration,
+            operation_timeout=self.operation_timeout,
+            max_concurrent_claims=self.max_concurrent_claims,
+        )
+        if broken is not None:
+            raise ValueError(f"{broken[0]}: {broken[1]}")
+
+
+def claim_rules_problem(
+    *,
+    lease_duration: float,
+    operation_timeout: float,
+    max_concurrent_claims: int,
+    prefix: str = "",
+    show: Callable[[float], str] = lambda seconds: f"{seconds:g}s",
+) -> tuple[str, str] | None:
+    """The rules claims run by: ``(setting, problem)`` for the first one broken. The problem
+    names other settings with ``prefix`` and durations through ``show``; the configuration
+    checks its ``[reconciler]`` section by the same rules."""
+    # A plugin call may not outlive the lease that authorised it: once the lease can expire
+    # mid-call, another replica may claim the allocation and act on it concurrently.
+    if operation_timeout >= lease_duration:
+        return "operation_timeout", (
+            f"must be shorter than {prefix}lease_duration "
+            f"({show(operation_timeout)} ≥ {show(lease_duration)})"
+        )
+    if max_concurrent_claims < 1:
+        return "max_concurrent_claims", f"must be at least 1, not {max_concurrent_claims}"
+    return None
 
 
 def hook_call(

@@ -61,7 +61,7 @@ async def reconcile(run: ClaimRun) -> None:
     if a.status in (Status.PROVISIONING, Status.REPLACING, Status.RELEASING):
         settled = await run.op(s.ledger.settle_open_effects(run.fence), "settle open effects")
         if settled:
-            run.log.warning("earlier plugin calls ended without an outcome", count=settled)
+            run.log.warning("earlier_plugin_calls_without_outcome", count=settled)
     if a.status is Status.ALLOCATED and s.on_initialization_recovery is not None:
         recovery = hook_call(s.on_initialization_recovery, a)
         await run.with_lease("initialization recovery", recovery)
@@ -70,7 +70,7 @@ async def reconcile(run: ClaimRun) -> None:
     if problem is not None:
         unavailable = provisioner_unavailable(a, problem)
         if isinstance(unavailable, Retry):
-            run.log.warning("provisioner unavailable; retrying later", problem=problem)
+            run.log.warning("provisioner_unavailable_retrying", problem=problem)
         await run.apply(unavailable)
         return
     provisioner = s.provisioners[a.provisioner_id]
@@ -219,7 +219,7 @@ async def _wait_until_ready(run: ClaimRun, seen: Readiness | None = None) -> Non
         except Exception as exc:  # noqa: BLE001 -- any failure of a hook is an outcome
             failed = after_on_ready(exc, run.allocation, automatic_recovery=automatic_recovery)
             if isinstance(failed, Retry) and failed.failure is not None:
-                run.log.warning("on_ready hook failed", error=failed.failure.message)
+                run.log.warning("on_ready_hook_failed", error=failed.failure.message)
             await run.apply(failed)
             return
 

@@ -68,7 +68,7 @@ class LocalWork:
             if not done.cancelled() and done.exception() is not None:
                 # Retrieved here so a task whose awaiter gave up never logs "never retrieved";
                 # whoever awaited it has already handled the error.
-                log.debug("tracked task failed", task=done.get_name(), error=done.exception())
+                log.debug("tracked_task_failed", task=done.get_name(), error=done.exception())
 
         task.add_done_callback(settled)
         return task

@@ -1,7 +1,8 @@
 """The sidecar websocket server: handshake decisions, the socket router, the listener."""
 
 from hubd.server.handshake import CONNECT_PATH, SUBPROTOCOL, CloseCode, HandshakeRequest, Rejection
-from hubd.server.router import SocketEntry, SocketRouter
+from hubd.server.router import SocketRouter
+from hubd.server.sockets import SocketEntry
 from hubd.server.websocket import ServerStats, SidecarServer
 
 __all__ = [

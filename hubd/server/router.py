@@ -34,18 +34,17 @@ heartbeat: a database outage must not turn a healthy sidecar into a lost one.
 from __future__ import annotations
 
 import asyncio
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
-import attrs
 import structlog
 
+from hubd.backoff import Retries
 from hubd.errors import DatabaseUnavailable, StoreError
-from hubd.redaction import scrub
+from hubd.redaction import describe_error
 from hubd.routing import ConnectionEvents, SidecarNotConnected, Target
 from hubd.server.handshake import CloseCode, HandshakeRequest
+from hubd.server.sockets import KeyedFifo, SidecarSocket, SocketEntry, new_connection_id
 from hubd.store.connections import (
     ConnectedNotice,
     ConnectionStore,
@@ -54,77 +53,9 @@ from hubd.store.connections import (
 )
 from hubd.store.models import Status
 
-__all__ = ["SidecarSocket", "SocketEntry", "SocketRouter", "new_connection_id"]
+__all__ = ["SocketRouter"]
 
 log = structlog.get_logger(__name__)
-
-
-def new_connection_id() -> str:
-    return f"cn_{secrets.token_hex(16)}"
-
-
-class SidecarSocket(Protocol):
-    """What the router needs of a websocket connection."""
-
-    async def send(self, message: str) -> None: ...
-
-    async def close(self, code: int, reason: str) -> None: ...
-
-
-@attrs.define(eq=False)
-class SocketEntry:
-    """One accepted socket, from registration until its handler is done with it."""
-
-    connection_id: str
-    target: Target
-    sidecar_id: str
-    ws: SidecarSocket = attrs.field(repr=False)
-    log: Any = attrs.field(repr=False)
-    closed_by_hub: CloseCode | None = None
-    """Set (before the close frame is sent) when the hub closes the socket, and why."""
-    recorded: bool = False
-    seq: int | None = None
-    """The connection number its record was written with (the higher of two sockets wins)."""
-    gone: bool = False
-    """Set when its handler is done with it: no record may be written for it again."""
-    superseded: SocketEntry | None = attrs.field(default=None, repr=False)
-    """The socket this one took over from; its record is this one's to clean up if this one
-    never manages to write its own."""
-
-
-@attrs.define(eq=False)
-class _Slot:
-    lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
-    users: int = 0
-
-
-class _KeyedFifo:
-    """One FIFO lock per key, forgotten as soon as nobody holds or waits for it.
-
-    ``asyncio.Lock`` hands itself to waiters in the order they called ``acquire``; callers
-    reach ``acquire`` without yielding after the event they serialize, so the order of the steps
-    is the order of the events.
-    """
-
-    def __init__(self) -> None:
-        self._slots: dict[str, _Slot] = {}
-
-    @asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._slots[key] = _Slot()
-        slot.users += 1
-        try:
-            async with slot.lock:
-                yield
-        finally:
-            slot.users -= 1
-            if slot.users == 0:
-                del self._slots[key]
-
-    def __len__(self) -> int:
-        return len(self._slots)
 
 
 class SocketRouter:
@@ -148,7 +79,7 @@ class SocketRouter:
         self._clear_budget = clear_budget
         self._sockets: dict[str, dict[str, SocketEntry]] = {}
         self._waiters: dict[Target, set[asyncio.Future[None]]] = {}
-        self._serial = _KeyedFifo()
+        self._serial = KeyedFifo()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self.remote_closes = 0
@@ -254,7 +185,7 @@ class SocketRouter:
                         entry.connection_id, entry.target, entry.sidecar_id
                     )
             except (StoreError, TimeoutError) as exc:
-                entry.log.warning("connection_not_reasserted", error=_describe(exc))
+                entry.log.warning("connection_not_reasserted", error=describe_error(exc))
                 return False
             if seq is None:
                 return False
@@ -359,7 +290,7 @@ class SocketRouter:
                         entry.connection_id, entry.target, entry.sidecar_id
                     )
             except (StoreError, TimeoutError) as exc:
-                entry.log.warning("connection_not_recorded", error=_describe(exc))
+                entry.log.warning("connection_not_recorded", error=describe_error(exc))
                 self._close(entry, CloseCode.INTERNAL_ERROR)
                 return False
             outcome = record.outcome
@@ -380,7 +311,7 @@ class SocketRouter:
                 async with asyncio.timeout(self._event_timeout):
                     await entry.ws.send(welcome)
             except Exception as exc:  # noqa: BLE001 -- a peer that vanished is not an error
-                entry.log.info("welcome_not_sent", error=_describe(exc))
+                entry.log.info("welcome_not_sent", error=describe_error(exc))
                 return False
             await self._deliver(entry, "handle_connected")
             return True
@@ -475,7 +406,7 @@ class SocketRouter:
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("router_task_failed", task=task.get_name(), error=_describe(exc))
+            log.error("router_task_failed", task=task.get_name(), error=describe_error(exc))
 
     async def _clear(
         self, entry: SocketEntry, holder: SocketEntry, *, lost: bool = True
@@ -488,8 +419,9 @@ class SocketRouter:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._clear_budget
-        delay = 0.05
+        retries = Retries.doubling(0.05, 2.0)
         while True:
+            delay = retries.next_delay()
             try:
                 async with asyncio.timeout(self._event_timeout):
                     if lost:
@@ -505,12 +437,11 @@ class SocketRouter:
                 if loop.time() + delay >= deadline:
                     # The message says it all; a traceback would add nothing.
                     entry.log.error(  # noqa: TRY400
-                        "connection_record_left_behind", error=_describe(exc)
+                        "connection_record_left_behind", error=describe_error(exc)
                     )
                     return None
-                entry.log.warning("connection_clear_retry", error=_describe(exc))
+                entry.log.warning("connection_clear_retry", error=describe_error(exc))
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
     async def _deliver(self, entry: SocketEntry, event: str) -> None:
         if self._events is None:
@@ -521,9 +452,4 @@ class SocketRouter:
                 await handler(entry.target)
         except Exception as exc:
             # Logged, not raised: the socket stays, and the reconciler's poll repairs a lost event.
-            entry.log.exception("connection_event_failed", event=event, error=_describe(exc))
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+            entry.log.exception("connection_event_failed", event=event, error=describe_error(exc))

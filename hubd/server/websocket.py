@@ -15,32 +15,26 @@ allocation that keeps failing or reconnecting is refused with 429 and ``Retry-Af
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import http
-import ipaddress
 import json
-import logging
 import ssl
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from types import TracebackType
 from typing import Any, Final, Self, cast
 
-import attrs
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
-from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
-from websockets.protocol import Event
-from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
 from hubd.config import ServerConfig
 from hubd.errors import StoreError
 from hubd.logs import Sampler
-from hubd.redaction import scrub
+from hubd.redaction import describe_error, scrub
+from hubd.server.connection import SidecarConnection, drain, remote_of
 from hubd.server.handshake import (
     SUBPROTOCOL,
     CloseCode,
@@ -51,8 +45,10 @@ from hubd.server.handshake import (
     parse_request,
     unavailable,
 )
-from hubd.server.limits import BucketMap, HeaderScanner, ListenerLimits, SourceGate, TokenBucket
-from hubd.server.router import SocketEntry, SocketRouter
+from hubd.server.limits import BucketMap, ListenerLimits, SourceGate, TokenBucket
+from hubd.server.router import SocketRouter
+from hubd.server.sockets import SocketEntry
+from hubd.server.wire import ServerStats, WireLogger, is_loopback_host, tls_context
 from hubd.store.connections import ConnectionStore, SidecarIdentity
 
 __all__ = [
@@ -68,231 +64,6 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 MAX_MESSAGE_SIZE: Final = 64 * 1024
-
-
-class WireLogger(logging.LoggerAdapter[logging.Logger]):
-    """The logger handed to websockets: warnings and errors only.
-
-    websockets logs every handshake header at DEBUG, ``Authorization`` included, and a line per
-    connection at INFO; neither may reach hubd's logs whatever level an operator configures.
-    """
-
-    def __init__(self, name: str) -> None:
-        super().__init__(logging.getLogger(name), {})
-
-    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 -- overrides logging's name
-        return level >= logging.WARNING and self.logger.isEnabledFor(level)
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def tls_context(cert: str, key: str) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert, key)
-    return context
-
-
-@attrs.define
-class ServerStats:
-    """Counters a test or a metrics exporter reads."""
-
-    accepted: int = 0
-    handshakes_in_progress: int = 0
-    rejected: collections.Counter[int] = attrs.field(factory=collections.Counter)
-    refused_early: collections.Counter[str] = attrs.field(factory=collections.Counter)
-    """Sockets refused before websockets parsed anything, by reason."""
-    aborted: collections.Counter[str] = attrs.field(factory=collections.Counter)
-    """Sockets aborted for a resource bound (write buffer, stall), by reason."""
-    heartbeats: int = 0
-    ignored_messages: int = 0
-    ignored_by_kind: collections.Counter[str] = attrs.field(factory=collections.Counter)
-
-
-_CONTROL: Final = frozenset({Opcode.PING, Opcode.PONG})
-_STATUS_LINES: Final = {
-    429: "429 Too Many Requests",
-    431: "431 Request Header Fields Too Large",
-    503: "503 Service Unavailable",
-}
-
-
-class _SidecarConnection(ServerConnection):
-    """A server connection with hubd's resource bounds, carrying the handshake it was
-    authenticated with.
-
-    The bounds live in the asyncio protocol callbacks because that is the only place that sees
-    bytes before websockets buffers them, and write-buffer pressure before a writer is stuck.
-    """
-
-    hubd_request: HandshakeRequest | None = None
-    budget: TokenBucket | None = None
-    """Messages and control frames together; set once the socket is open."""
-    on_violation: Callable[[str], None] | None = None
-    """Called (once) when the peer breaks the budget; set once the socket is registered."""
-
-    def __init__(
-        self, protocol: ServerProtocol, server: Server, *, hub: SidecarServer, **options: Any
-    ) -> None:
-        super().__init__(protocol, server, **options)
-        self._hub = hub
-        self._limits = hub.limits
-        self._scanner: HeaderScanner | None = HeaderScanner(hub.limits)
-        self.source = ""
-        self._counted = False
-        self._handshaking = False
-        self._refused = False
-        self._lingering = False
-        self._aborted = False
-        self._stall: asyncio.TimerHandle | None = None
-
-    # -- admission ------------------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # websockets starts the handler task here; a refused socket's handler sees the
-        # connection lost and ends without calling process_request.
-        super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        self.source = str(peer[0]) if peer else ""
-        gate = self._hub.gate
-        now = self.loop.time()
-        if gate.handshakes_full:
-            self._hub.evict_stale_handshake(now)
-        refusal = gate.admit(self.source, now)
-        if refusal is not None:
-            self._refuse(refusal, early=True)
-            return
-        gate.opened(self.source)
-        self._counted = True
-        self._handshaking = True
-        self._hub.handshake_started(self, now)
-
-    def handshake_over(self) -> None:
-        """The handshake was decided (upgrade or refusal): its slot is free again."""
-        if self._handshaking:
-            self._handshaking = False
-            self._scanner = None
-            self._hub.gate.handshake_over(self.source)
-            self._hub.handshake_ended(self)
-
-    def evict(self) -> None:
-        """Give this unfinished handshake's slot to a newer socket: abort it."""
-        self.handshake_over()
-        self._abort("evicted by a newer handshake")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.handshake_over()
-        if self._counted:
-            self._counted = False
-            self._hub.gate.closed()
-        if self._lingering:
-            self._lingering = False
-            self._hub.gate.lingering -= 1
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
-        super().connection_lost(exc)
-
-    def _refuse(self, rejection: Rejection, *, early: bool) -> None:
-        """Answer with a plain HTTP refusal, without websockets' parser: it is used before (or
-        instead of) reading the request.
-
-        The socket lingers (reads discarded) for ``refusal_linger`` after a half-close, so the
-        peer reads the status instead of a reset caused by its unread request; the number of
-        lingering sockets is capped too, beyond which a refusal is a plain abort.
-        """
-        self._refused = True
-        self._hub.refused(self, rejection, early=early)
-        self.handshake_over()
-        transport = self.transport
-        gate = self._hub.gate
-        if gate.lingering >= self._limits.max_handshakes:
-            self._aborted = True
-            transport.abort()
-            return
-        body = (rejection.reason + "\n").encode()
-        head = (
-            f"HTTP/1.1 {_STATUS_LINES.get(rejection.status, str(rejection.status))}\r\n"
-            "Server: hubd\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
-        )
-        if rejection.retry_after is not None:
-            head += f"Retry-After: {rejection.retry_after}\r\n"
-        transport.write(head.encode() + b"\r\n" + body)
-        gate.lingering += 1
-        self._lingering = True
-        if transport.can_write_eof():
-            transport.write_eof()
-            self._stall = self.loop.call_later(self._hub.refusal_linger, transport.abort)
-        else:
-            transport.close()
-
-    # -- incoming bytes -------------------------------------------------------------------------
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
-        scanner = self._scanner
-        if scanner is not None:
-            problem = scanner.feed(data)
-            if problem is not None:
-                self._refuse(Rejection(status=431, reason=problem), early=False)
-                return
-        super().data_received(data)
-        # Automatic pongs (and close frames) are written without waiting for the buffer to
-        # drain: a peer that pings and never reads grows it here, so it is measured here.
-        if self.transport.get_write_buffer_size() > self._limits.max_write_buffer:
-            self._abort("write buffer full")
-
-    def process_event(self, event: Event) -> None:
-        if (
-            self.request is not None
-            and isinstance(event, Frame)
-            and event.opcode in _CONTROL
-            and self.budget is not None
-            and not self.budget.take(self.loop.time())
-        ):
-            # Pings cost the hub a pong each and pongs a dictionary look-up: they spend the
-            # same budget as messages, or a ping flood would be free.
-            self._violate("control frame rate exceeded")
-        super().process_event(event)
-
-    def _violate(self, why: str) -> None:
-        callback, self.on_violation = self.on_violation, None
-        if callback is not None:
-            callback(why)
-
-    # -- outgoing bytes -------------------------------------------------------------------------
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        # Every writer now waits in drain(), websockets' keepalive ping and close included:
-        # nothing else would ever end a socket whose peer stopped reading.
-        if self._stall is None:
-            self._stall = self.loop.call_later(
-                self._limits.write_stall_timeout, self._abort, "peer stopped reading"
-            )
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
-
-    def _abort(self, why: str) -> None:
-        self._stall = None
-        if self._aborted:
-            return
-        self._aborted = True
-        self._hub.aborted(self, why)
-        self.transport.abort()
 
 
 class SidecarServer:
@@ -355,7 +126,7 @@ class SidecarServer:
         self._server: Server | None = None
         self.stats = ServerStats()
         # Unfinished handshakes in the order they started (dicts keep insertion order).
-        self._handshaking: dict[_SidecarConnection, float] = {}
+        self._handshaking: dict[SidecarConnection, float] = {}
 
     @classmethod
     def from_config(
@@ -396,7 +167,7 @@ class SidecarServer:
             # websockets calls this like the class it names; the partial hands each connection
             # the server whose limits it applies.
             create_connection=cast(
-                "type[ServerConnection]", functools.partial(_SidecarConnection, hub=self)
+                "type[ServerConnection]", functools.partial(SidecarConnection, hub=self)
             ),
             subprotocols=[Subprotocol(SUBPROTOCOL)],
             # Off: it multiplies per-connection memory and invites decompression bombs.
@@ -457,7 +228,7 @@ class SidecarServer:
     async def _process_request(
         self, connection: ServerConnection, request: Request
     ) -> Response | None:
-        assert isinstance(connection, _SidecarConnection)
+        assert isinstance(connection, SidecarConnection)
         self.stats.handshakes_in_progress += 1
         try:
             return await self._authenticate(connection, request)
@@ -465,7 +236,7 @@ class SidecarServer:
             # No traceback: its frames could quote the request's headers, the token among
             # them. The scrubbed message and the type locate the bug well enough.
             log.error(  # noqa: TRY400
-                "handshake_failed", error=_describe(exc)
+                "handshake_failed", error=describe_error(exc)
             )
             return self._reject(connection, Rejection(status=500, reason="internal error"), None)
         finally:
@@ -473,7 +244,7 @@ class SidecarServer:
             connection.handshake_over()
 
     async def _authenticate(
-        self, connection: _SidecarConnection, request: Request
+        self, connection: SidecarConnection, request: Request
     ) -> Response | None:
         parsed = parse_request(request.path, request.headers)
         if isinstance(parsed, Rejection):
@@ -514,7 +285,7 @@ class SidecarServer:
 
     def _reject(
         self,
-        connection: _SidecarConnection,
+        connection: SidecarConnection,
         rejection: Rejection,
         parsed: HandshakeRequest | None,
     ) -> Response:
@@ -537,7 +308,7 @@ class SidecarServer:
             response.headers["Retry-After"] = str(rejection.retry_after)
         return response
 
-    def refused(self, connection: _SidecarConnection, rejection: Rejection, *, early: bool) -> None:
+    def refused(self, connection: SidecarConnection, rejection: Rejection, *, early: bool) -> None:
         """A socket refused by a resource bound, before websockets read its request."""
         self.stats.refused_early[rejection.reason] += 1
         if not early:
@@ -551,10 +322,10 @@ class SidecarServer:
             reason=rejection.reason,
         )
 
-    def handshake_started(self, connection: _SidecarConnection, now: float) -> None:
+    def handshake_started(self, connection: SidecarConnection, now: float) -> None:
         self._handshaking[connection] = now
 
-    def handshake_ended(self, connection: _SidecarConnection) -> None:
+    def handshake_ended(self, connection: SidecarConnection) -> None:
         self._handshaking.pop(connection, None)
 
     def evict_stale_handshake(self, now: float) -> bool:
@@ -566,7 +337,7 @@ class SidecarServer:
         oldest[0].evict()
         return True
 
-    def aborted(self, connection: _SidecarConnection, why: str) -> None:
+    def aborted(self, connection: SidecarConnection, why: str) -> None:
         """A socket aborted for a resource bound (its peer stopped reading)."""
         self.stats.aborted[why] += 1
         self._note("connection_aborted", f"aborted-{why}", connection, reason=why)
@@ -577,12 +348,12 @@ class SidecarServer:
             return
         if suppressed:
             context["suppressed"] = suppressed
-        log.info(event, remote=_remote(connection), **context)
+        log.info(event, remote=remote_of(connection), **context)
 
     # -- connection -----------------------------------------------------------------------------
 
     async def _handle(self, connection: ServerConnection) -> None:
-        assert isinstance(connection, _SidecarConnection)
+        assert isinstance(connection, SidecarConnection)
         request = connection.hubd_request
         # The request holds the raw token; nothing after authentication needs it.
         connection.hubd_request = None
@@ -590,9 +361,9 @@ class SidecarServer:
             await connection.close(int(CloseCode.INTERNAL_ERROR), CloseCode.INTERNAL_ERROR.reason)
             return
         loop = asyncio.get_running_loop()
-        # From the upgrade on, control frames spend it too (see _SidecarConnection).
+        # From the upgrade on, control frames spend it too (see SidecarConnection).
         connection.budget = TokenBucket(self._message_rate, self._message_burst, loop.time())
-        entry = self._router.register(connection, request, remote=_remote(connection))
+        entry = self._router.register(connection, request, remote=remote_of(connection))
         connection.on_violation = functools.partial(self._violation, entry)
         try:
             welcome = json.dumps(
@@ -610,11 +381,11 @@ class SidecarServer:
             else:
                 # The router is closing it (or the peer left): let the close frame it chose go
                 # out before websockets closes the socket with 1000 on our return.
-                await _drain(connection)
+                await drain(connection)
         finally:
             await self._router.unregister(entry)
 
-    async def _read(self, connection: _SidecarConnection, entry: SocketEntry) -> None:
+    async def _read(self, connection: SidecarConnection, entry: SocketEntry) -> None:
         loop = asyncio.get_running_loop()
         budget = connection.budget
         assert budget is not None
@@ -662,28 +433,3 @@ class SidecarServer:
         self.stats.ignored_messages += 1
         self.stats.ignored_by_kind[kind] += 1
         entry.log.debug("sidecar_message_ignored", kind=kind)
-
-
-async def _drain(connection: ServerConnection) -> None:
-    """Discard messages until the close handshake completes.
-
-    A closing socket must still be read: with its receive queue full, websockets stops reading
-    the transport, the peer's close frame is never seen, and the close waits out its timeout.
-    """
-    try:
-        async for _ in connection:
-            pass
-    except ConnectionClosed:
-        pass
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
-
-
-def _remote(connection: ServerConnection) -> str | None:
-    address = connection.remote_address
-    if not address:
-        return None
-    return f"{address[0]}:{address[1]}"

@@ -1,5 +1,6 @@
 """The reference sidecar (``hubd sidecar``) and its reconnect policy."""
 
+from hubd.backoff import Backoff
 from hubd.sidecar.client import (
     SidecarClient,
     SidecarConfigError,
@@ -7,7 +8,7 @@ from hubd.sidecar.client import (
     SidecarSettings,
     run_sidecar,
 )
-from hubd.sidecar.policy import Action, Backoff, Decision
+from hubd.sidecar.policy import Action, Decision
 
 __all__ = [
     "Action",

@@ -25,12 +25,12 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.typing import Subprotocol
 
+from hubd.backoff import Backoff
 from hubd.sidecar.policy import (
     EXIT_OK,
     EXIT_STOPPED,
     EXIT_USAGE,
     Action,
-    Backoff,
     Decision,
     after_close,
     after_connect_error,

@@ -11,7 +11,6 @@ same instant.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -21,7 +20,6 @@ __all__ = [
     "EXIT_STOPPED",
     "EXIT_USAGE",
     "Action",
-    "Backoff",
     "Decision",
     "after_close",
     "after_connect_error",
@@ -123,29 +121,3 @@ def parse_retry_after(value: str | None) -> float | None:
     if not text.isdigit() or len(text) > 6:
         return None
     return float(text)
-
-
-@attrs.frozen
-class Backoff:
-    """Capped exponential backoff with full jitter (AWS architecture blog, "Exponential
-    Backoff And Jitter"): attempt ``n`` waits a uniformly random time below
-    ``min(cap, base * 2**n)``."""
-
-    base: float = 0.5
-    cap: float = 30.0
-
-    def __attrs_post_init__(self) -> None:
-        if not (self.base > 0 and self.cap >= self.base):
-            raise ValueError("backoff needs 0 < base <= cap")
-
-    def ceiling(self, attempt: int) -> float:
-        return min(self.cap, self.base * 2.0 ** min(max(attempt, 0), 32))
-
-    def delay(self, attempt: int, random: Callable[[], float], *, floor: float = 0.0) -> float:
-        """The wait before reconnect attempt ``attempt`` (0-based); ``random`` returns [0, 1).
-
-        A server's ``Retry-After`` is a ``floor`` the jitter is added above, not a fixed wait:
-        every sidecar refused in the same second would otherwise return in the same second.
-        """
-        floor = min(max(floor, 0.0), self.cap)
-        return min(self.cap, floor + random() * self.ceiling(attempt))

@@ -16,9 +16,9 @@ from typing import Any
 import asyncpg
 
 from hubd.errors import AllocationNotFound
-from hubd.store.database import Database, translate_errors
+from hubd.store.database import Database, Pool
 from hubd.store.models import Allocation, Fence, Status
-from hubd.store.queries import load_queries
+from hubd.store.queries import Bound, Statement, load_queries
 from hubd.store.values import (
     Failure,
     bounded_message,
@@ -69,15 +69,16 @@ class AllocationStore:
         With ``conn``, the row is written on the caller's connection: inside the caller's
         transaction it is invisible, and no daemon is woken, until that transaction commits.
         """
-        row = await self._fetchrow(
+        row = await self._db.fetchrow(
             "request allocation",
-            SQL.insert_allocation,
-            new_allocation_id(),
-            validate_provisioner_id(provisioner_id),
-            validate_label("tenant_id", tenant_id),
-            validate_label("session_id", session_id),
-            json.dumps(validate_spec(spec)),
-            self.instance_id,
+            SQL.insert_allocation(
+                allocation_id=new_allocation_id(),
+                provisioner_id=validate_provisioner_id(provisioner_id),
+                tenant_id=validate_label("tenant_id", tenant_id),
+                session_id=validate_label("session_id", session_id),
+                spec=json.dumps(validate_spec(spec)),
+                instance_id=self.instance_id,
+            ),
             conn=conn,
         )
         assert row is not None
@@ -92,12 +93,13 @@ class AllocationStore:
     ) -> Allocation:
         """Give an allocation up; idempotent. Returns the row as it now stands."""
         validate_allocation_id(allocation_id)
-        row = await self._fetchrow(
+        row = await self._db.fetchrow(
             "release allocation",
-            SQL.release_allocation,
-            allocation_id,
-            self.instance_id,
-            bounded_message(reason),
+            SQL.release_allocation(
+                allocation_id=allocation_id,
+                instance_id=self.instance_id,
+                reason=bounded_message(reason),
+            ),
             conn=conn,
         )
         if row is not None:
@@ -111,19 +113,22 @@ class AllocationStore:
         self, allocation_id: str, *, conn: asyncpg.Connection | None = None
     ) -> Allocation:
         validate_allocation_id(allocation_id)
-        row = await self._fetchrow("get allocation", SQL.get_allocation, allocation_id, conn=conn)
+        row = await self._db.fetchrow(
+            "get allocation", SQL.get_allocation(allocation_id=allocation_id), conn=conn
+        )
         if row is None:
             raise AllocationNotFound(f"no allocation {allocation_id}")
         return Allocation.from_row(row)
 
     async def list_active(self) -> list[Allocation]:
-        return await self._fetch_all("list active allocations", SQL.list_active)
+        return await self._fetch_all("list active allocations", SQL.list_active())
 
     async def list_allocations(
         self, *, status: Status | None = None, limit: int = 1000
     ) -> list[Allocation]:
         return await self._fetch_all(
-            "list allocations", SQL.list_allocations, str(status) if status else None, limit
+            "list allocations",
+            SQL.list_allocations(status=str(status) if status else None, limit=limit),
         )
 
     # -- claims and leases -------------------------------------------------------------------
@@ -134,10 +139,11 @@ class AllocationStore:
         """Lease the oldest due active allocation whose id is not in ``exclude``."""
         return await self._transition(
             "claim",
-            SQL.claim_next,
-            lease_id,
-            float(lease_duration),
-            sorted(set(exclude)),
+            SQL.claim_next(
+                lease_id=lease_id,
+                lease_duration=float(lease_duration),
+                exclude=sorted(set(exclude)),
+            ),
         )
 
     async def renew_lease(self, allocation_id: str, lease_id: str, lease_duration: float) -> bool:
@@ -145,21 +151,26 @@ class AllocationStore:
 
         Runs on the lease pool, so renewals never queue behind slow work.
         """
-        with translate_errors("renew lease"):
-            async with self._db.lease_pool.acquire() as conn:
-                expires = await conn.fetchval(
-                    SQL.renew_lease, allocation_id, lease_id, float(lease_duration)
-                )
+        expires = await self._db.fetchval(
+            "renew lease",
+            SQL.renew_lease(
+                allocation_id=allocation_id, lease_id=lease_id, lease_duration=float(lease_duration)
+            ),
+            pool=Pool.LEASE,
+        )
         return expires is not None
 
     async def lease_is_current(self, fence: Fence) -> bool:
         # On the main pool: the lease pool is kept for renewals, which must never queue behind
         # a check that runs before every plugin call.
-        with translate_errors("check lease"):
-            async with self._db.pool.acquire() as conn:
-                current: bool = await conn.fetchval(
-                    SQL.lease_is_current, fence.allocation_id, fence.lease_id, fence.generation
-                )
+        current: bool = await self._db.fetchval(
+            "check lease",
+            SQL.lease_is_current(
+                allocation_id=fence.allocation_id,
+                lease_id=fence.lease_id,
+                generation=fence.generation,
+            ),
+        )
         return current
 
     # -- fenced transitions --------------------------------------------------------------------
@@ -178,11 +189,11 @@ class AllocationStore:
             "bind sidecar",
             SQL.bind_initial_sidecar,
             fence,
-            sidecar_id,
-            token_hash,
-            float(connect_timeout),
-            api_version,
-            binding_fingerprint,
+            sidecar_id=sidecar_id,
+            token_hash=token_hash,
+            connect_timeout=float(connect_timeout),
+            api_version=api_version,
+            binding_fingerprint=binding_fingerprint,
         )
 
     async def bind_replacement_sidecar(
@@ -192,13 +203,15 @@ class AllocationStore:
             "bind replacement sidecar",
             SQL.bind_replacement_sidecar,
             fence,
-            sidecar_id,
-            token_hash,
-            float(connect_timeout),
+            sidecar_id=sidecar_id,
+            token_hash=token_hash,
+            connect_timeout=float(connect_timeout),
         )
 
     async def mark_allocated(self, fence: Fence, *, external_ref: str | None) -> Allocation | None:
-        return await self._fenced("mark allocated", SQL.mark_allocated, fence, external_ref)
+        return await self._fenced(
+            "mark allocated", SQL.mark_allocated, fence, external_ref=external_ref
+        )
 
     async def begin_initialization(self, fence: Fence) -> Allocation | None:
         return await self._fenced("begin initialization", SQL.begin_initialization, fence)
@@ -210,7 +223,7 @@ class AllocationStore:
         saw ``connection_seq``, else an immediate follow-up (the row's ``connection_ready`` says
         which)."""
         return await self._fenced(
-            "mark ready", SQL.mark_connection_ready, fence, int(connection_seq)
+            "mark ready", SQL.mark_connection_ready, fence, connection_seq=int(connection_seq)
         )
 
     async def schedule_retry(
@@ -227,12 +240,12 @@ class AllocationStore:
             "schedule retry",
             SQL.schedule_retry,
             fence,
-            str(expected_status),
-            float(delay),
-            str(attempt) if attempt else None,
-            failure.code if failure else None,
-            failure.message if failure else None,
-            clear_initialization,
+            expected_status=str(expected_status),
+            delay=float(delay),
+            attempt=str(attempt) if attempt else None,
+            failure_code=failure.code if failure else None,
+            failure_message=failure.message if failure else None,
+            clear_initialization=clear_initialization,
         )
 
     async def park(
@@ -250,11 +263,11 @@ class AllocationStore:
             "park",
             SQL.park,
             fence,
-            str(mode),
-            float(delay),
-            failure.code if failure else None,
-            failure.message if failure else None,
-            connection_seq,
+            mode=str(mode),
+            delay=float(delay),
+            failure_code=failure.code if failure else None,
+            failure_message=failure.message if failure else None,
+            connection_seq=connection_seq,
         )
 
     async def begin_replacement(
@@ -272,13 +285,13 @@ class AllocationStore:
             "begin replacement",
             SQL.begin_replacement,
             fence,
-            str(expected_status),
-            float(delay),
-            failure.code,
-            failure.message,
-            only_if_initialization_incomplete,
-            expected_initialization_lease_id,
-            expected_connection_seq,
+            expected_status=str(expected_status),
+            delay=float(delay),
+            failure_code=failure.code,
+            failure_message=failure.message,
+            only_if_initialization_incomplete=only_if_initialization_incomplete,
+            expected_initialization_lease_id=expected_initialization_lease_id,
+            expected_connection_seq=expected_connection_seq,
         )
 
     async def begin_unrecoverable_release(
@@ -294,11 +307,11 @@ class AllocationStore:
             "begin unrecoverable release",
             SQL.begin_unrecoverable_release,
             fence,
-            failure.code,
-            failure.message,
-            only_if_initialization_incomplete,
-            expected_initialization_lease_id,
-            expected_connection_seq,
+            failure_code=failure.code,
+            failure_message=failure.message,
+            only_if_initialization_incomplete=only_if_initialization_incomplete,
+            expected_initialization_lease_id=expected_initialization_lease_id,
+            expected_connection_seq=expected_connection_seq,
         )
 
     async def fail_without_infrastructure(
@@ -308,14 +321,18 @@ class AllocationStore:
             "fail",
             SQL.fail_without_infrastructure,
             fence,
-            str(expected_status),
-            failure.code,
-            failure.message,
+            expected_status=str(expected_status),
+            failure_code=failure.code,
+            failure_message=failure.message,
         )
 
     async def mark_destroy_failed(self, fence: Fence, *, failure: Failure) -> Allocation | None:
         return await self._fenced(
-            "mark destroy failed", SQL.mark_destroy_failed, fence, failure.code, failure.message
+            "mark destroy failed",
+            SQL.mark_destroy_failed,
+            fence,
+            failure_code=failure.code,
+            failure_message=failure.message,
         )
 
     async def mark_released(self, fence: Fence) -> Allocation | None:
@@ -325,9 +342,9 @@ class AllocationStore:
 
     async def wake(self, allocation_id: str, generation: int) -> bool:
         """Make the allocation due now and notify the daemons; ``False`` if nothing changed."""
-        with translate_errors("wake"):
-            async with self._db.pool.acquire() as conn:
-                woken: bool = await conn.fetchval(SQL.wake, allocation_id, generation)
+        woken: bool = await self._db.fetchval(
+            "wake", SQL.wake(allocation_id=allocation_id, generation=generation)
+        )
         return woken
 
     async def mark_unconnected(self, *, instance_ttl: float, connect_timeout: float) -> int:
@@ -336,10 +353,11 @@ class AllocationStore:
         return len(
             await self._fetch_all(
                 "mark unconnected",
-                SQL.mark_unconnected,
-                float(instance_ttl),
-                float(connect_timeout),
-                self.instance_id,
+                SQL.mark_unconnected(
+                    instance_ttl=float(instance_ttl),
+                    connect_timeout=float(connect_timeout),
+                    instance_id=self.instance_id,
+                ),
             )
         )
 
@@ -350,58 +368,43 @@ class AllocationStore:
     ) -> dict[str, tuple[bool, bool]]:
         """For each (sidecar id, allocation id it names): (current sidecar of an active
         allocation, allocation known here)."""
-        with translate_errors("look up sidecar owners"):
-            async with self._db.pool.acquire() as conn:
-                rows = await conn.fetch(
-                    SQL.sidecar_owners,
-                    [sidecar for sidecar, _ in sidecars],
-                    [allocation or "" for _, allocation in sidecars],
-                )
+        rows = await self._db.fetch(
+            "look up sidecar owners",
+            SQL.sidecar_owners(
+                sidecar_ids=[sidecar for sidecar, _ in sidecars],
+                allocation_ids=[allocation or "" for _, allocation in sidecars],
+            ),
+        )
         return {row["sidecar_id"]: (row["current"], row["known"]) for row in rows}
 
     @contextlib.asynccontextmanager
     async def sweep_lock(self, name: str) -> AsyncIterator[asyncpg.Connection | None]:
         """Hold the cluster-wide sweep lock ``name`` for the block: yields the connection that
         holds it (closed means lost), or ``None`` when another replica holds it."""
-        with translate_errors("orphan sweep lock"):
-            async with self._db.pool.acquire() as conn:
-                if not await conn.fetchval(SQL.try_sweep_lock, name):
-                    yield None
-                    return
-                try:
-                    yield conn
-                finally:
-                    if not conn.is_closed():
-                        await conn.fetchval(SQL.release_sweep_lock, name)
+        what = "orphan sweep lock"
+        async with self._db.connection(what) as conn:
+            if not await self._db.fetchval(what, SQL.try_sweep_lock(lock_name=name), conn=conn):
+                yield None
+                return
+            try:
+                yield conn
+            finally:
+                if not conn.is_closed():
+                    await self._db.fetchval(what, SQL.release_sweep_lock(lock_name=name), conn=conn)
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    async def _fenced(self, what: str, sql: str, fence: Fence, *args: Any) -> Allocation | None:
+    async def _fenced(
+        self, what: str, statement: Statement, fence: Fence, /, **params: object
+    ) -> Allocation | None:
         return await self._transition(
             what,
-            sql,
-            fence.allocation_id,
-            fence.lease_id,
-            fence.generation,
-            self.instance_id,
-            *args,
+            statement(**fence.parameters(self.instance_id), **params),
         )
 
-    async def _transition(self, what: str, sql: str, *args: Any) -> Allocation | None:
-        row = await self._fetchrow(what, sql, *args)
+    async def _transition(self, what: str, query: Bound) -> Allocation | None:
+        row = await self._db.fetchrow(what, query)
         return Allocation.from_row(row) if row is not None else None
 
-    async def _fetchrow(
-        self, what: str, sql: str, *args: Any, conn: asyncpg.Connection | None = None
-    ) -> asyncpg.Record | None:
-        with translate_errors(what):
-            if conn is not None:
-                return await conn.fetchrow(sql, *args)
-            async with self._db.pool.acquire() as pooled:
-                return await pooled.fetchrow(sql, *args)
-
-    async def _fetch_all(self, what: str, sql: str, *args: Any) -> list[Allocation]:
-        with translate_errors(what):
-            async with self._db.pool.acquire() as conn:
-                rows: Sequence[asyncpg.Record] = await conn.fetch(sql, *args)
-        return [Allocation.from_row(row) for row in rows]
+    async def _fetch_all(self, what: str, query: Bound) -> list[Allocation]:
+        return [Allocation.from_row(row) for row in await self._db.fetch(what, query)]

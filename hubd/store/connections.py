@@ -15,9 +15,9 @@ from typing import Any, Final
 import attrs
 
 from hubd.routing import Target
-from hubd.store.database import Database
+from hubd.store.database import Database, Pool
 from hubd.store.models import Status
-from hubd.store.queries import load_queries
+from hubd.store.queries import Bound, Statement, load_queries
 
 __all__ = [
     "CONNECTED_CHANNEL",
@@ -133,6 +133,15 @@ class StaleConnection:
     def target(self) -> Target:
         return Target(self.allocation_id, self.generation)
 
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> StaleConnection:
+        return cls(
+            allocation_id=row["allocation_id"],
+            generation=row["generation"],
+            connection_id=row["connection_id"],
+            instance_id=row["instance_id"],
+        )
+
 
 @attrs.frozen
 class Record:
@@ -198,22 +207,19 @@ class ConnectionStore:
         """
         # On the identity pool: handshakes are caused by whoever reaches the listener, and must
         # never queue ahead of claims and renewals.
-        async with self._db.identity_connection("look up sidecar identity") as conn:
-            row = await conn.fetchrow(SQL.identity, allocation_id)
+        row = await self._db.fetchrow(
+            "look up sidecar identity",
+            SQL.identity(allocation_id=allocation_id),
+            pool=Pool.IDENTITY,
+        )
         return SidecarIdentity.from_row(row) if row is not None else None
 
     async def record(self, connection_id: str, target: Target, sidecar_id: str) -> Record:
         """Make ``connection_id`` the allocation's current connection, if it still may be; the
         allocation is woken and every replica told, in the same statement."""
-        async with self._db.connection("record connection") as conn:
-            row = await conn.fetchrow(
-                SQL.record,
-                connection_id,
-                target.allocation_id,
-                target.generation,
-                sidecar_id,
-                self.instance_id,
-            )
+        row = await self._db.fetchrow(
+            "record connection", self._claim(SQL.record, connection_id, target, sidecar_id)
+        )
         if row is None:
             return Record(RecordOutcome.RETIRED)
         if row["seq"] is not None:
@@ -226,22 +232,18 @@ class ConnectionStore:
     async def reassert(self, connection_id: str, target: Target, sidecar_id: str) -> int | None:
         """Write a swept record of a socket that is still open again; its number, or ``None``
         when the allocation moved on or another connection took over meanwhile."""
-        async with self._db.connection("reassert connection") as conn:
-            row = await conn.fetchrow(
-                SQL.reassert,
-                connection_id,
-                target.allocation_id,
-                target.generation,
-                sidecar_id,
-                self.instance_id,
-            )
+        row = await self._db.fetchrow(
+            "reassert connection", self._claim(SQL.reassert, connection_id, target, sidecar_id)
+        )
         return None if row is None else int(row["seq"])
 
     async def clear(self, allocation_id: str, connection_id: str) -> bool:
         """Forget the record if ``connection_id`` is still current; ``False`` if it was not.
         The sidecar is not called lost: use :meth:`disconnect` for that."""
-        async with self._db.connection("clear connection") as conn:
-            cleared = await conn.fetchval(SQL.clear, allocation_id, connection_id)
+        cleared = await self._db.fetchval(
+            "clear connection",
+            SQL.clear(allocation_id=allocation_id, connection_id=connection_id),
+        )
         return cleared is not None
 
     async def disconnect(
@@ -249,51 +251,53 @@ class ConnectionStore:
     ) -> bool:
         """Connection ``connection_id`` closed: clear its record and mark the sidecar lost, both
         only if it is still the current record. ``True`` when it was."""
-        async with self._db.connection("record disconnect") as conn:
-            row = await conn.fetchrow(
-                SQL.disconnect,
-                allocation_id,
-                connection_id,
-                self.instance_id,
-                float(connect_timeout),
-            )
+        row = await self._db.fetchrow(
+            "record disconnect",
+            SQL.disconnect(
+                allocation_id=allocation_id,
+                connection_id=connection_id,
+                instance_id=self.instance_id,
+                connect_timeout=float(connect_timeout),
+            ),
+        )
         return bool(row is not None and row["cleared"])
 
     async def sweep_stale(self, ttl: float, *, connect_timeout: float) -> list[StaleConnection]:
         """Clear the records of instances dead for ``ttl`` seconds (never this instance's) and
         mark their sidecars lost; returns what was swept."""
-        async with self._db.connection("sweep stale connections") as conn:
-            rows = await conn.fetch(
-                SQL.sweep_stale, float(ttl), self.instance_id, float(connect_timeout)
-            )
-        return [
-            StaleConnection(
-                allocation_id=row["allocation_id"],
-                generation=row["generation"],
-                connection_id=row["connection_id"],
-                instance_id=row["instance_id"],
-            )
-            for row in rows
-        ]
+        rows = await self._db.fetch(
+            "sweep stale connections",
+            SQL.sweep_stale(
+                ttl=float(ttl),
+                instance_id=self.instance_id,
+                connect_timeout=float(connect_timeout),
+            ),
+        )
+        return [StaleConnection.from_row(row) for row in rows]
 
     async def release_instance(self, *, connect_timeout: float) -> list[Target]:
         """A clean stop: clear this instance's records and mark their sidecars lost at once."""
-        async with self._db.connection("release instance connections") as conn:
-            rows = await conn.fetch(SQL.release_instance, self.instance_id, float(connect_timeout))
+        rows = await self._db.fetch(
+            "release instance connections",
+            SQL.release_instance(
+                instance_id=self.instance_id, connect_timeout=float(connect_timeout)
+            ),
+        )
         return [Target(row["allocation_id"], row["generation"]) for row in rows]
 
     async def readiness(self, target: Target, ttl: float) -> Readiness:
         """Whether ``target`` has a record on an instance whose heartbeat is within ``ttl`` (or
         on this instance, which holds its own sockets), and the allocation's connection number
         read with that answer."""
-        async with self._db.connection("check connection") as conn:
-            row = await conn.fetchrow(
-                SQL.readiness,
-                target.allocation_id,
-                target.generation,
-                float(ttl),
-                self.instance_id,
-            )
+        row = await self._db.fetchrow(
+            "check connection",
+            SQL.readiness(
+                allocation_id=target.allocation_id,
+                generation=target.generation,
+                ttl=float(ttl),
+                instance_id=self.instance_id,
+            ),
+        )
         if row is None:
             return Readiness(connected=False, connection_seq=-1)
         return Readiness(connected=bool(row["connected"]), connection_seq=row["connection_seq"])
@@ -303,10 +307,12 @@ class ConnectionStore:
 
     async def check_sockets(self, sockets: list[tuple[str, str]]) -> list[SocketCheck]:
         """What the database says of each (allocation, connection) this instance holds."""
-        async with self._db.connection("check sockets") as conn:
-            rows = await conn.fetch(
-                SQL.check_sockets, [a for a, _ in sockets], [c for _, c in sockets]
-            )
+        rows = await self._db.fetch(
+            "check sockets",
+            SQL.check_sockets(
+                allocation_ids=[a for a, _ in sockets], connection_ids=[c for _, c in sockets]
+            ),
+        )
         return [
             SocketCheck(
                 allocation_id=row["allocation_id"],
@@ -321,14 +327,18 @@ class ConnectionStore:
 
     async def stale(self, ttl: float) -> list[StaleConnection]:
         """Records whose instance is gone or has not sent a heartbeat within ``ttl`` seconds."""
-        async with self._db.connection("list stale connections") as conn:
-            rows = await conn.fetch(SQL.stale, float(ttl))
-        return [
-            StaleConnection(
-                allocation_id=row["allocation_id"],
-                generation=row["generation"],
-                connection_id=row["connection_id"],
-                instance_id=row["instance_id"],
-            )
-            for row in rows
-        ]
+        rows = await self._db.fetch("list stale connections", SQL.stale(ttl=float(ttl)))
+        return [StaleConnection.from_row(row) for row in rows]
+
+    def _claim(
+        self, statement: Statement, connection_id: str, target: Target, sidecar_id: str
+    ) -> Bound:
+        """``record`` and ``reassert`` take the same arguments: this instance claims the
+        socket ``connection_id`` for ``target``'s sidecar."""
+        return statement(
+            connection_id=connection_id,
+            allocation_id=target.allocation_id,
+            generation=target.generation,
+            sidecar_id=sidecar_id,
+            instance_id=self.instance_id,
+        )

@@ -9,14 +9,16 @@ the claims', renewals' or readiness's.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import asyncpg
 import attrs
+from asyncpg import Connection, Record
 
 from hubd.errors import (
     AllocationNotFound,
@@ -26,8 +28,9 @@ from hubd.errors import (
     StoreError,
 )
 from hubd.redaction import redact_dsn
+from hubd.store.queries import Bound
 
-__all__ = ["Database", "connect_database", "init_connection", "translate_errors"]
+__all__ = ["Database", "Pool", "connect_database", "init_connection", "translate_errors"]
 
 # Errors that mean "the database cannot answer right now", not "the answer is no".
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -90,9 +93,22 @@ async def init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+class Pool(enum.Enum):
+    """Which of the database's pools a statement runs on (see the module docstring)."""
+
+    MAIN = "main"
+    LEASE = "lease"
+    IDENTITY = "identity"
+
+
 @attrs.define(kw_only=True)
 class Database:
-    """The pools hubd uses against one PostgreSQL database."""
+    """The pools hubd uses against one PostgreSQL database, and the one way to run a statement.
+
+    ``fetchrow``, ``fetch``, ``fetchval`` and ``execute`` run a bound statement inside
+    :func:`translate_errors` on a connection of ``pool``, or on ``conn`` when given, so that a
+    write joins the caller's transaction.
+    """
 
     dsn: str = attrs.field(repr=redact_dsn)
     pool: asyncpg.Pool
@@ -100,16 +116,63 @@ class Database:
     identity_pool: asyncpg.Pool
 
     @asynccontextmanager
-    async def connection(self, what: str) -> AsyncIterator[asyncpg.Connection]:
+    async def connection(
+        self,
+        what: str,
+        *,
+        pool: Pool = Pool.MAIN,
+        conn: asyncpg.Connection | None = None,
+    ) -> AsyncIterator[asyncpg.Connection]:
+        """A connection of ``pool`` (or ``conn``) for the block; driver errors raised anywhere
+        in the block are translated."""
         with translate_errors(what):
-            async with self.pool.acquire() as conn:
+            if conn is not None:
                 yield conn
+                return
+            async with self._pools[pool].acquire() as pooled:
+                yield pooled
 
-    @asynccontextmanager
-    async def identity_connection(self, what: str) -> AsyncIterator[asyncpg.Connection]:
-        with translate_errors(what):
-            async with self.identity_pool.acquire() as conn:
-                yield conn
+    async def fetchrow(
+        self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
+    ) -> Record | None:
+        row: Record | None = await self._run(Connection.fetchrow, what, query, pool, conn)
+        return row
+
+    async def fetch(
+        self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
+    ) -> list[Record]:
+        rows: list[Record] = await self._run(Connection.fetch, what, query, pool, conn)
+        return rows
+
+    async def fetchval(
+        self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
+    ) -> Any:
+        return await self._run(Connection.fetchval, what, query, pool, conn)
+
+    async def execute(
+        self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
+    ) -> str:
+        status: str = await self._run(Connection.execute, what, query, pool, conn)
+        return status
+
+    async def _run(
+        self,
+        method: Callable[..., Awaitable[Any]],
+        what: str,
+        query: Bound,
+        pool: Pool,
+        conn: Connection | None,
+    ) -> Any:
+        async with self.connection(what, pool=pool, conn=conn) as used:
+            return await method(used, query.sql, *query.args)
+
+    @property
+    def _pools(self) -> Mapping[Pool, asyncpg.Pool]:
+        return {
+            Pool.MAIN: self.pool,
+            Pool.LEASE: self.lease_pool,
+            Pool.IDENTITY: self.identity_pool,
+        }
 
     async def close(self) -> None:
         await self.identity_pool.close()

@@ -21,6 +21,7 @@ import structlog
 
 from hubd.errors import ConfigError, EmbeddedPostgresError
 from hubd.store.database import translate_errors
+from hubd.store.queries import load_queries
 
 __all__ = [
     "DATABASE_NAME",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 DATABASE_NAME = "hubd"
+
+_SQL = load_queries("embedded.sql")
 _PIDS_FILE = ".handle_pids.json"
 
 log = structlog.get_logger(__name__)
@@ -152,16 +155,17 @@ async def ensure_database(maintenance_dsn: str) -> str:
     with translate_errors("create the hubd database"):
         conn = await asyncpg.connect(maintenance_dsn)
         try:
-            exists = await conn.fetchval(
-                "SELECT 1 FROM pg_database WHERE datname = $1", DATABASE_NAME
-            )
+            # A connection of its own, to another database: no pool, the bound statement runs
+            # on it directly.
+            exists_query = _SQL.database_exists(name=DATABASE_NAME)
+            exists = await conn.fetchval(exists_query.sql, *exists_query.args)
             if not exists:
                 # Two processes may race here; the loser's duplicate error means "done". A
                 # creator racing another's commit sees the catalog's unique index instead.
                 with contextlib.suppress(
                     asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError
                 ):
-                    await conn.execute("CREATE DATABASE hubd")
+                    await conn.execute(_SQL.create_database().sql)
         finally:
             await conn.close()
     return dsn_for_database(maintenance_dsn, DATABASE_NAME)

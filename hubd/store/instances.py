@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from hubd.store.database import Database, translate_errors
+from hubd.store.database import Database, Pool
 from hubd.store.queries import load_queries
 
 __all__ = ["Instance", "InstanceStore"]
@@ -56,32 +56,35 @@ class InstanceStore:
         provisioners: Sequence[str] | None = None,
     ) -> None:
         ids = None if provisioners is None else sorted(provisioners)
-        async with self._db.connection("register instance") as conn:
-            await conn.execute(SQL.register, instance_id, hostname, pid, ws_url, ids)
+        await self._db.execute(
+            "register instance",
+            SQL.register(
+                instance_id=instance_id, hostname=hostname, pid=pid, ws_url=ws_url, provisioners=ids
+            ),
+        )
 
     async def heartbeat(self, instance_id: str) -> bool:
         """Refresh the heartbeat; ``False`` when the row is gone (removed, or swept as dead).
 
         Runs on the lease pool, so a pool saturated by slow work cannot starve it.
         """
-        with translate_errors("instance heartbeat"):
-            async with self._db.lease_pool.acquire() as conn:
-                beat = await conn.fetchval(SQL.heartbeat, instance_id)
+        beat = await self._db.fetchval(
+            "instance heartbeat", SQL.heartbeat(instance_id=instance_id), pool=Pool.LEASE
+        )
         return beat is not None
 
     async def delete_dead(self, older_than: float) -> builtins.list[str]:
         """Forget instances whose heartbeat is older than ``older_than`` seconds."""
-        async with self._db.connection("delete dead instances") as conn:
-            rows = await conn.fetch(SQL.delete_dead, float(older_than))
+        rows = await self._db.fetch(
+            "delete dead instances", SQL.delete_dead(older_than=float(older_than))
+        )
         return [row["id"] for row in rows]
 
     async def remove(self, instance_id: str) -> None:
-        async with self._db.connection("remove instance") as conn:
-            await conn.execute(SQL.remove, instance_id)
+        await self._db.execute("remove instance", SQL.remove(instance_id=instance_id))
 
     # ``list`` shadows the builtin inside the class body; annotations say ``builtins.list``.
     async def list(self, ttl: float) -> builtins.list[Instance]:
         """Every instance, oldest first, each marked alive when its heartbeat is within ``ttl``."""
-        async with self._db.connection("list instances") as conn:
-            rows = await conn.fetch(SQL.list, float(ttl))
+        rows = await self._db.fetch("list instances", SQL.list(ttl=float(ttl)))
         return [Instance.from_row(row) for row in rows]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 
-from hubd.store.database import Database, translate_errors
+from hubd.store.database import Database
 from hubd.store.models import Fence, LedgerEntry, Phase, Status
 from hubd.store.queries import load_queries
 from hubd.store.values import bounded_code, bounded_message, validate_allocation_id
@@ -41,35 +41,26 @@ class LedgerStore:
         duration_ms: float | None = None,
     ) -> bool:
         """Append one phase of a plugin call; ``False`` when the fence no longer holds."""
-        with translate_errors("record effect"):
-            async with self._db.pool.acquire() as conn:
-                seq = await conn.fetchval(
-                    SQL.record_effect,
-                    fence.allocation_id,
-                    fence.lease_id,
-                    fence.generation,
-                    self.instance_id,
-                    effect_id,
-                    kind,
-                    str(phase),
-                    bounded_code(error_code) if error_code is not None else None,
-                    bounded_message(message) if message is not None else None,
-                    duration_ms,
-                    str(status),
-                )
+        seq = await self._db.fetchval(
+            "record effect",
+            SQL.record_effect(
+                **fence.parameters(self.instance_id),
+                effect_id=effect_id,
+                kind=kind,
+                phase=str(phase),
+                error_code=bounded_code(error_code) if error_code is not None else None,
+                message=bounded_message(message) if message is not None else None,
+                duration_ms=duration_ms,
+                status=str(status),
+            ),
+        )
         return seq is not None
 
     async def settle_open_effects(self, fence: Fence) -> int:
         """Record earlier leases' calls that never got an outcome as ambiguous; returns how many."""
-        with translate_errors("settle open effects"):
-            async with self._db.pool.acquire() as conn:
-                rows = await conn.fetch(
-                    SQL.settle_open_effects,
-                    fence.allocation_id,
-                    fence.lease_id,
-                    fence.generation,
-                    self.instance_id,
-                )
+        rows = await self._db.fetch(
+            "settle open effects", SQL.settle_open_effects(**fence.parameters(self.instance_id))
+        )
         return len(rows)
 
     async def record_orphan(
@@ -84,24 +75,22 @@ class LedgerStore:
         message: str | None = None,
     ) -> bool:
         """Append orphan collection's evidence; ``False`` when the allocation is unknown."""
-        with translate_errors("record orphan"):
-            async with self._db.pool.acquire() as conn:
-                seq = await conn.fetchval(
-                    SQL.record_orphan,
-                    allocation_id,
-                    sidecar_id,
-                    generation if generation is not None and generation >= 1 else None,
-                    self.instance_id,
-                    kind,
-                    str(phase),
-                    bounded_code(error_code) if error_code is not None else None,
-                    bounded_message(message) if message is not None else None,
-                )
+        seq = await self._db.fetchval(
+            "record orphan",
+            SQL.record_orphan(
+                allocation_id=allocation_id,
+                sidecar_id=sidecar_id,
+                generation=generation if generation is not None and generation >= 1 else None,
+                instance_id=self.instance_id,
+                kind=kind,
+                phase=str(phase),
+                error_code=bounded_code(error_code) if error_code is not None else None,
+                message=bounded_message(message) if message is not None else None,
+            ),
+        )
         return seq is not None
 
     async def history(self, allocation_id: str) -> list[LedgerEntry]:
         validate_allocation_id(allocation_id)
-        with translate_errors("read history"):
-            async with self._db.pool.acquire() as conn:
-                rows = await conn.fetch(SQL.history, allocation_id)
+        rows = await self._db.fetch("read history", SQL.history(allocation_id=allocation_id))
         return [LedgerEntry.from_row(row) for row in rows]

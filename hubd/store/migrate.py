@@ -61,9 +61,11 @@ async def apply_migrations(conn: asyncpg.Connection) -> list[Migration]:
     migrations = available_migrations()
     with translate_errors("migrate"):
         async with conn.transaction():
-            await conn.execute(_SQL.lock)
-            await conn.execute(_SQL.create_table)
-            applied = {row["version"] for row in await conn.fetch(_SQL.applied)}
+            # On the caller's connection, inside this one transaction: no pool is involved, so
+            # the bound statements run on it directly.
+            await conn.execute(_SQL.lock().sql)
+            await conn.execute(_SQL.create_table().sql)
+            applied = {row["version"] for row in await conn.fetch(_SQL.applied().sql)}
             unknown = applied - {m.version for m in migrations}
             if unknown:
                 raise StoreError(
@@ -75,6 +77,7 @@ async def apply_migrations(conn: asyncpg.Connection) -> list[Migration]:
                 if migration.version in applied:
                     continue
                 await conn.execute(migration.sql)
-                await conn.execute(_SQL.record, migration.version, migration.name)
+                record = _SQL.record(version=migration.version, name=migration.name)
+                await conn.execute(record.sql, *record.args)
                 done.append(migration)
     return done

@@ -113,6 +113,16 @@ class Fence:
     def advanced(self, generation: int) -> Fence:
         return attrs.evolve(self, generation=generation)
 
+    def parameters(self, instance_id: str) -> dict[str, object]:
+        """The named parameters of every fenced statement; ``instance_id`` is the hub that writes
+        the ledger row."""
+        return {
+            "allocation_id": self.allocation_id,
+            "lease_id": self.lease_id,
+            "generation": self.generation,
+            "instance_id": instance_id,
+        }
+
 
 @attrs.frozen(kw_only=True)
 class LedgerEntry:

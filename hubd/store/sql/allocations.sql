@@ -1,22 +1,23 @@
 -- Statements on hubd_allocations. Every transition appends its ledger row in the same statement
 -- (a data-modifying CTE), so a transition and its evidence commit or vanish together.
--- Claim-owned writes are fenced: $1 id, $2 lease id, $3 generation, and a lease still live by the
--- database clock; $4 is the hub instance written to the ledger. The fence reads clock_timestamp(),
--- not now(): a write that waited on a row lock is re-checked at the moment it proceeds, not at
--- the moment its statement started.
+-- Claim-owned writes are fenced on :allocation_id, :lease_id and :generation, and a lease still
+-- live by the database clock; :instance_id is the hub written to the ledger. The fence reads
+-- clock_timestamp(), not now(): a write that waited on a row lock is re-checked at the moment it
+-- proceeds, not at the moment its statement started.
 
 -- name: insert_allocation
 -- A new request, due at once; the wake-up is delivered when the caller's transaction commits.
--- The spec ($5) arrives as JSON text, so callers' connections need no codec.
+-- The :spec arrives as JSON text, so callers' connections need no codec.
 WITH inserted AS (
     INSERT INTO hubd_allocations (id, provisioner_id, tenant_id, session_id, spec, next_attempt_at)
-    VALUES ($1, $2, $3, $4, $5::text::jsonb, now())
+    VALUES (:allocation_id, :provisioner_id, :tenant_id, :session_id, :spec::text::jsonb, now())
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger (allocation_id, generation, instance_id, kind, to_status, phase)
-    SELECT id, generation, $6, 'request', status, 'committed' FROM inserted
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, to_status, phase)
+    SELECT id, generation, :instance_id, 'request', status, 'committed' FROM inserted
 ), woken AS (
-    SELECT pg_notify('hubd_wake', $1)
+    SELECT pg_notify('hubd_wake', :allocation_id)
 )
 SELECT inserted.* FROM inserted, woken;
 
@@ -25,7 +26,7 @@ SELECT inserted.* FROM inserted, woken;
 -- becomes releasing under a new generation, which fences off the current claim and sidecar.
 WITH prior AS (
     SELECT id, status FROM hubd_allocations
-    WHERE id = $1 AND status IN ('pending', 'provisioning', 'allocated', 'replacing')
+    WHERE id = :allocation_id AND status IN ('pending', 'provisioning', 'allocated', 'replacing')
     FOR UPDATE
 ), updated AS (
     UPDATE hubd_allocations AS a SET
@@ -44,18 +45,19 @@ WITH prior AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
-    SELECT id, generation, $2, 'release', from_status, status, 'committed', $3 FROM updated
+    SELECT id, generation, :instance_id, 'release', from_status, status, 'committed', :reason
+    FROM updated
 ), woken AS (
-    SELECT pg_notify('hubd_wake', $1)
+    SELECT pg_notify('hubd_wake', :allocation_id)
 )
 SELECT updated.* FROM updated, woken;
 
 -- name: claim_next
--- Lease the oldest due active row not in the exclusion list ($3). Expiry is set by the database
--- clock so replicas with skewed clocks agree. Served by hubd_allocations_due_idx.
+-- Lease the oldest due active row whose id is not in :exclude. Expiry is set by the database clock
+-- so replicas with skewed clocks agree. Served by hubd_allocations_due_idx.
 UPDATE hubd_allocations AS a SET
-    lease_id = $1,
-    lease_expires_at = now() + make_interval(secs => $2),
+    lease_id = :lease_id,
+    lease_expires_at = now() + make_interval(secs => :lease_duration),
     updated_at = now()
 FROM (
     SELECT id FROM hubd_allocations
@@ -63,7 +65,7 @@ FROM (
       AND next_attempt_at <= now()
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
       AND (lease_expires_at IS NULL OR lease_expires_at <= now())
-      AND id <> ALL ($3::text[])
+      AND id <> ALL (:exclude::text[])
     ORDER BY next_attempt_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -74,38 +76,43 @@ RETURNING a.*;
 -- name: renew_lease
 -- Extend a lease that is still ours and still live; returns no row when it is not.
 UPDATE hubd_allocations
-SET lease_expires_at = now() + make_interval(secs => $3)
-WHERE id = $1 AND lease_id = $2 AND lease_expires_at > clock_timestamp()
+SET lease_expires_at = now() + make_interval(secs => :lease_duration)
+WHERE id = :allocation_id AND lease_id = :lease_id AND lease_expires_at > clock_timestamp()
 RETURNING lease_expires_at;
 
 -- name: lease_is_current
--- Whether the claim ($2, generation $3) still owns the row.
+-- Whether the claim (:lease_id at :generation) still owns the row.
 SELECT EXISTS (
     SELECT 1 FROM hubd_allocations
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
 );
 
 -- name: bind_initial_sidecar
--- pending → provisioning: bind the provisioner if unbound ($8 api version, $9 fingerprint) and a
--- new sidecar identity ($5 id, $6 token hash) with a connect deadline $7 seconds away.
+-- pending → provisioning: bind the provisioner if unbound (:api_version, :binding_fingerprint)
+-- and a new sidecar identity (:sidecar_id, :token_hash) with a connect deadline :connect_timeout
+-- seconds away.
 WITH updated AS (
     UPDATE hubd_allocations SET
         status = 'provisioning',
-        provisioner_api_version = COALESCE(provisioner_api_version, $8),
-        provisioner_binding_fingerprint = COALESCE(provisioner_binding_fingerprint, $9),
-        sidecar_id = $5,
-        token_hash = $6,
+        provisioner_api_version = COALESCE(provisioner_api_version, :api_version),
+        provisioner_binding_fingerprint =
+            COALESCE(provisioner_binding_fingerprint, :binding_fingerprint),
+        sidecar_id = :sidecar_id,
+        token_hash = :token_hash,
         external_ref = NULL,
-        connect_deadline = now() + make_interval(secs => $7),
+        connect_deadline = now() + make_interval(secs => :connect_timeout),
         connection_ready = false,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status = 'pending'
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $2, $4, 'bind_sidecar', 'pending', status, 'committed' FROM updated
+    SELECT id, generation, :lease_id, :instance_id, 'bind_sidecar', 'pending', status, 'committed'
+    FROM updated
 )
 SELECT * FROM updated;
 
@@ -114,34 +121,39 @@ SELECT * FROM updated;
 WITH updated AS (
     UPDATE hubd_allocations SET
         status = 'provisioning',
-        sidecar_id = $5,
-        token_hash = $6,
+        sidecar_id = :sidecar_id,
+        token_hash = :token_hash,
         external_ref = NULL,
-        connect_deadline = now() + make_interval(secs => $7),
+        connect_deadline = now() + make_interval(secs => :connect_timeout),
         connection_ready = false,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status = 'replacing'
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $2, $4, 'bind_replacement_sidecar', 'replacing', status, 'committed'
+    SELECT id, generation, :lease_id, :instance_id, 'bind_replacement_sidecar', 'replacing', status,
+        'committed'
     FROM updated
 )
 SELECT * FROM updated;
 
 -- name: mark_allocated
--- provisioning → allocated: the provisioner accepted ensure ($5 external reference).
+-- provisioning → allocated: the provisioner accepted ensure (:external_ref).
 WITH updated AS (
-    UPDATE hubd_allocations SET status = 'allocated', external_ref = $5, updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    UPDATE hubd_allocations
+    SET status = 'allocated', external_ref = :external_ref, updated_at = now()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status = 'provisioning'
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $2, $4, 'mark_allocated', 'provisioning', status, 'committed'
+    SELECT id, generation, :lease_id, :instance_id, 'mark_allocated', 'provisioning', status,
+        'committed'
     FROM updated
 )
 SELECT * FROM updated;
@@ -150,47 +162,55 @@ SELECT * FROM updated;
 -- Record, before the on-ready hook runs, that this lease is initializing the sidecar; a crash
 -- before mark_connection_ready leaves the marker for the next claim to find.
 WITH updated AS (
-    UPDATE hubd_allocations SET initialization_lease_id = $2, updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    UPDATE hubd_allocations SET initialization_lease_id = :lease_id, updated_at = now()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status = 'allocated' AND initialization_lease_id IS NULL
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $2, $4, 'begin_initialization', 'allocated', status, 'committed'
+    SELECT id, generation, :lease_id, :instance_id, 'begin_initialization', 'allocated', status,
+        'committed'
     FROM updated
 )
 SELECT * FROM updated;
 
 -- name: mark_connection_ready
--- Finish initialization. Ready only if no connection was recorded or cleared since the claim
--- looked ($5, the allocation's connection number then): a connect that landed meanwhile, on any
--- replica, may be a restarted sidecar whose takeover hid its disconnect, and a disconnect means
+-- Finish initialization. Ready only if no connection was recorded or cleared since the claim looked
+-- (:connection_seq, the allocation's connection number then): a connect that landed meanwhile, on
+-- any replica, may be a restarted sidecar whose takeover hid its disconnect, and a disconnect means
 -- it is gone. Then the write becomes an immediate follow-up instead (due now, ledger kind
--- 'follow_up'), so the next claim looks again. Either way the initialization marker is settled
--- and the lease dropped; on ready, attempt counters and the last failure are reset.
+-- 'follow_up'), so the next claim looks again. Either way the initialization marker is settled and
+-- the lease dropped; on ready, attempt counters and the last failure are reset.
 WITH updated AS (
     UPDATE hubd_allocations SET
-        connection_ready = (connection_seq = $5),
+        connection_ready = (connection_seq = :connection_seq),
         initialization_lease_id = NULL,
-        connect_deadline = CASE WHEN connection_seq = $5 THEN NULL ELSE connect_deadline END,
-        next_attempt_at = CASE WHEN connection_seq = $5 THEN NULL ELSE now() END,
+        connect_deadline =
+            CASE WHEN connection_seq = :connection_seq THEN NULL ELSE connect_deadline END,
+        next_attempt_at = CASE WHEN connection_seq = :connection_seq THEN NULL ELSE now() END,
         lease_id = NULL,
         lease_expires_at = NULL,
-        ensure_attempts = CASE WHEN connection_seq = $5 THEN 0 ELSE ensure_attempts END,
-        destroy_attempts = CASE WHEN connection_seq = $5 THEN 0 ELSE destroy_attempts END,
-        failure_code = CASE WHEN connection_seq = $5 THEN NULL ELSE failure_code END,
-        failure_message = CASE WHEN connection_seq = $5 THEN NULL ELSE failure_message END,
+        ensure_attempts =
+            CASE WHEN connection_seq = :connection_seq THEN 0 ELSE ensure_attempts END,
+        destroy_attempts =
+            CASE WHEN connection_seq = :connection_seq THEN 0 ELSE destroy_attempts END,
+        failure_code = CASE WHEN connection_seq = :connection_seq THEN NULL ELSE failure_code END,
+        failure_message =
+            CASE WHEN connection_seq = :connection_seq THEN NULL ELSE failure_message END,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status = 'allocated'
-      AND (initialization_lease_id IS NULL OR initialization_lease_id = $2)
+      AND (initialization_lease_id IS NULL OR initialization_lease_id = :lease_id)
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase,
          message)
-    SELECT id, generation, $2, $4, CASE WHEN connection_ready THEN 'mark_ready' ELSE 'follow_up' END,
+    SELECT id, generation, :lease_id, :instance_id,
+        CASE WHEN connection_ready THEN 'mark_ready' ELSE 'follow_up' END,
         'allocated', status, 'committed',
         CASE WHEN connection_ready THEN NULL
              ELSE 'a connection was recorded or lost during initialization' END
@@ -199,133 +219,151 @@ WITH updated AS (
 SELECT * FROM updated;
 
 -- name: schedule_retry
--- Try again after $6 seconds in status $5; $7 names the attempt counter to bump ('ensure',
--- 'destroy' or NULL); $8/$9 record the failure that caused it, when given; $10 clears an
--- initialization marker this claim settled (the hook finished or failed cleanly). Drops the lease.
+-- Try again after :delay seconds in status :expected_status; :attempt names the attempt counter to
+-- bump ('ensure', 'destroy' or NULL); :failure_code/:failure_message record the failure that caused
+-- it, when given; :clear_initialization clears an initialization marker this claim settled (the
+-- hook finished or failed cleanly). Drops the lease.
 WITH updated AS (
     UPDATE hubd_allocations SET
-        next_attempt_at = now() + make_interval(secs => $6),
-        initialization_lease_id = CASE WHEN $10 THEN NULL ELSE initialization_lease_id END,
-        ensure_attempts = ensure_attempts + CASE WHEN $7::text = 'ensure' THEN 1 ELSE 0 END,
-        destroy_attempts = destroy_attempts + CASE WHEN $7::text = 'destroy' THEN 1 ELSE 0 END,
-        failure_code = COALESCE($8, failure_code),
-        failure_message = CASE WHEN $8::text IS NULL THEN failure_message ELSE $9 END,
+        next_attempt_at = now() + make_interval(secs => :delay),
+        initialization_lease_id =
+            CASE WHEN :clear_initialization THEN NULL ELSE initialization_lease_id END,
+        ensure_attempts =
+            ensure_attempts + CASE WHEN :attempt::text = 'ensure' THEN 1 ELSE 0 END,
+        destroy_attempts =
+            destroy_attempts + CASE WHEN :attempt::text = 'destroy' THEN 1 ELSE 0 END,
+        failure_code = COALESCE(:failure_code, failure_code),
+        failure_message =
+            CASE WHEN :failure_code::text IS NULL THEN failure_message ELSE :failure_message END,
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
-      AND status = $5
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
+      AND status = :expected_status
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message)
-    SELECT id, generation, $2, $4, 'schedule_retry', status, status, 'committed', $8, $9
+    SELECT id, generation, :lease_id, :instance_id, 'schedule_retry', status, status, 'committed',
+        :failure_code, :failure_message
     FROM updated
 )
 SELECT * FROM updated;
 
 -- name: park
 -- Nothing to do until something happens: drop the lease and come back at the connect deadline
--- ($5 = 'await_connection', falling back to $6 seconds) or after $6 seconds ('retry_after_error',
--- recording $7/$8 as the failure). Awaiting a connection is fenced on the connection number the
--- claim last saw ($9, when given): if a connection was recorded or cleared since, on any replica,
--- the row is due now instead (ledger kind 'follow_up'), so no connect is slept through.
+-- (:mode = 'await_connection', falling back to :delay seconds) or after :delay seconds
+-- ('retry_after_error', recording :failure_code/:failure_message as the failure). Awaiting a
+-- connection is fenced on the connection number the claim last saw (:connection_seq, when given):
+-- if a connection was recorded or cleared since, on any replica, the row is due now instead (ledger
+-- kind 'follow_up'), so no connect is slept through.
 WITH updated AS (
     UPDATE hubd_allocations SET
         next_attempt_at = CASE
-            WHEN $5::text = 'await_connection' AND connection_seq <> $9::bigint
+            WHEN :mode::text = 'await_connection' AND connection_seq <> :connection_seq::bigint
                 THEN now()
-            WHEN $5::text = 'await_connection'
-                THEN COALESCE(connect_deadline, now() + make_interval(secs => $6))
-            ELSE now() + make_interval(secs => $6) END,
-        failure_code = COALESCE($7, failure_code),
-        failure_message = CASE WHEN $7::text IS NULL THEN failure_message ELSE $8 END,
+            WHEN :mode::text = 'await_connection'
+                THEN COALESCE(connect_deadline, now() + make_interval(secs => :delay))
+            ELSE now() + make_interval(secs => :delay) END,
+        failure_code = COALESCE(:failure_code, failure_code),
+        failure_message =
+            CASE WHEN :failure_code::text IS NULL THEN failure_message ELSE :failure_message END,
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message)
-    SELECT id, generation, $2, $4,
-        CASE WHEN $5::text = 'await_connection' AND connection_seq <> $9::bigint
-             THEN 'follow_up' ELSE 'park_' || $5::text END,
-        status, status, 'committed', $7, $8
+    SELECT id, generation, :lease_id, :instance_id,
+        CASE WHEN :mode::text = 'await_connection' AND connection_seq <> :connection_seq::bigint
+             THEN 'follow_up' ELSE 'park_' || :mode::text END,
+        status, status, 'committed', :failure_code, :failure_message
     FROM updated
 )
 SELECT * FROM updated;
 
 -- name: begin_replacement
--- Abandon the current sidecar: → replacing under a new generation, due in $6 seconds, failure
--- $7/$8. With $9, only while an initialization is still recorded (and, given $10, by that lease).
--- Given $11, only while the connection number is still $11: a sidecar that connected (anywhere)
--- since the claim saw it absent is never abandoned for not connecting.
+-- Abandon the current sidecar: → replacing under a new generation, due in :delay seconds, failure
+-- :failure_code/:failure_message. With :only_if_initialization_incomplete, only while an
+-- initialization is still recorded (and, given :expected_initialization_lease_id, by that lease).
+-- Given :expected_connection_seq, only while the connection number is still that: a sidecar that
+-- connected (anywhere) since the claim saw it absent is never abandoned for not connecting.
 WITH updated AS (
     UPDATE hubd_allocations SET
         status = 'replacing',
         generation = generation + 1,
         ensure_attempts = ensure_attempts + 1,
-        next_attempt_at = now() + make_interval(secs => $6),
-        failure_code = $7,
-        failure_message = $8,
+        next_attempt_at = now() + make_interval(secs => :delay),
+        failure_code = :failure_code,
+        failure_message = :failure_message,
         connection_ready = false,
         initialization_lease_id = NULL,
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
-      AND status = $5
-      AND (NOT $9 OR (initialization_lease_id IS NOT NULL
-                      AND initialization_lease_id = COALESCE($10, initialization_lease_id)))
-      AND ($11::bigint IS NULL OR connection_seq = $11)
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
+      AND status = :expected_status
+      AND (NOT :only_if_initialization_incomplete OR (initialization_lease_id IS NOT NULL
+                      AND initialization_lease_id =
+                          COALESCE(:expected_initialization_lease_id, initialization_lease_id)))
+      AND (:expected_connection_seq::bigint IS NULL OR connection_seq = :expected_connection_seq)
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message)
-    SELECT id, generation, $2, $4, 'begin_replacement', $5, status, 'committed', $7, $8
+    SELECT id, generation, :lease_id, :instance_id, 'begin_replacement', :expected_status, status,
+        'committed', :failure_code, :failure_message
     FROM updated
 )
 SELECT * FROM updated;
 
 -- name: begin_unrecoverable_release
 -- allocated → releasing under a new generation when automatic replacement recovery is off;
--- $5/$6 the failure, $7/$8/$9 as $9/$10/$11 of begin_replacement.
+-- :failure_code/:failure_message the failure; :only_if_initialization_incomplete,
+-- :expected_initialization_lease_id and :expected_connection_seq as in begin_replacement.
 WITH updated AS (
     UPDATE hubd_allocations SET
         status = 'releasing',
         generation = generation + 1,
         next_attempt_at = now(),
-        failure_code = $5,
-        failure_message = $6,
+        failure_code = :failure_code,
+        failure_message = :failure_message,
         connection_ready = false,
         initialization_lease_id = NULL,
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status = 'allocated'
-      AND (NOT $7 OR (initialization_lease_id IS NOT NULL
-                      AND initialization_lease_id = COALESCE($8, initialization_lease_id)))
-      AND ($9::bigint IS NULL OR connection_seq = $9)
+      AND (NOT :only_if_initialization_incomplete OR (initialization_lease_id IS NOT NULL
+                      AND initialization_lease_id =
+                          COALESCE(:expected_initialization_lease_id, initialization_lease_id)))
+      AND (:expected_connection_seq::bigint IS NULL OR connection_seq = :expected_connection_seq)
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message)
-    SELECT id, generation, $2, $4, 'begin_unrecoverable_release', 'allocated', status,
-        'committed', $5, $6
+    SELECT id, generation, :lease_id, :instance_id, 'begin_unrecoverable_release', 'allocated',
+        status, 'committed', :failure_code, :failure_message
     FROM updated
 )
 SELECT * FROM updated;
 
 -- name: fail_without_infrastructure
--- $5 → failed with failure $6/$7: nothing was provisioned, so nothing needs destroying.
+-- :expected_status → failed with failure :failure_code/:failure_message: nothing was
+-- provisioned, so nothing needs destroying.
 WITH updated AS (
     UPDATE hubd_allocations SET
         status = 'failed',
-        failure_code = $6,
-        failure_message = $7,
+        failure_code = :failure_code,
+        failure_message = :failure_message,
         connection_ready = false,
         initialization_lease_id = NULL,
         next_attempt_at = NULL,
@@ -333,28 +371,33 @@ WITH updated AS (
         lease_expires_at = NULL,
         finished_at = now(),
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
-      AND status = $5
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
+      AND status = :expected_status
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message)
-    SELECT id, generation, $2, $4, 'fail', $5, status, 'committed', $6, $7 FROM updated
+    SELECT id, generation, :lease_id, :instance_id, 'fail', :expected_status, status, 'committed',
+        :failure_code, :failure_message
+    FROM updated
 )
 SELECT * FROM updated;
 
 -- name: mark_destroy_failed
--- replacing/releasing → destroy_failed ($5/$6): an operator must look, infrastructure may leak.
+-- replacing/releasing → destroy_failed (:failure_code/:failure_message): an operator must look,
+-- infrastructure may leak.
 WITH prior AS (
     SELECT id, status FROM hubd_allocations
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status IN ('replacing', 'releasing')
     FOR UPDATE
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         status = 'destroy_failed',
-        failure_code = $5,
-        failure_message = $6,
+        failure_code = :failure_code,
+        failure_message = :failure_message,
         connection_ready = false,
         next_attempt_at = NULL,
         lease_id = NULL,
@@ -367,7 +410,8 @@ WITH prior AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message)
-    SELECT id, generation, $2, $4, 'mark_destroy_failed', from_status, status, 'committed', $5, $6
+    SELECT id, generation, :lease_id, :instance_id, 'mark_destroy_failed', from_status, status,
+        'committed', :failure_code, :failure_message
     FROM updated
 )
 SELECT updated.* FROM updated;
@@ -383,21 +427,25 @@ WITH updated AS (
         lease_expires_at = NULL,
         finished_at = now(),
         updated_at = now()
-    WHERE id = $1 AND lease_id = $2 AND generation = $3 AND lease_expires_at > clock_timestamp()
+    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
       AND status = 'releasing'
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $2, $4, 'mark_released', 'releasing', status, 'committed' FROM updated
+    SELECT id, generation, :lease_id, :instance_id, 'mark_released', 'releasing', status,
+        'committed'
+    FROM updated
 )
 SELECT * FROM updated;
 
 -- name: wake
--- Make generation $2 due now (a sidecar connected, or a repair) and tell the daemons.
+-- Make :generation of :allocation_id due now (a sidecar connected, or a repair) and tell the
+-- daemons.
 WITH updated AS (
     UPDATE hubd_allocations SET next_attempt_at = now(), updated_at = now()
-    WHERE id = $1 AND generation = $2
+    WHERE id = :allocation_id AND generation = :generation
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
       AND (next_attempt_at IS NULL OR next_attempt_at > now())
     RETURNING id
@@ -408,12 +456,12 @@ SELECT count(*) > 0 FROM updated, woken;
 
 -- name: mark_unconnected
 -- Start-up repair and the repair sweep: allocated rows that read ready, or that nothing will ever
--- revisit (no schedule), although no live connection record exists for their generation (none,
--- or only on instances other than the caller's own, $3, whose heartbeat is older than $1
--- seconds: the caller knows its own sockets are open). Each gets until its connect
--- deadline (or $2 seconds). Only rows no claim holds (a claim's lease decides for itself), and
--- fenced on the connection number each was found with: a record written meanwhile bumps it, and
--- the join below then no longer matches when the row lock is taken.
+-- revisit (no schedule), although no live connection record exists for their generation (none, or
+-- only on instances other than the caller's own, :instance_id, whose heartbeat is older than
+-- :instance_ttl seconds: the caller knows its own sockets are open). Each gets until its connect
+-- deadline (or :connect_timeout seconds). Only rows no claim holds (a claim's lease decides for
+-- itself), and fenced on the connection number each was found with: a record written meanwhile
+-- bumps it, and the join below then no longer matches when the row lock is taken.
 WITH candidates AS (
     SELECT a.id, a.generation, a.connection_seq FROM hubd_allocations AS a
     WHERE a.status = 'allocated'
@@ -423,13 +471,16 @@ WITH candidates AS (
           SELECT 1 FROM hubd_sidecar_connections AS c
           JOIN hubd_instances AS i ON i.id = c.instance_id
           WHERE c.allocation_id = a.id AND c.generation = a.generation
-            AND (i.heartbeat_at > now() - make_interval(secs => $1) OR c.instance_id = $3))
+            AND (i.heartbeat_at > now() - make_interval(secs => :instance_ttl)
+                 OR c.instance_id = :instance_id))
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         connection_ready = false,
-        connect_deadline = COALESCE(a.connect_deadline, now() + make_interval(secs => $2)),
-        next_attempt_at = LEAST(a.next_attempt_at,
-                                COALESCE(a.connect_deadline, now() + make_interval(secs => $2))),
+        connect_deadline =
+            COALESCE(a.connect_deadline, now() + make_interval(secs => :connect_timeout)),
+        next_attempt_at = LEAST(
+            a.next_attempt_at,
+            COALESCE(a.connect_deadline, now() + make_interval(secs => :connect_timeout))),
         updated_at = now()
     FROM candidates AS c
     WHERE a.id = c.id AND a.generation = c.generation AND a.connection_seq = c.connection_seq
@@ -440,34 +491,35 @@ WITH candidates AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
-    SELECT id, generation, $3, 'connection_lost', 'allocated', status, 'committed',
+    SELECT id, generation, :instance_id, 'connection_lost', 'allocated', status, 'committed',
            'no live connection record'
     FROM updated
 )
 SELECT * FROM updated;
 
 -- name: sidecar_owners
--- For each sidecar a provisioner reports ($1[i], naming allocation $2[i], '' when it names none):
--- whether it is the current sidecar of an active allocation, and whether the allocation it names
--- exists in this database at all (a sidecar of another deployment must not look like ours).
+-- For each sidecar a provisioner reports (:sidecar_ids[i], naming allocation :allocation_ids[i], ''
+-- when it names none): whether it is the current sidecar of an active allocation, and whether the
+-- allocation it names exists in this database at all (a sidecar of another deployment must not look
+-- like ours).
 SELECT s.sidecar_id,
        EXISTS (SELECT 1 FROM hubd_allocations AS a
                WHERE a.sidecar_id = s.sidecar_id
                  AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing',
                                   'releasing')) AS current,
        EXISTS (SELECT 1 FROM hubd_allocations AS a WHERE a.id = s.allocation_id) AS known
-FROM unnest($1::text[], $2::text[]) AS s (sidecar_id, allocation_id);
+FROM unnest(:sidecar_ids::text[], :allocation_ids::text[]) AS s (sidecar_id, allocation_id);
 
 -- name: try_sweep_lock
 -- One sweeper per provisioner across replicas: a session advisory lock, released by
 -- release_sweep_lock or by the session's end (a crashed sweeper holds nothing).
-SELECT pg_try_advisory_lock(hashtext('hubd_orphans'), hashtext($1));
+SELECT pg_try_advisory_lock(hashtext('hubd_orphans'), hashtext(:lock_name));
 
 -- name: release_sweep_lock
-SELECT pg_advisory_unlock(hashtext('hubd_orphans'), hashtext($1));
+SELECT pg_advisory_unlock(hashtext('hubd_orphans'), hashtext(:lock_name));
 
 -- name: get_allocation
-SELECT * FROM hubd_allocations WHERE id = $1;
+SELECT * FROM hubd_allocations WHERE id = :allocation_id;
 
 -- name: list_active
 -- Every active row, for start-up repair and the repair sweep.
@@ -476,8 +528,8 @@ WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing
 ORDER BY id;
 
 -- name: list_allocations
--- Newest first, optionally of one status ($1), at most $2 rows.
+-- Newest first, optionally of one status (:status, or all when NULL), at most :limit rows.
 SELECT * FROM hubd_allocations
-WHERE ($1::text IS NULL OR status = $1)
+WHERE (:status::text IS NULL OR status = :status)
 ORDER BY created_at DESC, id
-LIMIT $2;
+LIMIT :limit;

@@ -9,30 +9,31 @@
 -- name: identity
 -- What a handshake is checked against: the allocation's status, generation and current identity.
 SELECT id, status, generation, sidecar_id, token_hash
-FROM hubd_allocations WHERE id = $1;
+FROM hubd_allocations WHERE id = :allocation_id;
 
 -- name: record
--- Connection $1 of allocation $2, generation $3, sidecar $4 on instance $5 becomes the current one.
--- Written only while the allocation still accepts exactly that sidecar (current generation and
--- identity, provisioning or allocated). In the same statement: the connection number is bumped,
--- the allocation is made due (a claim holding it sees the bump when it parks or marks ready, so a
--- connect on a leased row is never lost), and 'hubd_connected' carries
--- '<allocation>:<generation>:<seq>:<connection>' to every replica: waiters wake, and a replica holding an
--- older socket of the same generation closes it as superseded. Returns the allocation's status
--- and generation (no row: no such allocation) and the record's number (NULL: not written).
+-- Connection :connection_id of :allocation_id at :generation, sidecar :sidecar_id on instance
+-- :instance_id, becomes the current one. Written only while the allocation still accepts exactly
+-- that sidecar (current generation and identity, provisioning or allocated). In the same statement:
+-- the connection number is bumped, the allocation is made due (a claim holding it sees the bump
+-- when it parks or marks ready, so a connect on a leased row is never lost), and 'hubd_connected'
+-- carries '<allocation>:<generation>:<seq>:<connection>' to every replica: waiters wake, and a
+-- replica holding an older socket of the same generation closes it as superseded. Returns the
+-- allocation's status and generation (no row: no such allocation) and the record's number (NULL:
+-- not written).
 WITH alloc AS (
     UPDATE hubd_allocations SET
         connection_seq = connection_seq + 1,
         next_attempt_at = CASE WHEN next_attempt_at IS NULL OR next_attempt_at > now()
                                THEN now() ELSE next_attempt_at END,
         updated_at = now()
-    WHERE id = $2 AND generation = $3 AND sidecar_id = $4
+    WHERE id = :allocation_id AND generation = :generation AND sidecar_id = :sidecar_id
       AND status IN ('provisioning', 'allocated')
     RETURNING id, generation, connection_seq
 ), written AS (
     INSERT INTO hubd_sidecar_connections
         (connection_id, allocation_id, generation, sidecar_id, instance_id, seq)
-    SELECT $1, id, generation, $4, $5, connection_seq FROM alloc
+    SELECT :connection_id, id, generation, :sidecar_id, :instance_id, connection_seq FROM alloc
     ON CONFLICT (allocation_id) DO UPDATE SET
         connection_id = EXCLUDED.connection_id,
         generation = EXCLUDED.generation,
@@ -50,28 +51,28 @@ WITH alloc AS (
 SELECT current.status, current.generation,
        (SELECT seq FROM written) AS seq,
        (SELECT count(*) FROM notified) AS notified
-FROM (SELECT status, generation FROM hubd_allocations WHERE id = $2) AS current;
+FROM (SELECT status, generation FROM hubd_allocations WHERE id = :allocation_id) AS current;
 
 -- name: reassert
--- Write connection $1's record again (same arguments as record) after this instance's records
--- were swept while its socket stayed open: only while the allocation still accepts that sidecar
--- and no other connection has recorded itself since (that one took over; this socket must go).
--- Returns the record's number, or no row when nothing was written.
+-- Write connection :connection_id's record again (same arguments as record) after this instance's
+-- records were swept while its socket stayed open: only while the allocation still accepts that
+-- sidecar and no other connection has recorded itself since (that one took over; this socket must
+-- go). Returns the record's number, or no row when nothing was written.
 WITH alloc AS (
     UPDATE hubd_allocations SET
         connection_seq = connection_seq + 1,
         next_attempt_at = CASE WHEN next_attempt_at IS NULL OR next_attempt_at > now()
                                THEN now() ELSE next_attempt_at END,
         updated_at = now()
-    WHERE id = $2 AND generation = $3 AND sidecar_id = $4
+    WHERE id = :allocation_id AND generation = :generation AND sidecar_id = :sidecar_id
       AND status IN ('provisioning', 'allocated')
       AND NOT EXISTS (SELECT 1 FROM hubd_sidecar_connections
-                      WHERE allocation_id = $2 AND connection_id <> $1)
+                      WHERE allocation_id = :allocation_id AND connection_id <> :connection_id)
     RETURNING id, generation, connection_seq
 ), written AS (
     INSERT INTO hubd_sidecar_connections
         (connection_id, allocation_id, generation, sidecar_id, instance_id, seq)
-    SELECT $1, id, generation, $4, $5, connection_seq FROM alloc
+    SELECT :connection_id, id, generation, :sidecar_id, :instance_id, connection_seq FROM alloc
     -- A record that appeared after this statement's snapshot belongs to a newer socket: the
     -- conflict clause sees it and leaves it alone.
     ON CONFLICT (allocation_id) DO UPDATE SET instance_id = EXCLUDED.instance_id,
@@ -89,29 +90,32 @@ SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 -- name: clear
 -- Forget a connection only if it is still the current one, without calling the sidecar lost:
 -- the hub closed it because the allocation already moved on (fenced, retired).
-DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1 AND connection_id = $2
+DELETE FROM hubd_sidecar_connections
+WHERE allocation_id = :allocation_id AND connection_id = :connection_id
 RETURNING connection_id;
 
 -- name: disconnect
--- Connection $2 of allocation $1 closed. Only if it is still the current record (a takeover, on
--- any replica, replaced it otherwise) is it cleared and, for an allocated row of the record's
--- generation, the sidecar marked lost: not ready, a new connect deadline $4 seconds away. A row
--- that a claim holds keeps its schedule: that claim's connection-fenced write sees the bumped
--- number and decides again; its lease is never touched. $3 is the instance for the ledger.
+-- Connection :connection_id of :allocation_id closed. Only if it is still the current record (a
+-- takeover, on any replica, replaced it otherwise) is it cleared and, for an allocated row of the
+-- record's generation, the sidecar marked lost: not ready, a new connect deadline :connect_timeout
+-- seconds away. A row that a claim holds keeps its schedule: that claim's connection-fenced write
+-- sees the bumped number and decides again; its lease is never touched. :instance_id is the
+-- instance for the ledger.
 WITH cleared AS (
-    DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1 AND connection_id = $2
+    DELETE FROM hubd_sidecar_connections
+    WHERE allocation_id = :allocation_id AND connection_id = :connection_id
     RETURNING allocation_id, generation
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         connection_seq = a.connection_seq + 1,
         connection_ready = false,
         connect_deadline = CASE WHEN a.status = 'allocated'
-                                THEN now() + make_interval(secs => $4)
+                                THEN now() + make_interval(secs => :connect_timeout)
                                 ELSE a.connect_deadline END,
         next_attempt_at = CASE WHEN a.status = 'allocated'
                                     AND (a.lease_expires_at IS NULL
                                          OR a.lease_expires_at <= clock_timestamp())
-                               THEN now() + make_interval(secs => $4)
+                               THEN now() + make_interval(secs => :connect_timeout)
                                ELSE a.next_attempt_at END,
         updated_at = now()
     FROM cleared
@@ -121,35 +125,35 @@ WITH cleared AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, $3, 'connection_lost', status, status, 'committed'
+    SELECT id, generation, :instance_id, 'connection_lost', status, status, 'committed'
     FROM updated WHERE status = 'allocated'
 )
 SELECT (SELECT count(*) FROM cleared) > 0 AS cleared, (SELECT count(*) FROM updated) > 0 AS lost;
 
 -- name: sweep_stale
--- Records held by instances that are gone or whose heartbeat is older than $1 seconds (never
--- instance $2's own: the caller knows its own sockets are open) are cleared, and their sidecars
--- marked lost exactly as a disconnect would ($3 seconds to reconnect, to any replica). If such an
--- instance is alive after all, it writes its records again (reassert) and readiness comes back
--- at the same generation. Returns one row per swept record.
+-- Records held by instances that are gone or whose heartbeat is older than :ttl seconds (never the
+-- caller's own, :instance_id: it knows its own sockets are open) are cleared, and their sidecars
+-- marked lost exactly as a disconnect would (:connect_timeout seconds to reconnect, to any
+-- replica). If such an instance is alive after all, it writes its records again (reassert) and
+-- readiness comes back at the same generation. Returns one row per swept record.
 WITH cleared AS (
     DELETE FROM hubd_sidecar_connections AS c
-    WHERE c.instance_id <> $2
+    WHERE c.instance_id <> :instance_id
       AND NOT EXISTS (SELECT 1 FROM hubd_instances AS i
                       WHERE i.id = c.instance_id
-                        AND i.heartbeat_at > now() - make_interval(secs => $1))
+                        AND i.heartbeat_at > now() - make_interval(secs => :ttl))
     RETURNING c.allocation_id, c.generation, c.connection_id, c.instance_id
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         connection_seq = a.connection_seq + 1,
         connection_ready = false,
         connect_deadline = CASE WHEN a.status = 'allocated'
-                                THEN now() + make_interval(secs => $3)
+                                THEN now() + make_interval(secs => :connect_timeout)
                                 ELSE a.connect_deadline END,
         next_attempt_at = CASE WHEN a.status = 'allocated'
                                     AND (a.lease_expires_at IS NULL
                                          OR a.lease_expires_at <= clock_timestamp())
-                               THEN now() + make_interval(secs => $3)
+                               THEN now() + make_interval(secs => :connect_timeout)
                                ELSE a.next_attempt_at END,
         updated_at = now()
     FROM cleared
@@ -159,7 +163,7 @@ WITH cleared AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
-    SELECT id, generation, $2, 'connection_swept', status, status, 'committed',
+    SELECT id, generation, :instance_id, 'connection_swept', status, status, 'committed',
            'instance ' || instance_id || ' stopped heartbeating'
     FROM updated WHERE status = 'allocated'
     RETURNING 1
@@ -169,22 +173,22 @@ SELECT cleared.allocation_id, cleared.generation, cleared.connection_id, cleared
 FROM cleared;
 
 -- name: release_instance
--- A clean stop of instance $1: its records go and their sidecars are marked lost ($2 seconds to
--- reconnect to a peer) at once, instead of reading ready until a peer's sweep.
+-- A clean stop of :instance_id: its records go and their sidecars are marked lost (:connect_timeout
+-- seconds to reconnect to a peer) at once, instead of reading ready until a peer's sweep.
 WITH cleared AS (
-    DELETE FROM hubd_sidecar_connections WHERE instance_id = $1
+    DELETE FROM hubd_sidecar_connections WHERE instance_id = :instance_id
     RETURNING allocation_id, generation
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         connection_seq = a.connection_seq + 1,
         connection_ready = false,
         connect_deadline = CASE WHEN a.status = 'allocated'
-                                THEN now() + make_interval(secs => $2)
+                                THEN now() + make_interval(secs => :connect_timeout)
                                 ELSE a.connect_deadline END,
         next_attempt_at = CASE WHEN a.status = 'allocated'
                                     AND (a.lease_expires_at IS NULL
                                          OR a.lease_expires_at <= clock_timestamp())
-                               THEN now() + make_interval(secs => $2)
+                               THEN now() + make_interval(secs => :connect_timeout)
                                ELSE a.next_attempt_at END,
         updated_at = now()
     FROM cleared
@@ -194,39 +198,40 @@ WITH cleared AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
-    SELECT id, generation, $1, 'connection_lost', status, status, 'committed',
+    SELECT id, generation, :instance_id, 'connection_lost', status, status, 'committed',
            'the hub holding the socket stopped'
     FROM updated WHERE status = 'allocated'
 )
 SELECT allocation_id, generation FROM cleared;
 
 -- name: readiness
--- Whether generation $2 of allocation $1 has a current record on an instance whose heartbeat is
--- within $3 seconds, or on the asking instance $4 itself (it holds the socket, whatever its
+-- Whether :generation of :allocation_id has a current record on an instance whose heartbeat is
+-- within :ttl seconds, or on the asking :instance_id itself (it holds the socket, whatever its
 -- heartbeat says after an outage), and the connection number that answer belongs to (no row:
 -- no allocation).
 SELECT a.connection_seq,
        EXISTS (
            SELECT 1 FROM hubd_sidecar_connections AS c
            LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
-           WHERE c.allocation_id = a.id AND c.generation = $2
-             AND (i.heartbeat_at > now() - make_interval(secs => $3) OR c.instance_id = $4)
+           WHERE c.allocation_id = a.id AND c.generation = :generation
+             AND (i.heartbeat_at > now() - make_interval(secs => :ttl)
+                  OR c.instance_id = :instance_id)
        ) AS connected
-FROM hubd_allocations AS a WHERE a.id = $1;
+FROM hubd_allocations AS a WHERE a.id = :allocation_id;
 
 -- name: check_sockets
--- For each socket an instance holds (allocation $1[i], connection $2[i]): the allocation's
--- status and generation now, and which connection holds its record (NULL: none).
+-- For each socket an instance holds (allocation :allocation_ids[i], connection :connection_ids[i]):
+-- the allocation's status and generation now, and which connection holds its record (NULL: none).
 SELECT s.allocation_id, s.connection_id, a.status, a.generation,
        c.connection_id AS recorded_connection_id, c.seq AS recorded_seq
-FROM unnest($1::text[], $2::text[]) AS s (allocation_id, connection_id)
+FROM unnest(:allocation_ids::text[], :connection_ids::text[]) AS s (allocation_id, connection_id)
 LEFT JOIN hubd_allocations AS a ON a.id = s.allocation_id
 LEFT JOIN hubd_sidecar_connections AS c ON c.allocation_id = s.allocation_id;
 
 -- name: stale
--- Connections whose instance is gone or whose heartbeat is older than $1 seconds.
+-- Connections whose instance is gone or whose heartbeat is older than :ttl seconds.
 SELECT c.allocation_id, c.generation, c.connection_id, c.instance_id
 FROM hubd_sidecar_connections AS c
 LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
-WHERE i.id IS NULL OR i.heartbeat_at <= now() - make_interval(secs => $1)
+WHERE i.id IS NULL OR i.heartbeat_at <= now() - make_interval(secs => :ttl)
 ORDER BY c.allocation_id;

@@ -1,9 +1,10 @@
 -- Statements on hubd_instances: one row per running daemon, kept alive by a heartbeat.
 
 -- name: register
--- Announce instance $1 (host $2, pid $3, sidecar URL $4, provisioner ids $5); registering again
--- refreshes the row.
-INSERT INTO hubd_instances (id, hostname, pid, ws_url, provisioners) VALUES ($1, $2, $3, $4, $5)
+-- Announce :instance_id (:hostname, :pid, sidecar URL :ws_url, the :provisioners it serves);
+-- registering again refreshes the row.
+INSERT INTO hubd_instances (id, hostname, pid, ws_url, provisioners)
+VALUES (:instance_id, :hostname, :pid, :ws_url, :provisioners)
 ON CONFLICT (id) DO UPDATE SET
     hostname = EXCLUDED.hostname,
     pid = EXCLUDED.pid,
@@ -13,20 +14,22 @@ ON CONFLICT (id) DO UPDATE SET
 
 -- name: heartbeat
 -- Returns no row when the instance was removed (by an operator, or as dead by a peer).
-UPDATE hubd_instances SET heartbeat_at = now() WHERE id = $1 RETURNING heartbeat_at;
+UPDATE hubd_instances SET heartbeat_at = now() WHERE id = :instance_id RETURNING heartbeat_at;
 
 -- name: remove
 -- A clean stop: the instance's connection records become stale at once (see stale in
 -- connections.sql), so peers sweep them without waiting for the heartbeat to expire.
-DELETE FROM hubd_instances WHERE id = $1;
+DELETE FROM hubd_instances WHERE id = :instance_id;
 
 -- name: list
--- Every instance and whether its heartbeat is within $1 seconds by the database clock.
+-- Every instance and whether its heartbeat is within :ttl seconds by the database clock.
 SELECT id, hostname, pid, ws_url, provisioners, started_at, heartbeat_at,
-       heartbeat_at > now() - make_interval(secs => $1) AS alive
+       heartbeat_at > now() - make_interval(secs => :ttl) AS alive
 FROM hubd_instances ORDER BY started_at, id;
 
 -- name: delete_dead
--- Forget instances whose heartbeat is older than $1 seconds (a crash leaves its row behind;
--- without this, one row per crash would stay forever). Their records were swept long before.
-DELETE FROM hubd_instances WHERE heartbeat_at < now() - make_interval(secs => $1) RETURNING id;
+-- Forget instances whose heartbeat is older than :older_than seconds (a crash leaves its row
+-- behind; without this, one row per crash would stay forever). Their records were swept long
+-- before.
+DELETE FROM hubd_instances WHERE heartbeat_at < now() - make_interval(secs => :older_than)
+RETURNING id;

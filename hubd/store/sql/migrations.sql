@@ -15,4 +15,4 @@ CREATE TABLE IF NOT EXISTS hubd_schema_migrations (
 SELECT version FROM hubd_schema_migrations ORDER BY version;
 
 -- name: record
-INSERT INTO hubd_schema_migrations (version, name) VALUES ($1, $2);
+INSERT INTO hubd_schema_migrations (version, name) VALUES (:version, :name);

@@ -1,0 +1,226 @@
+"""The commands that work on the database: ``hubd migrate`` and ``hubd alloc``.
+
+Exit codes: 0 success, 1 the operation failed (e.g. the allocation went ``failed``), 2 usage or
+configuration error, 3 database unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import difflib
+import json
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from hubd.config import Config
+from hubd.errors import (
+    InvalidRequest,
+)
+from hubd.presentation import allocation_json, next_step, rfc3339
+from hubd.store import AllocationStore, Database, LedgerStore, Status
+from hubd.store.connect import open_database
+from hubd.store.instances import InstanceStore
+from hubd.store.migrate import apply_migrations
+
+__all__ = [
+    "CLI_INSTANCE",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "cmd_alloc",
+    "cmd_migrate",
+]
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_UNREACHABLE: Final = 3
+
+CLI_INSTANCE: Final = "cli"
+
+
+async def _with_database(config: Config, work: Callable[[Database], Awaitable[int]]) -> int:
+    async with open_database(
+        config.database.url, config.state_path, pool_size=config.database.pool_size
+    ) as db:
+        return await work(db)
+
+
+async def cmd_migrate(config: Config, _args: argparse.Namespace) -> int:
+    async def work(db: Database) -> int:
+        async with db.connection("migrate") as conn:
+            applied = await apply_migrations(conn)
+        if applied:
+            for migration in applied:
+                print(f"applied {migration.version:04d}_{migration.name}")
+        else:
+            print("schema is up to date")
+        return EXIT_OK
+
+    return await _with_database(config, work)
+
+
+async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
+    async def work(db: Database) -> int:
+        store = AllocationStore(db, instance_id=CLI_INSTANCE)
+        ledger = LedgerStore(db, instance_id=CLI_INSTANCE)
+        command = args.alloc_command
+        if command == "request":
+            await _check_provisioner(db, config, args.provisioner)
+            allocation = await store.request(
+                provisioner_id=args.provisioner,
+                tenant_id=args.tenant,
+                session_id=args.session,
+                spec=args.spec,
+            )
+            if args.json:
+                print(json.dumps(allocation_json(allocation), indent=2), flush=True)
+            else:
+                print(allocation.id, flush=True)
+            if args.wait:
+                return await _wait(store, allocation.id, args.timeout)
+            return EXIT_OK
+        if command == "release":
+            released = await store.release(args.id, reason="released from the command line")
+            print(f"{released.id} {released.status}")
+            return EXIT_OK
+        if command == "list":
+            status = Status(args.status) if args.status else None
+            rows = await store.list_allocations(status=status, limit=args.limit)
+            if args.json:
+                print(json.dumps([allocation_json(a) for a in rows], indent=2))
+            else:
+                _print_table(rows)
+            return EXIT_OK
+        if command == "show":
+            allocation = await store.get(args.id)
+            history = await ledger.history(args.id)
+            alive = any(i.alive for i in await InstanceStore(db).list(config.instance.ttl))
+            step = next_step(allocation, datetime.now(UTC), daemon_alive=alive)
+            if args.json:
+                print(json.dumps({**allocation_json(allocation, history), "next": step}, indent=2))
+            else:
+                _print_show(allocation, history, step)
+            return EXIT_OK
+        raise AssertionError(command)
+
+    return await _with_database(config, work)
+
+
+async def _check_provisioner(db: Database, config: Config, provisioner_id: str) -> None:
+    """Refuse a provisioner id that no running daemon serves (the daemons' instance rows say
+    which they serve); with no daemon to ask, accept it with a warning."""
+    alive = [
+        i
+        for i in await InstanceStore(db).list(config.instance.ttl)
+        if i.alive and i.provisioners is not None
+    ]
+    if not alive:
+        print(
+            f"hubd: warning: no running daemon says which provisioners it serves; "
+            f"--provisioner {provisioner_id} is accepted unchecked (it fails as "
+            "provisioner_unavailable if the daemon that claims it does not serve it)",
+            file=sys.stderr,
+        )
+        return
+    served = sorted({p for i in alive for p in i.provisioners or ()})
+    if provisioner_id not in served:
+        close = difflib.get_close_matches(provisioner_id, served, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InvalidRequest(
+            f"--provisioner {provisioner_id!r}: no running daemon serves it (they serve: "
+            f"{', '.join(served) or 'none'}){hint}"
+        )
+
+
+async def _wait(store: AllocationStore, allocation_id: str, limit: float) -> int:
+    last: tuple[str, int, bool] | None = None
+    try:
+        async with asyncio.timeout(limit):
+            while True:
+                allocation = await store.get(allocation_id)
+                state = (str(allocation.status), allocation.generation, allocation.ready)
+                if state != last:
+                    last = state
+                    label = "ready" if allocation.ready else str(allocation.status)
+                    print(
+                        f"{allocation_id}: {label} (generation {allocation.generation})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                if allocation.ready:
+                    return EXIT_OK
+                if allocation.status.terminal:
+                    print(
+                        f"{allocation_id}: {allocation.failure_code}: {allocation.failure_message}",
+                        file=sys.stderr,
+                    )
+                    return EXIT_FAILED
+                await asyncio.sleep(0.2)
+    except TimeoutError:
+        status = last[0] if last is not None else "unknown"
+        print(
+            f"{allocation_id}: not ready after {limit:g}s (still {status}); the allocation "
+            "stays requested and hubd keeps working on it. Watch it with "
+            f"`hubd alloc show {allocation_id}`, or give it up with "
+            f"`hubd alloc release {allocation_id}`",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+
+
+def _print_table(rows: Sequence[Any]) -> None:
+    headers = ("ID", "STATUS", "GEN", "READY", "PROVISIONER", "TENANT", "SESSION", "CREATED")
+    table = [headers] + [
+        (
+            a.id,
+            str(a.status),
+            str(a.generation),
+            "yes" if a.ready else "no",
+            a.provisioner_id,
+            a.tenant_id or "-",
+            a.session_id or "-",
+            rfc3339(a.created_at) or "-",
+        )
+        for a in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
+    for row in table:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+
+
+def _print_show(allocation: Any, history: Sequence[Any], step: str) -> None:
+    data = allocation_json(allocation)
+    data.pop("spec")  # shown last, as JSON
+    for key, value in data.items():
+        shown = (
+            "-"
+            if value is None
+            else ("yes" if value is True else "no" if value is False else value)
+        )
+        print(f"{key + ':':<18}{shown}")
+    print(f"{'spec:':<18}{json.dumps(dict(allocation.spec))}")
+    print(f"{'next:':<18}{step}")
+    print("history:")
+    for entry in history:
+        change = (
+            entry.to_status
+            if entry.from_status in (None, entry.to_status)
+            else (f"{entry.from_status} -> {entry.to_status}")
+        )
+        detail = (
+            f" {entry.error_code}: {entry.message}"
+            if entry.error_code
+            else (f" {entry.message}" if entry.message else "")
+        )
+        took = f" ({entry.duration_ms:.0f} ms)" if entry.duration_ms is not None else ""
+        print(
+            f"  {rfc3339(entry.at)}  gen {entry.generation}  {entry.kind:<28} {entry.phase:<9} "
+            f"{change}{took}{detail}"
+        )

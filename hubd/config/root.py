@@ -1,0 +1,130 @@
+"""The whole configuration: every section, the provisioners, and how it is shown back.
+
+``Config()`` is the default configuration; :meth:`Config.to_display_dict` renders the effective
+one as the config file writes it, with secrets replaced.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from hubd.config.kinds import kind_of, problem
+from hubd.config.sections import (
+    AdminConfig,
+    DatabaseConfig,
+    InstanceConfig,
+    LogConfig,
+    OrphansConfig,
+    ProvisionerConfig,
+    ReconcilerConfig,
+    ServerConfig,
+    StateConfig,
+)
+from hubd.redaction import REDACTED as _REDACTED
+from hubd.redaction import redact_dsn
+
+__all__ = ["SECTIONS", "Config", "redact_url"]
+
+redact_url = redact_dsn
+
+_SECRET_WORDS: Final = ("password", "secret", "token")
+
+
+def _redact_options(value: Any) -> Any:
+    """A copy of provisioner options with every value under a secret-sounding key replaced."""
+    if isinstance(value, Mapping):
+        return {
+            key: _REDACTED
+            if any(word in str(key).lower() for word in _SECRET_WORDS)
+            else _redact_options(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_redact_options(item) for item in value]
+    return value
+
+
+def _default_provisioners() -> tuple[ProvisionerConfig, ...]:
+    return (
+        ProvisionerConfig(id="local", plugin="local", options={"command": ["hubd", "sidecar"]}),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """The daemon's whole configuration; ``Config()`` is the default one."""
+
+    database: DatabaseConfig = attrs.field(factory=DatabaseConfig)
+    state: StateConfig = attrs.field(factory=StateConfig)
+    server: ServerConfig = attrs.field(factory=ServerConfig)
+    admin: AdminConfig = attrs.field(factory=AdminConfig)
+    reconciler: ReconcilerConfig = attrs.field(factory=ReconcilerConfig)
+    instance: InstanceConfig = attrs.field(factory=InstanceConfig)
+    orphans: OrphansConfig = attrs.field(factory=OrphansConfig)
+    provisioners: tuple[ProvisionerConfig, ...] = attrs.field(factory=_default_provisioners)
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self) -> None:
+        seen: dict[str, int] = {}
+        for index, provisioner in enumerate(self.provisioners):
+            if provisioner.id in seen:
+                raise problem(
+                    f"provisioners[{index}].id",
+                    f"duplicate provisioner id {provisioner.id!r} "
+                    f"(also provisioners[{seen[provisioner.id]}])",
+                )
+            seen[provisioner.id] = index
+
+    @property
+    def state_path(self) -> pathlib.Path:
+        """The state directory, with the platform default applied."""
+        return self.state.path
+
+    def provisioner(self, provisioner_id: str) -> ProvisionerConfig | None:
+        """The provisioner entry with that id, if configured."""
+        return next((p for p in self.provisioners if p.id == provisioner_id), None)
+
+    def to_display_dict(self) -> dict[str, Any]:
+        """The effective configuration as TOML-able values, with secrets replaced by ``***``.
+
+        Durations are rendered as in the file (``"30s"``); empty values keep their meaning
+        (``state.dir = ""`` is the platform default: see :attr:`state_path`). Loading the rendered
+        dict gives back an equal :class:`Config`, apart from the redacted values.
+        """
+        out: dict[str, Any] = {}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            table: dict[str, Any] = {}
+            for attribute in attrs.fields(type(section)):
+                value = getattr(section, attribute.name)
+                table[attribute.name] = kind_of(attribute).display(value)
+            out[name] = table
+        out["database"]["url"] = redact_url(self.database.url)
+        provisioners = [
+            {"id": p.id, "plugin": p.plugin, "options": _redact_options(p.options)}
+            for p in self.provisioners
+        ]
+        # Rebuilt so that provisioners come before [log], as in config/hubd.toml.
+        log = out.pop("log")
+        return {**out, "provisioners": provisioners, "log": log}
+
+
+SECTIONS: Final[Mapping[str, type[Any]]] = {
+    "database": DatabaseConfig,
+    "state": StateConfig,
+    "server": ServerConfig,
+    "admin": AdminConfig,
+    "reconciler": ReconcilerConfig,
+    "instance": InstanceConfig,
+    "orphans": OrphansConfig,
+    "log": LogConfig,
+}

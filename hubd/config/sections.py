@@ -1,0 +1,361 @@
+"""The configuration's tables: one frozen record each, holding its own rules.
+
+The rules live in the types themselves (``__attrs_post_init__``), so a :class:`Config` built in
+code is held to the same rules as one loaded from a file.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import urllib.parse
+from typing import Any, Final, Literal
+
+import attrs
+import platformdirs
+
+from hubd.config.kinds import (
+    Choice,
+    Duration,
+    Flag,
+    Integer,
+    Strings,
+    Text,
+    check_fields,
+    field,
+    metadata,
+    problem,
+)
+from hubd.reconciler.settings import claim_rules_problem
+from hubd.redaction import redact_dsn as redact_url
+from hubd.units import format_duration, parse_duration, parse_listen
+
+__all__ = [
+    "AdminConfig",
+    "DatabaseConfig",
+    "InstanceConfig",
+    "LogConfig",
+    "LogFormat",
+    "LogLevel",
+    "OrphanMode",
+    "OrphansConfig",
+    "ProvisionerConfig",
+    "ReconcilerConfig",
+    "ServerConfig",
+    "StateConfig",
+    "default_state_dir",
+    "fields_of",
+    "provisioner_problem",
+]
+
+LogFormat = Literal["json", "console"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+OrphanMode = Literal["destroy", "dry-run", "off"]
+
+
+def _text(default: str) -> str:
+    return field(Text(), default)
+
+
+def _integer(default: int) -> int:
+    return field(Integer(), default)
+
+
+def _flag(default: bool) -> bool:
+    return field(Flag(), default)
+
+
+def _duration(default: str) -> float:
+    """A duration field whose default is written as in the config file."""
+    return field(Duration(), parse_duration(default))
+
+
+def _strings() -> tuple[str, ...]:
+    return field(Strings(), ())
+
+
+def fields_of(section: type[Any]) -> dict[str, attrs.Attribute[Any]]:
+    return {attribute.name: attribute for attribute in attrs.fields(section)}
+
+
+def _check_listen(key: str, value: str) -> tuple[str, int]:
+    try:
+        return parse_listen(value)
+    except ValueError as exc:
+        raise problem(key, str(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class DatabaseConfig:
+    """``[database]``: where the single source of truth lives."""
+
+    url: str = _text("")
+    """A ``postgres://`` / ``postgresql://`` URL; empty runs the embedded PostgreSQL."""
+    pool_size: int = _integer(10)
+    """Connections in the daemon's pool (lease renewals use connections of their own)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.url and not self.url.startswith(("postgres://", "postgresql://")):
+            raise problem(
+                "database.url",
+                "must be empty (embedded PostgreSQL) or a postgres:// or postgresql:// URL, "
+                f"not {redact_url(self.url)!r}",
+            )
+        if self.url:
+            _check_dsn("database.url", self.url)
+        if self.pool_size < 1:
+            raise problem("database.pool_size", f"must be at least 1, not {self.pool_size}")
+
+    @property
+    def embedded(self) -> bool:
+        """Whether hubd runs its own PostgreSQL under the state directory."""
+        return not self.url
+
+
+def default_state_dir(name: str = "hubd") -> pathlib.Path:
+    """Where ``name``'s state lives when ``state.dir`` is empty: ``/var/lib/<name>`` for root
+    (what a unit's ``StateDirectory=`` gives; root's home must stay private, and the embedded
+    server would need every parent of its data directory searchable), otherwise the platform's
+    user data directory (``~/.local/share/<name>`` on Linux)."""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return pathlib.Path("/var/lib") / name
+    return pathlib.Path(platformdirs.user_data_dir(name, appauthor=False))
+
+
+def _check_dsn(key: str, url: str) -> None:
+    """What the driver would only find out at connect time: a port that is not a number, a URL
+    that does not parse. Checked here so ``check-config`` and ``run`` agree (exit 2)."""
+    broken = _dsn_problem(url)
+    if broken is not None:
+        raise problem(key, f"is not a usable database URL ({broken}): {redact_url(url)!r}")
+
+
+def _dsn_problem(url: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:
+        return str(exc)
+    # libpq URLs may list several hosts: host1:5432,host2:5433.
+    for hostport in parts.netloc.rpartition("@")[2].split(","):
+        if hostport.startswith("["):
+            end = hostport.find("]")
+            if end < 0:
+                return "unbalanced brackets around an IPv6 host"
+            port = hostport[end + 1 :].removeprefix(":")
+        else:
+            port = hostport.rpartition(":")[2] if ":" in hostport else ""
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            return f"port {port[:20]!r} is not a number from 1 to 65535"
+    return None
+
+
+@attrs.frozen(kw_only=True)
+class StateConfig:
+    """``[state]``: the directory for the embedded database and other local state."""
+
+    dir: str = _text("")
+    """Empty means ``/var/lib/hubd`` for root, else the platform's user data dir for hubd."""
+
+    @property
+    def path(self) -> pathlib.Path:
+        """The state directory, with the default applied and ``~`` expanded."""
+        if not self.dir:
+            return default_state_dir()
+        return pathlib.Path(self.dir).expanduser().absolute()
+
+
+# A wildcard bind address cannot be dialled. Sidecars that the built-in local provisioner starts run
+# on this host, so loopback reaches them; remote sidecars need server.public_url set explicitly.
+_DIAL_HOST: Final = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 — a lookup, not a bind
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """``[server]``: the sidecar websocket listener."""
+
+    listen: str = _text("127.0.0.1:8765")
+    public_url: str = _text("")
+    """What sidecars are told to dial (one URL, or several separated by commas); empty →
+    derived from ``listen``."""
+    tls_cert: str = _text("")
+    tls_key: str = _text("")
+    allowed_origins: tuple[str, ...] = _strings()
+
+    def __attrs_post_init__(self) -> None:
+        _check_listen("server.listen", self.listen)
+        if self.public_url:
+            # One load-balanced address, or every replica's address separated by commas: the
+            # reference sidecar moves to the next one whenever a connection fails.
+            for url in self.public_url.split(","):
+                parts = urllib.parse.urlsplit(url.strip())
+                if parts.scheme not in ("ws", "wss") or not parts.netloc:
+                    raise problem(
+                        "server.public_url",
+                        "must be empty, a ws:// or wss:// URL, or several separated by commas, "
+                        f"not {self.public_url!r}",
+                    )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            present, missing = (
+                ("server.tls_cert", "server.tls_key")
+                if self.tls_cert
+                else ("server.tls_key", "server.tls_cert")
+            )
+            raise problem(
+                missing, f"must be set together with {present} (TLS needs both or neither)"
+            )
+        for index, origin in enumerate(self.allowed_origins):
+            if not origin.strip():
+                raise problem(f"server.allowed_origins[{index}]", "must not be empty")
+
+    @property
+    def host(self) -> str:
+        """The listen host, without IPv6 brackets."""
+        return parse_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        """The listen port (0 asks the OS for a free one)."""
+        return parse_listen(self.listen)[1]
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def effective_public_url(self) -> str:
+        """``public_url``, or ``ws://host:port`` (``wss://`` with TLS) derived from ``listen``."""
+        return self.public_url_for(self.port)
+
+    def public_url_for(self, bound_port: int) -> str:
+        """The URL sidecars dial, given the port actually bound (differs when ``listen`` uses 0)."""
+        if self.public_url:
+            return self.public_url
+        host = _DIAL_HOST.get(self.host, self.host)
+        if ":" in host:
+            host = f"[{host}]"
+        scheme = "wss" if self.tls_enabled else "ws"
+        return f"{scheme}://{host}:{bound_port}"
+
+
+@attrs.frozen(kw_only=True)
+class AdminConfig:
+    """``[admin]``: ``/healthz``, ``/readyz`` and ``/metrics``, on loopback by default."""
+
+    listen: str = _text("127.0.0.1:9465")
+
+    def __attrs_post_init__(self) -> None:
+        _check_listen("admin.listen", self.listen)
+
+    @property
+    def host(self) -> str:
+        return parse_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        return parse_listen(self.listen)[1]
+
+
+@attrs.frozen(kw_only=True)
+class ReconcilerConfig:
+    """``[reconciler]``: claims, leases and the budgets of external operations (architecture §2)."""
+
+    lease_duration: float = _duration("60s")
+    connect_timeout: float = _duration("120s")
+    operation_timeout: float = _duration("30s")
+    max_concurrent_claims: int = _integer(16)
+    poll_interval: float = _duration("5s")
+    repair_interval: float = _duration("30s")
+    shutdown_grace: float = _duration("20s")
+    automatic_replacement_recovery: bool = _flag(False)
+
+    def __attrs_post_init__(self) -> None:
+        check_fields("reconciler", self)
+        broken = claim_rules_problem(
+            lease_duration=self.lease_duration,
+            operation_timeout=self.operation_timeout,
+            max_concurrent_claims=self.max_concurrent_claims,
+            prefix="reconciler.",
+            show=format_duration,
+        )
+        if broken is not None:
+            raise problem(f"reconciler.{broken[0]}", broken[1])
+
+
+@attrs.frozen(kw_only=True)
+class InstanceConfig:
+    """``[instance]``: this daemon's liveness row, which other replicas judge it by."""
+
+    heartbeat_interval: float = _duration("5s")
+    ttl: float = _duration("20s")
+
+    def __attrs_post_init__(self) -> None:
+        check_fields("instance", self)
+        # With a heartbeat no more often than the TTL, a healthy instance would be declared dead
+        # between two beats and its sidecars' connections swept.
+        if self.heartbeat_interval >= self.ttl:
+            raise problem(
+                "instance.heartbeat_interval",
+                "must be shorter than instance.ttl "
+                f"({format_duration(self.heartbeat_interval)} ≥ {format_duration(self.ttl)})",
+            )
+
+
+@attrs.frozen(kw_only=True)
+class OrphansConfig:
+    """``[orphans]``: collecting what provisioners run that belongs to no current generation."""
+
+    mode: OrphanMode = attrs.field(default="destroy", metadata=metadata(Choice.of(OrphanMode)))
+    grace: float = _duration("600s")
+    interval: float = _duration("60s")
+    destroy_unknown: bool = _flag(False)
+
+    def __attrs_post_init__(self) -> None:
+        check_fields("orphans", self)
+
+
+@attrs.frozen(kw_only=True)
+class LogConfig:
+    """``[log]``: structlog output."""
+
+    format: LogFormat = attrs.field(default="json", metadata=metadata(Choice.of(LogFormat)))
+    level: LogLevel = attrs.field(default="info", metadata=metadata(Choice.of(LogLevel)))
+
+    def __attrs_post_init__(self) -> None:
+        check_fields("log", self)
+
+
+_PROVISIONER_ID = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+
+
+@attrs.frozen(kw_only=True)
+class ProvisionerConfig:
+    """One ``[[provisioners]]`` entry: a plugin instance under an id that allocations name."""
+
+    id: str
+    plugin: str
+    """A built-in name, an entry-point name (group ``hubd.provisioners``) or ``"module:attr"``."""
+    # Handed to the plugin as is; a dict is not hashable, so it stays out of the hash.
+    options: dict[str, Any] = attrs.field(factory=dict, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        broken = provisioner_problem(self.id, self.plugin)
+        if broken is not None:
+            name, text = broken
+            raise problem(
+                "provisioners.id" if name == "id" else f"provisioners[id={self.id}].{name}", text
+            )
+
+
+def provisioner_problem(provisioner_id: str, plugin: str) -> tuple[str, str] | None:
+    """The rules of one provisioner entry: ``(key, problem)`` for the first one broken."""
+    if not _PROVISIONER_ID.fullmatch(provisioner_id):
+        return "id", f"{provisioner_id!r} must match ^[a-z0-9][a-z0-9_.-]{{0,63}}$"
+    if not plugin.strip():
+        return "plugin", "must not be empty"
+    return None

@@ -1,0 +1,138 @@
+"""This instance's row: registered at start, heartbeated while running, removed at the end.
+
+Peers judge an instance by its heartbeat alone; the daemon judges itself by the same clock, so
+readiness and the right to sweep peers both follow from when the database last took a beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import asyncpg
+import structlog
+
+from hubd.backoff import Retries
+from hubd.daemon.cancellation import raise_if_cancelled
+from hubd.daemon.metrics import Metrics
+from hubd.daemon.running import Listening
+from hubd.errors import StoreError
+
+__all__ = ["Heartbeat", "registered"]
+
+log = structlog.get_logger(__name__)
+
+
+@contextlib.asynccontextmanager
+async def registered(
+    parts: Listening, *, hub_ws_url: str, provisioner_ids: Sequence[str], connect_timeout: float
+) -> AsyncIterator[None]:
+    """This instance's row, announcing the URL its sidecars dial."""
+    await _register(parts, hub_ws_url, provisioner_ids)
+    try:
+        yield
+    finally:
+        # The sidecar listener stops accepting before the records go: a socket accepted after
+        # they were released would write a record nobody clears. (Closing is idempotent; the
+        # listener's own exit then has nothing left to do.)
+        await parts.server.close()
+        with contextlib.suppress(StoreError, OSError, asyncpg.PostgresError):
+            # Records and their sidecars' connect deadlines settled at once, so no allocation
+            # reads ready behind a socket that is gone; a record a sidecar already wrote on a
+            # peer is not this instance's and is left alone.
+            await parts.connections.release_instance(connect_timeout=connect_timeout)
+            await parts.instances.remove(parts.instance_id)
+
+
+async def _register(parts: Listening, hub_ws_url: str, provisioner_ids: Sequence[str]) -> None:
+    await parts.instances.register(
+        parts.instance_id, socket.gethostname(), os.getpid(), hub_ws_url, list(provisioner_ids)
+    )
+
+
+class Heartbeat:
+    """The heartbeat loop, and what the daemon knows from it."""
+
+    def __init__(
+        self,
+        parts: Listening,
+        *,
+        hub_ws_url: str,
+        provisioner_ids: Sequence[str],
+        metrics: Metrics,
+        interval: float,
+        ttl: float,
+        verify_soon: asyncio.Event,
+    ) -> None:
+        self._parts = parts
+        self._hub_ws_url = hub_ws_url
+        self._provisioner_ids = provisioner_ids
+        self._metrics = metrics
+        self._interval = interval
+        self._ttl = ttl
+        self._verify_soon = verify_soon
+        now = time.monotonic()
+        self._since: float | None = now
+        """Monotonic time since which this instance's heartbeats have kept succeeding."""
+        self._last = now
+        """Monotonic time of the last heartbeat the database accepted."""
+
+    @property
+    def overdue(self) -> bool:
+        """Whether peers would now judge this instance dead. One failed beat under load is not
+        an outage: only a beat overdue by the TTL is."""
+        return time.monotonic() - self._last > self._ttl
+
+    def may_judge_peers(self) -> bool:
+        """Whether this instance has heartbeated without a break for a whole TTL. After an
+        outage every replica comes back at once; one that sweeps before its peers had a TTL
+        to heartbeat again would take their healthy sidecars for lost."""
+        since = self._since
+        return since is not None and time.monotonic() - since >= self._ttl
+
+    async def run(self) -> None:
+        instances, instance_id = self._parts.instances, self._parts.instance_id
+        last_success = time.monotonic()
+        # After a database restart every pooled connection is dead, and each would cost one
+        # failed beat: retry soon, since peers count this instance dead after one TTL.
+        retries = Retries.doubling(0.2, self._interval)
+        pause = self._interval
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(pause)
+            try:
+                present = await instances.heartbeat(instance_id)
+                if not present:
+                    # Removed by an operator or judged dead by a peer: come back, since our
+                    # sockets are real.
+                    await _register(self._parts, self._hub_ws_url, self._provisioner_ids)
+                    log.warning("instance_row_missing_registered_again")
+                now = time.monotonic()
+                if not present or now - last_success > self._ttl:
+                    # Peers may have swept our records as dead meanwhile (a database outage, a
+                    # pause, a starved pool): write back the records of every socket still
+                    # open here before anything else, so no healthy sidecar is released.
+                    self._metrics.heartbeat_lapses.inc()
+                    log.warning(
+                        "heartbeat_lapsed_reasserting_sockets",
+                        seconds_since_last=round(now - last_success, 1),
+                    )
+                    self._verify_soon.set()
+                    self._since = now
+                elif self._since is None:
+                    self._since = now
+                last_success = self._last = now
+                retries.reset()
+                pause = self._interval
+                self._metrics.database_up.set(1)
+            except StoreError as exc:
+                self._since = None
+                self._metrics.database_up.set(0)
+                log.warning("heartbeat_failed", error=str(exc))
+                # Replace every pooled connection at once rather than lose one beat to each.
+                await self._parts.db.lease_pool.expire_connections()
+                pause = retries.next_delay()

@@ -1,0 +1,297 @@
+"""What a running daemon is made of: the parts, built once the database is open, in one record.
+
+The parts that need no I/O are built first; the record is complete once the sidecar listener
+has bound its port, since the URL sidecars are told to dial names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+import attrs
+import structlog
+
+from hubd.config import Config
+from hubd.daemon.admin import AdminServer
+from hubd.daemon.fdlimit import plan_descriptors, raise_open_file_limit
+from hubd.daemon.metrics import Metrics
+from hubd.daemon.wakeups import NotificationListener
+from hubd.errors import ConfigError
+from hubd.plugins.protocol import Provisioner
+from hubd.reconciler.engine import Reconciler
+from hubd.reconciler.settings import Hook, ReconcilerSettings
+from hubd.server.limits import ListenerLimits
+from hubd.server.router import SocketRouter
+from hubd.server.websocket import SidecarServer
+from hubd.sidecar.client import SIDECAR_PING_INTERVAL, SIDECAR_PING_TIMEOUT
+from hubd.store import AllocationStore, Database, LedgerStore, connect_database
+from hubd.store.connections import (
+    ConnectionStore,
+    parse_connected_payload,
+    parse_sockets_payload,
+)
+from hubd.store.instances import InstanceStore
+from hubd.store.migrate import apply_migrations
+
+__all__ = [
+    "Listening",
+    "Running",
+    "listen_error",
+    "listening",
+    "new_instance_id",
+    "opened_database",
+    "wake_listener",
+    "warn_about_timeouts",
+]
+
+log = structlog.get_logger(__name__)
+
+
+def listen_error(key: str, listen: str, exc: OSError) -> ConfigError:
+    """One line for a listener that cannot bind: the key, the address, and what to set."""
+    variable = "HUBD_" + key.upper().replace(".", "_")
+    fix = f"set {variable}=host:port (port 0: any free one) or {key} in the config"
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(f"{key} {listen} is in use — another hubd? {fix}")
+    return ConfigError(f"{key} {listen}: cannot listen: {exc.strerror or exc} — {fix}")
+
+
+def new_instance_id() -> str:
+    host = socket.gethostname().split(".")[0][:32] or "host"
+    return f"in_{host}_{os.getpid()}_{os.urandom(3).hex()}"
+
+
+@contextlib.asynccontextmanager
+async def opened_database(dsn: str, config: Config) -> AsyncIterator[Database]:
+    """The pools, on a migrated schema; closed on the way out."""
+    db = await connect_database(
+        dsn,
+        pool_size=config.database.pool_size,
+        command_timeout=config.reconciler.operation_timeout,
+    )
+    try:
+        async with db.connection("migrate") as conn:
+            applied = await apply_migrations(conn)
+        if applied:
+            log.info("schema_migrated", applied=[m.name for m in applied])
+        yield db
+    finally:
+        await db.close()
+
+
+def warn_about_timeouts(config: Config) -> None:
+    keepalive = SIDECAR_PING_INTERVAL + SIDECAR_PING_TIMEOUT
+    if config.reconciler.connect_timeout < config.instance.ttl + keepalive:
+        # A sidecar notices a frozen replica only when its keepalive fails; its records
+        # are swept after one TTL. A connect deadline shorter than both gives up on a
+        # healthy sidecar before it can reach a live replica.
+        log.warning(
+            "connect_timeout_shorter_than_failover",
+            hint="reconciler.connect_timeout is shorter than instance.ttl plus the reference "
+            "sidecar's keepalive: a sidecar whose replica freezes may be given up before "
+            "it reaches another",
+            connect_timeout=config.reconciler.connect_timeout,
+            needed=config.instance.ttl + keepalive,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class Listening:
+    """The parts that exist before the sidecar listener binds its port."""
+
+    db: Database
+    dsn: str
+    instance_id: str
+    instances: InstanceStore
+    connections: ConnectionStore
+    router: SocketRouter
+    server: SidecarServer
+
+    @classmethod
+    def build(cls, config: Config, db: Database, dsn: str, instance_id: str) -> Listening:
+        rc = config.reconciler
+        connections = ConnectionStore(db, instance_id=instance_id)
+        router = SocketRouter(
+            connections,
+            instance_ttl=config.instance.ttl,
+            connect_timeout=rc.connect_timeout,
+            event_timeout=rc.operation_timeout,
+        )
+        limits = ListenerLimits()
+        plan = plan_descriptors(
+            raise_open_file_limit()[0],
+            requested=limits.max_connections,
+            # The three pools and the wake-up listener's own connection.
+            pool_connections=config.database.pool_size + 2 + 2 + 1,
+        )
+        if plan.too_low:
+            log.warning(
+                "open_file_limit_low",
+                limit=plan.limit,
+                reserved=plan.reserved,
+                max_connections=plan.max_connections,
+                wanted=plan.requested,
+                hint="raise LimitNOFILE= (or ulimit -n) so every sidecar socket fits",
+            )
+        server = SidecarServer.from_config(
+            config.server,
+            router=router,
+            connections=connections,
+            limits=limits,
+            max_connections=plan.max_connections,
+        )
+        return cls(
+            db=db,
+            dsn=dsn,
+            instance_id=instance_id,
+            instances=InstanceStore(db),
+            connections=connections,
+            router=router,
+            server=server,
+        )
+
+
+@contextlib.asynccontextmanager
+async def listening(parts: Listening, config: Config) -> AsyncIterator[str]:
+    """The sidecar listener, bound; yields the URL sidecars are told to dial."""
+    try:
+        await parts.server.start()
+    except OSError as exc:
+        raise listen_error("server.listen", config.server.listen, exc) from None
+    try:
+        yield config.server.public_url or config.server.public_url_for(parts.server.port)
+    finally:
+        await parts.server.close()
+
+
+def wake_listener(
+    *,
+    dsn: str,
+    db: Database,
+    router: SocketRouter,
+    metrics: Metrics,
+    on_wake: Callable[[], None],
+    on_reconnected: Callable[[], None],
+    poll_interval: float,
+) -> NotificationListener:
+    """The LISTEN connection, wired to ``router``: a sidecar connected on a peer resolves the
+    waits here; a fence or a retirement closes the sockets it names."""
+
+    def on_connected(payload: str) -> None:
+        notice = parse_connected_payload(payload)
+        if notice is not None:
+            before = router.remote_closes
+            router.notice_connected(notice)
+            metrics.remote_closes.inc(router.remote_closes - before)
+
+    def on_sockets(payload: str) -> None:
+        control = parse_sockets_payload(payload)
+        if control is not None:
+            before = router.remote_closes
+            router.apply_control(control)
+            metrics.remote_closes.inc(router.remote_closes - before)
+
+    return NotificationListener(
+        dsn=dsn,
+        db=db,
+        on_wake=on_wake,
+        on_connected=on_connected,
+        on_sockets=on_sockets,
+        on_reconnected=on_reconnected,
+        selfcheck_interval=max(poll_interval * 2, 5.0),
+        on_selfcheck_failure=metrics.selfcheck_failures.inc,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class Running:
+    """Everything a serving daemon holds, complete once the sidecar listener is bound."""
+
+    parts: Listening
+    hub_ws_url: str
+    provisioners: Mapping[str, Provisioner]
+    store: AllocationStore
+    ledger: LedgerStore
+    reconciler: Reconciler
+    listener: NotificationListener
+    admin: AdminServer
+
+    @property
+    def db(self) -> Database:
+        return self.parts.db
+
+    @property
+    def router(self) -> SocketRouter:
+        return self.parts.router
+
+    @classmethod
+    def build(
+        cls,
+        config: Config,
+        parts: Listening,
+        *,
+        hub_ws_url: str,
+        provisioners: Mapping[str, Provisioner],
+        metrics: Metrics,
+        on_ready: Hook | None,
+        on_wake: Callable[[], None],
+        on_reconnected: Callable[[], None],
+        readiness: Callable[[], Awaitable[str | None]],
+    ) -> Running:
+        rc, db, router = config.reconciler, parts.db, parts.router
+        store = AllocationStore(db, instance_id=parts.instance_id)
+        ledger = LedgerStore(db, instance_id=parts.instance_id)
+        reconciler = Reconciler(
+            store=store,
+            ledger=ledger,
+            connections=parts.connections,
+            provisioners=provisioners,
+            router=router,
+            hub_ws_url=hub_ws_url,
+            settings=ReconcilerSettings(
+                lease_duration=rc.lease_duration,
+                connect_timeout=rc.connect_timeout,
+                operation_timeout=rc.operation_timeout,
+                max_concurrent_claims=rc.max_concurrent_claims,
+                automatic_replacement_recovery=rc.automatic_replacement_recovery,
+                instance_ttl=config.instance.ttl,
+            ),
+            on_ready=on_ready,
+            observer=metrics,
+            on_settled=on_wake,
+        )
+        metrics.bind_gauges(
+            active_claims=lambda: reconciler.active_claims,
+            queue_depth=lambda: reconciler.queue_depth,
+            connected_sidecars=lambda: router.connection_count,
+        )
+        metrics.bind_listener(parts.server.stats)
+
+        listener = wake_listener(
+            dsn=parts.dsn,
+            db=db,
+            router=router,
+            metrics=metrics,
+            on_wake=on_wake,
+            on_reconnected=on_reconnected,
+            poll_interval=rc.poll_interval,
+        )
+        return cls(
+            parts=parts,
+            hub_ws_url=hub_ws_url,
+            provisioners=provisioners,
+            store=store,
+            ledger=ledger,
+            reconciler=reconciler,
+            listener=listener,
+            admin=AdminServer(
+                host=config.admin.host,
+                port=config.admin.port,
+                readiness=readiness,
+                metrics=metrics.render,
+            ),
+        )

@@ -1,0 +1,154 @@
+"""The daemon's periodic work besides claiming: socket checks, repair, orphans, counts, watchdog.
+
+Each loop survives a failing database (it logs and tries again at its next turn); none of them
+is a claim, so none of them holds a lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import attrs
+import structlog
+
+from hubd.config import Config
+from hubd.daemon.cancellation import raise_if_cancelled
+from hubd.daemon.heartbeat import Heartbeat
+from hubd.daemon.metrics import Metrics
+from hubd.daemon.running import Running
+from hubd.daemon.systemd import notify, watchdog_interval
+from hubd.errors import StoreError
+from hubd.reconciler.orphans import OrphanCollector
+from hubd.store import Status
+
+__all__ = ["DEAD_INSTANCE_TTLS", "Sweeps"]
+
+log = structlog.get_logger(__name__)
+
+DEAD_INSTANCE_TTLS = 10
+"""An instance row is deleted once its heartbeat is this many TTLs old."""
+
+_COUNT_BY_STATUS = "SELECT status, count(*) AS n FROM hubd_allocations GROUP BY status"
+
+
+@attrs.frozen(kw_only=True)
+class Sweeps:
+    """The periodic loops, over what the daemon runs; also what the claim slots share."""
+
+    config: Config
+    running: Running
+    metrics: Metrics
+    heartbeat: Heartbeat
+    verify_soon: asyncio.Event
+    """Set when the sockets held here must be compared with the database soon."""
+
+    async def socket_check(self) -> None:
+        """Compare the sockets held here with the database: on demand (a lapsed heartbeat, a
+        re-opened listener) and every repair interval as the fallback for lost notifications."""
+        router, interval = self.running.router, self.config.reconciler.repair_interval
+        while True:
+            raise_if_cancelled()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self.verify_soon.wait()
+            self.verify_soon.clear()
+            try:
+                reasserted, closed = await router.verify()
+            except StoreError as exc:
+                log.warning("socket_check_failed", error=str(exc))
+                # Try again soon: after an outage this is what restores readiness.
+                await asyncio.sleep(min(interval, 1.0))
+                self.verify_soon.set()
+                continue
+            self.metrics.connections_reasserted.inc(reasserted)
+            self.metrics.remote_closes.inc(closed)
+            if reasserted or closed:
+                log.info("socket_check", reasserted=reasserted, closed=closed)
+
+    async def orphans(self) -> None:
+        """Sweep provisioners that can list their sidecars for orphans (one replica at a
+        time per provisioner, elected by an advisory lock)."""
+        cfg, running = self.config.orphans, self.running
+        collector = OrphanCollector(
+            store=running.store,
+            ledger=running.ledger,
+            grace=cfg.grace,
+            dry_run=cfg.mode == "dry-run",
+            destroy_unknown=cfg.destroy_unknown,
+            operation_timeout=self.config.reconciler.operation_timeout,
+            on_orphan=lambda provisioner, outcome: self.metrics.orphans.labels(
+                provisioner=provisioner, outcome=outcome
+            ).inc(),
+        )
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(cfg.interval)
+            try:
+                await collector.sweep_all(running.provisioners)
+            except (StoreError, TimeoutError) as exc:
+                log.warning("orphan_sweep_failed", error=str(exc))
+
+    async def repair(self) -> None:
+        interval = self.config.reconciler.repair_interval
+        ttl = self.config.instance.ttl
+        connections, instances = self.running.parts.connections, self.running.parts.instances
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(interval)
+            try:
+                # Records of instances that stopped heartbeating (never our own: our sockets
+                # are open, whatever our heartbeat says) are cleared and their sidecars get the
+                # usual connect deadline to come back to a live replica, in one statement each.
+                swept = (
+                    await connections.sweep_stale(
+                        ttl, connect_timeout=self.config.reconciler.connect_timeout
+                    )
+                    if self.heartbeat.may_judge_peers()
+                    else []
+                )
+                if swept:
+                    self.metrics.connections_swept.inc(len(swept))
+                    log.warning(
+                        "dead_instance_connections_swept",
+                        count=len(swept),
+                        instances=sorted({s.instance_id for s in swept}),
+                    )
+                repaired = (
+                    await self.running.reconciler.repair_unscheduled_connections()
+                    if self.heartbeat.may_judge_peers()
+                    else 0
+                )
+                if repaired:
+                    log.info("unscheduled_allocations_repaired", count=repaired)
+                deleted = await instances.delete_dead(ttl * DEAD_INSTANCE_TTLS)
+                if deleted:
+                    self.metrics.instances_deleted.inc(len(deleted))
+                    log.info("dead_instances_deleted", instances=deleted)
+            except StoreError as exc:
+                log.warning("repair_sweep_failed", error=str(exc))
+
+    async def counts(self) -> None:
+        statuses = [str(s) for s in Status]
+        db, listener = self.running.db, self.running.listener
+        while True:
+            raise_if_cancelled()
+            try:
+                async with db.connection("count allocations") as conn:
+                    rows = await conn.fetch(_COUNT_BY_STATUS)
+                self.metrics.set_allocation_counts({r["status"]: r["n"] for r in rows}, statuses)
+                self.metrics.database_up.set(1)
+            except StoreError:
+                self.metrics.database_up.set(0)
+            self.metrics.listener_up.set(1 if listener.healthy else 0)
+            await asyncio.sleep(self.config.reconciler.poll_interval)
+
+
+async def watchdog() -> None:
+    interval = watchdog_interval()
+    if interval is None:
+        return
+    while True:
+        raise_if_cancelled()
+        notify("WATCHDOG=1")
+        await asyncio.sleep(interval)

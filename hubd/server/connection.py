@@ -1,0 +1,223 @@
+"""One sidecar socket with hubd's resource bounds, as websockets' connection class.
+
+What the bounds are and how each was sized is :mod:`hubd.server.limits`; the listener that admits
+and counts the sockets is :class:`~hubd.server.websocket.SidecarServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from websockets.asyncio.server import Server, ServerConnection
+from websockets.exceptions import ConnectionClosed
+from websockets.frames import Frame, Opcode
+from websockets.protocol import Event
+from websockets.server import ServerProtocol
+
+from hubd.server.handshake import HandshakeRequest, Rejection
+from hubd.server.limits import HeaderScanner, TokenBucket
+
+if TYPE_CHECKING:
+    from hubd.server.websocket import SidecarServer
+
+__all__ = ["SidecarConnection", "drain", "remote_of"]
+
+_CONTROL: Final = frozenset({Opcode.PING, Opcode.PONG})
+_STATUS_LINES: Final = {
+    429: "429 Too Many Requests",
+    431: "431 Request Header Fields Too Large",
+    503: "503 Service Unavailable",
+}
+
+
+class SidecarConnection(ServerConnection):
+    """A server connection with hubd's resource bounds, carrying the handshake it was
+    authenticated with.
+
+    The bounds live in the asyncio protocol callbacks because that is the only place that sees
+    bytes before websockets buffers them, and write-buffer pressure before a writer is stuck.
+    """
+
+    hubd_request: HandshakeRequest | None = None
+    budget: TokenBucket | None = None
+    """Messages and control frames together; set once the socket is open."""
+    on_violation: Callable[[str], None] | None = None
+    """Called (once) when the peer breaks the budget; set once the socket is registered."""
+
+    def __init__(
+        self, protocol: ServerProtocol, server: Server, *, hub: SidecarServer, **options: Any
+    ) -> None:
+        super().__init__(protocol, server, **options)
+        self._hub = hub
+        self._limits = hub.limits
+        self._scanner: HeaderScanner | None = HeaderScanner(hub.limits)
+        self.source = ""
+        self._counted = False
+        self._handshaking = False
+        self._refused = False
+        self._lingering = False
+        self._aborted = False
+        self._stall: asyncio.TimerHandle | None = None
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # websockets starts the handler task here; a refused socket's handler sees the
+        # connection lost and ends without calling process_request.
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        self.source = str(peer[0]) if peer else ""
+        gate = self._hub.gate
+        now = self.loop.time()
+        if gate.handshakes_full:
+            self._hub.evict_stale_handshake(now)
+        refusal = gate.admit(self.source, now)
+        if refusal is not None:
+            self._refuse(refusal, early=True)
+            return
+        gate.opened(self.source)
+        self._counted = True
+        self._handshaking = True
+        self._hub.handshake_started(self, now)
+
+    def handshake_over(self) -> None:
+        """The handshake was decided (upgrade or refusal): its slot is free again."""
+        if self._handshaking:
+            self._handshaking = False
+            self._scanner = None
+            self._hub.gate.handshake_over(self.source)
+            self._hub.handshake_ended(self)
+
+    def evict(self) -> None:
+        """Give this unfinished handshake's slot to a newer socket: abort it."""
+        self.handshake_over()
+        self._abort("evicted by a newer handshake")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.handshake_over()
+        if self._counted:
+            self._counted = False
+            self._hub.gate.closed()
+        if self._lingering:
+            self._lingering = False
+            self._hub.gate.lingering -= 1
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        super().connection_lost(exc)
+
+    def _refuse(self, rejection: Rejection, *, early: bool) -> None:
+        """Answer with a plain HTTP refusal, without websockets' parser: it is used before (or
+        instead of) reading the request.
+
+        The socket lingers (reads discarded) for ``refusal_linger`` after a half-close, so the
+        peer reads the status instead of a reset caused by its unread request; the number of
+        lingering sockets is capped too, beyond which a refusal is a plain abort.
+        """
+        self._refused = True
+        self._hub.refused(self, rejection, early=early)
+        self.handshake_over()
+        transport = self.transport
+        gate = self._hub.gate
+        if gate.lingering >= self._limits.max_handshakes:
+            self._aborted = True
+            transport.abort()
+            return
+        body = (rejection.reason + "\n").encode()
+        head = (
+            f"HTTP/1.1 {_STATUS_LINES.get(rejection.status, str(rejection.status))}\r\n"
+            "Server: hubd\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        )
+        if rejection.retry_after is not None:
+            head += f"Retry-After: {rejection.retry_after}\r\n"
+        transport.write(head.encode() + b"\r\n" + body)
+        gate.lingering += 1
+        self._lingering = True
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._stall = self.loop.call_later(self._hub.refusal_linger, transport.abort)
+        else:
+            transport.close()
+
+    # -- incoming bytes -------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        scanner = self._scanner
+        if scanner is not None:
+            problem = scanner.feed(data)
+            if problem is not None:
+                self._refuse(Rejection(status=431, reason=problem), early=False)
+                return
+        super().data_received(data)
+        # Automatic pongs (and close frames) are written without waiting for the buffer to
+        # drain: a peer that pings and never reads grows it here, so it is measured here.
+        if self.transport.get_write_buffer_size() > self._limits.max_write_buffer:
+            self._abort("write buffer full")
+
+    def process_event(self, event: Event) -> None:
+        if (
+            self.request is not None
+            and isinstance(event, Frame)
+            and event.opcode in _CONTROL
+            and self.budget is not None
+            and not self.budget.take(self.loop.time())
+        ):
+            # Pings cost the hub a pong each and pongs a dictionary look-up: they spend the
+            # same budget as messages, or a ping flood would be free.
+            self._violate("control frame rate exceeded")
+        super().process_event(event)
+
+    def _violate(self, why: str) -> None:
+        callback, self.on_violation = self.on_violation, None
+        if callback is not None:
+            callback(why)
+
+    # -- outgoing bytes -------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        # Every writer now waits in drain(), websockets' keepalive ping and close included:
+        # nothing else would ever end a socket whose peer stopped reading.
+        if self._stall is None:
+            self._stall = self.loop.call_later(
+                self._limits.write_stall_timeout, self._abort, "peer stopped reading"
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _abort(self, why: str) -> None:
+        self._stall = None
+        if self._aborted:
+            return
+        self._aborted = True
+        self._hub.aborted(self, why)
+        self.transport.abort()
+
+
+async def drain(connection: ServerConnection) -> None:
+    """Discard messages until the close handshake completes.
+
+    A closing socket must still be read: with its receive queue full, websockets stops reading
+    the transport, the peer's close frame is never seen, and the close waits out its timeout.
+    """
+    try:
+        async for _ in connection:
+            pass
+    except ConnectionClosed:
+        pass
+
+
+def remote_of(connection: ServerConnection) -> str | None:
+    address = connection.remote_address
+    if not address:
+        return None
+    return f"{address[0]}:{address[1]}"
