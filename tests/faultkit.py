@@ -72,6 +72,10 @@ CREATE TABLE IF NOT EXISTS hubd_observed_versions (
     lease_id       text,
     lease_expires_at timestamptz
 );
+-- The stale-write check looks up, for every ledger row, the version just before it: without
+-- this index that is a scan of the whole history per row, minutes at full chaos size.
+CREATE INDEX IF NOT EXISTS hubd_observed_versions_by_allocation
+    ON hubd_observed_versions (allocation_id, seq);
 CREATE OR REPLACE FUNCTION hubd_observe_version() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO hubd_observed_versions (allocation_id, txid, at, old_status, new_status,

@@ -32,6 +32,7 @@ from hubd.plugins.protocol import (
 from hubd.reconciler import executor
 from hubd.reconciler.clock import Clock, wait_settled
 from hubd.reconciler.decisions import Raised, TimedOut, effect_phase, outcome_text
+from hubd.reconciler.faults import Boundary, FaultHook, Site
 from hubd.reconciler.lease import LeaseKeeper
 from hubd.reconciler.observer import ReconcilerObserver
 from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings
@@ -69,6 +70,8 @@ class ClaimServices:
     """The reconciler's claims in progress, by allocation."""
     create_sidecar_id: Callable[[], str]
     create_token: Callable[[], str]
+    faults: FaultHook | None = None
+    """Tests only: lands faults at the claim's step boundaries (:mod:`hubd.reconciler.faults`)."""
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -206,6 +209,18 @@ class ClaimRun:
     async def apply(self, write: Write) -> None:
         await executor.apply(self, write)
 
+    async def boundary(self, boundary: Boundary, step: str) -> None:
+        """A boundary between durable steps: where an injected fault may land."""
+        faults = self.services.faults
+        if faults is not None:
+            site = Site(
+                boundary=boundary,
+                allocation_id=self.allocation.id,
+                generation=self.allocation.generation,
+                step=step,
+            )
+            await faults.at(site)
+
     async def with_lease(
         self,
         what: str,
@@ -250,6 +265,7 @@ class ClaimRun:
         )
         if not recorded:
             raise LeaseLost(f"{kind} intent: the fence matched nothing")
+        await self.boundary(Boundary.BEFORE_PLUGIN, kind)
         started = s.clock.monotonic()
         outcome: R | Raised | TimedOut
         try:
@@ -273,6 +289,7 @@ class ClaimRun:
             self.abort(cause)
             raise cause
         duration_ms = (s.clock.monotonic() - started) * 1000
+        await self.boundary(Boundary.AFTER_PLUGIN, kind)
         s.observer.plugin_call(
             self.allocation.provisioner_id, kind, duration_ms / 1000, type(outcome).__name__
         )

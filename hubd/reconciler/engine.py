@@ -34,6 +34,7 @@ from hubd.plugins.protocol import Provisioner
 from hubd.reconciler.claim import ClaimRun, ClaimServices
 from hubd.reconciler.clock import Clock, SystemClock, wait_settled
 from hubd.reconciler.decisions import after_error, wake_on_start
+from hubd.reconciler.faults import FaultHook
 from hubd.reconciler.lease import LeaseKeeper, LeaseRenewer
 from hubd.reconciler.observer import NullObserver, ReconcilerObserver
 from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings
@@ -72,6 +73,7 @@ class Reconciler:
         create_token: Callable[[], str] = new_token,
         observer: ReconcilerObserver | None = None,
         on_settled: Callable[[], None] | None = None,
+        faults: FaultHook | None = None,
     ) -> None:
         self.settings = settings or ReconcilerSettings()
         self._store = store
@@ -105,6 +107,7 @@ class Reconciler:
             active=self._active,
             create_sidecar_id=create_sidecar_id,
             create_token=create_token,
+            faults=faults,
         )
 
     # -- introspection (metrics, tests) ----------------------------------------------------------

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from hubd.reconciler.faults import Boundary
 from hubd.reconciler.writes import (
     Abandon,
     BeginInitialization,
@@ -134,6 +135,12 @@ _WHAT: dict[type[Write], str] = {
 async def apply(run: ClaimRun, write: Write) -> None:
     """Carry ``write`` out for ``run``. Raises :class:`~hubd.errors.LeaseLost` when a write the
     claim goes on from matches nothing; a final write that matches nothing ends the claim."""
+    await run.boundary(Boundary.BEFORE_WRITE, type(write).__name__)
+    await _carry_out(run, write)
+    await run.boundary(Boundary.AFTER_WRITE, type(write).__name__)
+
+
+async def _carry_out(run: ClaimRun, write: Write) -> None:
     store, fence = run.services.store, run.fence
     if isinstance(write, Abandon):
         await _abandon(run, write)

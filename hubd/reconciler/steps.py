@@ -33,6 +33,7 @@ from hubd.reconciler.decisions import (
     unless_connected,
 )
 from hubd.reconciler.eligibility import provisioner_problem, provisioner_unavailable
+from hubd.reconciler.faults import Boundary
 from hubd.reconciler.settings import hook_call
 from hubd.reconciler.writes import (
     BeginInitialization,
@@ -148,9 +149,12 @@ async def _accept_ensure(run: ClaimRun, provisioner: Provisioner, token: str) ->
 
 async def _readiness(run: ClaimRun) -> Readiness:
     s = run.services
-    return await run.op(
+    await run.boundary(Boundary.BEFORE_READINESS, "readiness")
+    readiness = await run.op(
         s.connections.readiness(run.target, s.settings.instance_ttl), "readiness check"
     )
+    await run.boundary(Boundary.AFTER_READINESS, "readiness")
+    return readiness
 
 
 async def _wait_for_connect(run: ClaimRun, window: float) -> str | None:
