@@ -23,6 +23,7 @@ from hubd.store import (
     Status,
     connect_database,
 )
+from hubd.store.connections import ConnectionStore
 from hubd.tokens import hash_token
 from tests.pgtime import age_row, expire_lease
 from tests.polling import scaled
@@ -1050,3 +1051,45 @@ class TestLogLevels:
         failed = [e for e in logs if e["event"] == "reconciliation_failed"]
         assert failed
         assert {e["log_level"] for e in failed} == {"warning"}
+
+
+class TestDispatch:
+    async def test_one_batch_fills_every_free_slot_and_a_finished_claim_frees_one(
+        self,
+        db: Database,
+        store: AllocationStore,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """With four claim slots and six due allocations, one batch claims four, each running
+        on its own; no slot is left, so the next batch claims nothing. Once the claims end
+        (their sidecars' ensures answer), the next batch takes the remaining two."""
+        woken: list[None] = []
+        reconciler = Reconciler(
+            store=store,
+            ledger=LedgerStore(db, instance_id="in_test"),
+            connections=ConnectionStore(db, instance_id="in_test"),
+            provisioners={provisioner.id: provisioner},
+            router=router,
+            hub_ws_url="ws://127.0.0.1:1",
+            settings=SETTINGS,
+            on_settled=lambda: woken.append(None),
+        )
+        release = asyncio.Event()
+        gates = [Gate(release=release) for _ in range(6)]
+        provisioner.ensure_script.extend(gates)
+        ids = [(await store.request(provisioner_id=provisioner.id)).id for _ in range(6)]
+        assert await reconciler.claim_batch() == SETTINGS.max_concurrent_claims
+        await asyncio.wait_for(asyncio.gather(*(g.started.wait() for g in gates[:4])), scaled(10))
+        assert reconciler.active_claims == 4
+        assert reconciler.free_capacity == 0
+        assert await reconciler.claim_batch() == 0
+        release.set()
+        await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
+        assert woken
+        assert reconciler.free_capacity == SETTINGS.max_concurrent_claims
+        assert await reconciler.claim_batch() == 2
+        await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
+        statuses = {(await store.get(aid)).status for aid in ids}
+        assert statuses == {Status.ALLOCATED}
+        assert len(provisioner.ensure_calls) == 6
