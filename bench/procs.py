@@ -108,8 +108,25 @@ class DaemonProcess:
                 self._announced.set()
         self._announced.set()
 
-    def count(self, event: str) -> int:
-        return sum(1 for line in self.lines if f'"{event}"' in line)
+    async def refusals(self) -> dict[str, float]:
+        """The listener's refusals so far, from ``/metrics``: HTTP refusals of handshakes and
+        sockets refused by a resource bound, each summed over its labels."""
+        rest = str(self.running["admin"]).removeprefix("http://")
+        hostport = rest.partition("/")[0]
+        host, _, port = hostport.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(f"GET /metrics HTTP/1.1\r\nHost: {hostport}\r\n\r\n".encode())
+            await writer.drain()
+            body = (await reader.read()).decode().partition("\r\n\r\n")[2]
+        finally:
+            writer.close()
+        found = {"hubd_handshakes_rejected": 0.0, "hubd_sockets_refused": 0.0}
+        for line in body.splitlines():
+            for name in found:
+                if line.startswith(name) and not line.startswith("#"):
+                    found[name] += float(line.rsplit(" ", 1)[1])
+        return found
 
     async def stop(self) -> None:
         if self.process is not None:

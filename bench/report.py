@@ -227,6 +227,17 @@ def render(report: dict[str, Any]) -> str:
     skipped = report["results"].get("pgqueuer", {}).get("skipped")
     if skipped:
         out.append(f"PgQueuer skipped: {skipped}")
+    profile = report.get("profile")
+    if profile and profile["samples"]:
+        out.append("")
+        out.append(f"daemon profile, 16-claim lifecycle ({profile['samples']} samples):")
+        for title, key in (
+            ("running", "own"),
+            ("innermost hubd function", "nearest_hubd"),
+            ("hubd function on the stack", "hubd"),
+        ):
+            out.append(f"  {title}:")
+            out.extend(f"    {share:6.1%}  {name}" for name, share in profile[key][:10])
     return "\n".join(out)
 
 
@@ -251,10 +262,13 @@ def _frame_name(frame: str) -> str:
 
 
 def profile_summary(path: Path, top: int = 15) -> dict[str, Any]:
-    """Top frames of a py-spy raw profile (collapsed stacks): by own samples (the frame was
-    running) and by inclusive samples (the frame was on the stack), as shares of all samples."""
+    """Top frames of a py-spy raw profile (collapsed stacks, idle threads left out), as shares
+    of all samples: ``own``, the frame that was running; ``hubd``, hubd's own functions on the
+    stack (inclusive); ``nearest_hubd``, the innermost hubd function of each sample, which says
+    what hubd code the time in libraries was spent for."""
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
+    nearest: collections.Counter[str] = collections.Counter()
     total = 0
     for line in path.read_text(errors="replace").splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -266,12 +280,15 @@ def profile_summary(path: Path, top: int = 15) -> dict[str, Any]:
             continue
         total += count
         own[frames[-1]] += count
-        for name in set(frames):
+        ours = [name for name in frames if "(hubd/" in name and "(hubd/cli.py)" not in name]
+        for name in set(ours):
             inclusive[name] += count
+        nearest[ours[-1] if ours else "(outside hubd: event loop, libraries)"] += count
     if total == 0:
-        return {"samples": 0, "own": [], "inclusive": []}
+        return {"samples": 0, "own": [], "hubd": [], "nearest_hubd": []}
     return {
         "samples": total,
         "own": [[name, count / total] for name, count in own.most_common(top)],
-        "inclusive": [[name, count / total] for name, count in inclusive.most_common(top)],
+        "hubd": [[name, count / total] for name, count in inclusive.most_common(top)],
+        "nearest_hubd": [[name, count / total] for name, count in nearest.most_common(top)],
     }

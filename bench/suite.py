@@ -233,7 +233,7 @@ class Run:
                 result["latency"] = await phases.latency(
                     self.dsn, self.watcher, self.farm, samples=self.size.latency
                 )
-            result["refusals_503"] = daemon.count("sidecar_refused")
+            result["listener_refusals"] = await daemon.refusals()
             return result
         finally:
             if profiler is not None:
@@ -248,6 +248,7 @@ class Run:
             hubd = await phases.socket_phase(
                 self.dsn, self.watcher, self.farm, daemon, n=n, within=self.size.within
             )
+            hubd["listener_refusals"] = await daemon.refusals()
         finally:
             await daemon.stop()
         return {"bare": bare, "hubd": hubd}
@@ -386,7 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=Path, help="py-spy raw profile of the 16-claim lifecycle run"
     )
+    parser.add_argument("--render", type=Path, help="print the table of a saved JSON and exit")
     args = parser.parse_args(argv)
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return 0
     report = asyncio.run(run(args))
     args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(render(report))

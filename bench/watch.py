@@ -40,8 +40,8 @@ CREATE TRIGGER hubd_bench_notify AFTER UPDATE ON hubd_allocations FOR EACH ROW
 
 async def xact_commit(conn: asyncpg.Connection) -> int:
     """Committed transactions of this database so far, as the statistics system has them
-    (a backend reports its counts at most once a second, and up to 10 s late when idle)."""
-    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    (a backend reports its counts at most once a second, and up to 10 s late when idle).
+    One statement, so one transaction, with a statistics snapshot of its own."""
     value = await conn.fetchval(
         "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
     )
