@@ -237,7 +237,7 @@ def render(report: dict[str, Any]) -> str:
             ("hubd function on the stack", "hubd"),
         ):
             out.append(f"  {title}:")
-            out.extend(f"    {share:6.1%}  {name}" for name, share in profile[key][:10])
+            out.extend(f"    {share:6.1%}  {name}" for name, share in profile.get(key, [])[:10])
     return "\n".join(out)
 
 
