@@ -10,18 +10,29 @@ set) replaces the cap before the daemon builds its listener; everything else is 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import pkgutil
 import sys
 
+import hubd.daemon
 from hubd.cli import main
-from hubd.daemon import service
 from hubd.server.limits import ListenerLimits
+
+
+def _lift_socket_cap(cap: int) -> None:
+    """Every daemon module that builds ``ListenerLimits()`` gets one with ``cap`` sockets."""
+    lifted = functools.partial(ListenerLimits, max_connections=cap)
+    for module in pkgutil.iter_modules(hubd.daemon.__path__, "hubd.daemon."):
+        loaded = importlib.import_module(module.name)
+        if getattr(loaded, "ListenerLimits", None) is ListenerLimits:
+            # setattr: a plain assignment of a partial to a class name needs a type ignore.
+            setattr(loaded, "ListenerLimits", lifted)  # noqa: B010
+
 
 if __name__ == "__main__":
     cap = int(os.environ.get("BENCH_MAX_SOCKETS", "0"))
     if cap:
         # The daemon still lowers the cap to fit its open-file limit (plan_descriptors).
-        lifted = functools.partial(ListenerLimits, max_connections=cap)
-        # setattr: a plain assignment of a partial to a class name would need a type ignore.
-        setattr(service, "ListenerLimits", lifted)  # noqa: B010
+        _lift_socket_cap(cap)
     sys.exit(main(sys.argv[1:]))

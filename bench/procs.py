@@ -103,7 +103,8 @@ class DaemonProcess:
         async for raw in self.process.stderr:
             text = raw.decode(errors="replace").rstrip("\n")
             self.lines.append(text)
-            if '"hubd running"' in text:
+            # The announcement of a daemon that is up (spelled either way across versions).
+            if '"hubd running"' in text or '"hubd_running"' in text:
                 self.running = json.loads(text)
                 self._announced.set()
         self._announced.set()

@@ -10,6 +10,8 @@ median per statement and the ratio large / small.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import statistics
 import time
 import uuid
@@ -29,13 +31,23 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     Taken from hubd itself so the benchmark follows the code; when the daemon's claim or
     status count changes shape, change them here too.
     """
-    from hubd.daemon.service import _COUNT_BY_STATUS
     from hubd.store.allocations import SQL
 
     return {
         "claim": (SQL.claim_next, lambda: (uuid.uuid4().hex, 60.0, [])),
-        "status_count": (_COUNT_BY_STATUS, tuple),
+        "status_count": (_daemon_constant("_COUNT_BY_STATUS"), tuple),
     }
+
+
+def _daemon_constant(name: str) -> str:
+    """A statement the daemon keeps as a module constant, from whichever module holds it."""
+    import hubd.daemon
+
+    for module in pkgutil.iter_modules(hubd.daemon.__path__, "hubd.daemon."):
+        value = getattr(importlib.import_module(module.name), name, None)
+        if isinstance(value, str):
+            return value
+    raise LookupError(f"no hubd.daemon module defines {name}")
 
 
 async def _fill_terminal(conn: asyncpg.Connection, first: int, last: int) -> None:
