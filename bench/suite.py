@@ -396,5 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(render(report))
     print(f"\nJSON: {args.json}")
+    failed = [name for name, result in report["results"].items() if "error" in result]
     missing = [key for key, row in report["measures"].items() if row["hubd"] is None]
-    return 1 if missing else 0
+    # With --only, the parts left out leave gaps on purpose; a failure is still one.
+    return 1 if failed or (missing and not args.only) else 0
