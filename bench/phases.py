@@ -1,0 +1,321 @@
+"""The measurements that run against a live daemon: lifecycle, idle commits, connect → ready
+latency, memory per idle socket and the reconnect storm (and their bare-websockets twins)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from bench.procs import BareServer, DaemonProcess, FarmClient, rss_kib
+from bench.watch import Watcher, xact_commit
+from hubd.store import AllocationStore, connect_database
+
+__all__ = [
+    "BenchConfig",
+    "bare_sockets",
+    "daemon_config",
+    "idle_commits",
+    "latency",
+    "lifecycle",
+    "percentile",
+    "say",
+    "socket_phase",
+]
+
+PROVISIONER = "bench"
+STATS_LAG = 11.0
+"""Seconds after which every idle backend has reported its counts (PostgreSQL flushes an idle
+backend's pending statistics after 10 s at the latest)."""
+
+
+def say(message: str) -> None:
+    print(f"bench:   {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class BenchConfig:
+    """Where the daemon's config files go and what they share."""
+
+    def __init__(self, workdir: Path, database_url: str, farm: Path) -> None:
+        self.workdir = workdir
+        self.database_url = database_url
+        self.farm = farm
+        self._count = 0
+
+    def write(self, *, claims: int) -> Path:
+        return daemon_config(
+            self.workdir / f"hubd-{self._next()}.toml",
+            database_url=self.database_url,
+            state_dir=self.workdir / "state",
+            farm=self.farm,
+            claims=claims,
+        )
+
+    def _next(self) -> int:
+        self._count += 1
+        return self._count
+
+
+def daemon_config(
+    path: Path, *, database_url: str, state_dir: Path, farm: Path, claims: int
+) -> Path:
+    """Production defaults (config/hubd.toml) but for the listeners, the claim count and the
+    provisioner; logs at warning so the daemon's own log volume is not measured."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"""
+[database]
+url = "{database_url}"
+[state]
+dir = "{state_dir}"
+[server]
+listen = "127.0.0.1:0"
+[admin]
+listen = "127.0.0.1:0"
+[reconciler]
+max_concurrent_claims = {claims}
+# Long enough that sockets held back while thousands are provisioned still count.
+connect_timeout = "900s"
+[[provisioners]]
+id = "{PROVISIONER}"
+plugin = "bench.plugin:create"
+[provisioners.options]
+farm = "{farm}"
+[log]
+format = "json"
+level = "info"
+"""
+    )
+    return path
+
+
+async def _request(store: AllocationStore, dsn: str, n: int) -> list[str]:
+    """``n`` allocations in one transaction: none is visible before the commit."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            made = [
+                await store.request(provisioner_id=PROVISIONER, spec={}, conn=conn)
+                for _ in range(n)
+            ]
+    finally:
+        await conn.close()
+    return [allocation.id for allocation in made]
+
+
+async def _release(store: AllocationStore, dsn: str, ids: list[str]) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            for allocation_id in ids:
+                await store.release(allocation_id, reason="benchmark done", conn=conn)
+    finally:
+        await conn.close()
+
+
+async def _store(dsn: str) -> tuple[Any, AllocationStore]:
+    db = await connect_database(dsn, pool_size=2)
+    return db, AllocationStore(db, instance_id="bench")
+
+
+async def lifecycle(
+    dsn: str, watcher: Watcher, *, n: int, within: float, stats: asyncpg.Connection
+) -> dict[str, Any]:
+    """``n`` allocations requested in one transaction, timed until all are ready, then released
+    in one transaction, timed until all are released; commits counted around both."""
+    db, store = await _store(dsn)
+    try:
+        watcher.reset()
+        commits_before = await xact_commit(stats)
+        started = time.monotonic()
+        ids = await _request(store, dsn, n)
+        committed = time.monotonic()
+        all_ready = await watcher.until(lambda: len(watcher.ready) >= n, within=within)
+        ready_at = time.monotonic()
+        ready = len(watcher.ready)
+        await _release(store, dsn, ids)
+        release_committed = time.monotonic()
+        all_done = await watcher.until(lambda: len(watcher.done) >= n, within=within)
+        done_at = time.monotonic()
+        done = len(watcher.done)
+        await asyncio.sleep(STATS_LAG)
+        commits_after = await xact_commit(stats)
+        waited = time.monotonic() - started
+    finally:
+        await db.close()
+    ready_seconds = ready_at - committed
+    release_seconds = done_at - release_committed
+    return {
+        "n": n,
+        "complete": all_ready and all_done,
+        "ready": ready,
+        "released": done,
+        "insert_seconds": committed - started,
+        "ready_seconds": ready_seconds,
+        "release_seconds": release_seconds,
+        "ready_rate": ready / ready_seconds,
+        "lifecycle_rate": min(ready, done) / (ready_seconds + release_seconds),
+        # The bench's own: the request and release transactions and one statistics read.
+        "commits_raw": commits_after - commits_before - 3,
+        "window_seconds": waited,
+    }
+
+
+async def idle_commits(stats: asyncpg.Connection, *, seconds: float) -> dict[str, Any]:
+    """Commits per second of the database while the daemon has nothing to do; call after the
+    statistics of earlier work have been reported (``STATS_LAG`` of quiet)."""
+    before = await xact_commit(stats)
+    await asyncio.sleep(seconds)
+    after = await xact_commit(stats)
+    return {
+        "seconds": seconds,
+        "commits": after - before - 1,
+        "rate": (after - before - 1) / seconds,
+    }
+
+
+async def latency(dsn: str, watcher: Watcher, farm: FarmClient, *, samples: int) -> dict[str, Any]:
+    """One allocation at a time on an idle daemon: from the farm's receipt of the welcome to
+    this process's receipt of the ready notification (sent at the commit that made the row
+    ready), both on the host's wall clock; and to the database clock of that update."""
+    db, store = await _store(dsn)
+    to_notify: list[float] = []
+    to_update: list[float] = []
+    try:
+        for _ in range(samples):
+            index = (await farm.call("status"))["welcomes"]
+            (allocation_id,) = await _request(store, dsn, 1)
+            if not await watcher.until(lambda a=allocation_id: a in watcher.ready, within=60):
+                raise RuntimeError(f"{allocation_id} did not become ready within 60 s")
+            received, updated = watcher.ready[allocation_id]
+            welcomes = (await farm.call("welcomes_since", index=index))["welcomes"]
+            welcomed = [t for a, t in welcomes if a == allocation_id]
+            if not welcomed:
+                raise RuntimeError(f"the farm has no welcome for {allocation_id}")
+            to_notify.append((received - welcomed[-1]) * 1000)
+            to_update.append((updated - welcomed[-1]) * 1000)
+            await _release(store, dsn, [allocation_id])
+            if not await watcher.until(lambda a=allocation_id: a in watcher.done, within=60):
+                raise RuntimeError(f"{allocation_id} was not released within 60 s")
+    finally:
+        await db.close()
+    return {
+        "samples": samples,
+        "p50_ms": statistics.median(to_notify),
+        "p99_ms": percentile(to_notify, 0.99),
+        "update_p50_ms": statistics.median(to_update),
+        "update_p99_ms": percentile(to_update, 0.99),
+    }
+
+
+async def socket_phase(
+    dsn: str,
+    watcher: Watcher,
+    farm: FarmClient,
+    daemon: DaemonProcess,
+    *,
+    n: int,
+    within: float,
+) -> dict[str, Any]:
+    """On a fresh daemon: ``n`` allocations provisioned while the farm holds their sockets back,
+    daemon RSS measured, all sockets opened, RSS measured once all are ready. Then every socket
+    is dropped at once; once the daemon has recorded every loss, all reconnect ``concurrency``
+    at a time, timed until every welcome. Finally all are released."""
+    db, store = await _store(dsn)
+    try:
+        watcher.reset()
+        await farm.call("hold", value=True)
+        ids = await _request(store, dsn, n)
+        if not await _provisioned(dsn, ids, within=within):
+            raise RuntimeError(f"{n} allocations were not all provisioned within {within} s")
+        await asyncio.sleep(2)  # let the claims' leftovers be collected before measuring
+        say(f"{n} provisioned, sockets held back")
+        rss_before = rss_kib(daemon.pid)
+        await farm.call("hold", value=False)
+        await farm.call("connect_held")
+        if not await watcher.until(lambda: len(watcher.ready) >= n, within=within):
+            raise RuntimeError(f"only {len(watcher.ready)} of {n} became ready")
+        await asyncio.sleep(2)
+        say(f"{n} ready")
+        rss_after = rss_kib(daemon.pid)
+        dropped = (await farm.call("drop", kind="hubd"))["dropped"]
+        if not await watcher.until(lambda: len(watcher.lost) >= n, within=within):
+            raise RuntimeError(f"the daemon recorded {len(watcher.lost)} of {n} losses")
+        say(f"{dropped} dropped, every loss recorded; storm")
+        storm = await farm.call("reconnect", kind="hubd", n=n)
+        say(f"storm done in {storm['seconds']:.2f} s")
+        ready_again = await watcher.until(lambda: len(watcher.ready) >= n, within=within)
+        await _release(store, dsn, ids)
+        await watcher.until(lambda: len(watcher.done) >= n, within=within)
+        await farm.call("forget")
+    finally:
+        await db.close()
+    return {
+        "n": n,
+        "rss_before_kib": rss_before,
+        "rss_after_kib": rss_after,
+        "kib_per_socket": (rss_after - rss_before) / n,
+        "dropped": dropped,
+        "storm_seconds": storm["seconds"],
+        "storm_refusals": storm["refusals"],
+        "storm_rate": storm["count"] / storm["seconds"],
+        "ready_again": ready_again,
+    }
+
+
+async def _provisioned(dsn: str, ids: list[str], *, within: float) -> bool:
+    """Whether every allocation reached ``allocated`` (waiting for its sidecar) in time;
+    polled every 200 ms (this phase counts no commits)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM hubd_allocations WHERE id = ANY($1::text[])"
+                " AND status = 'allocated'",
+                ids,
+            )
+            if waiting >= len(ids):
+                return True
+            await asyncio.sleep(0.2)
+        return False
+    finally:
+        await conn.close()
+
+
+async def bare_sockets(farm: FarmClient, *, n: int) -> dict[str, Any]:
+    """The same for a bare websockets server: RSS before and after ``n`` idle sockets, then all
+    dropped and reopened ``concurrency`` at a time."""
+    server = BareServer()
+    await server.start()
+    try:
+        await asyncio.sleep(0.5)
+        rss_before = rss_kib(server.pid)
+        opened = await farm.call("reconnect", kind="bare", url=server.url, n=n)
+        await asyncio.sleep(2)
+        rss_after = rss_kib(server.pid)
+        await farm.call("drop", kind="bare")
+        await asyncio.sleep(2)  # the server sees every close before the storm
+        storm = await farm.call("reconnect", kind="bare", url=server.url, n=n)
+        await farm.call("drop", kind="bare")
+    finally:
+        await server.stop()
+    return {
+        "n": n,
+        "rss_before_kib": rss_before,
+        "rss_after_kib": rss_after,
+        "kib_per_socket": (rss_after - rss_before) / n,
+        "first_connect_rate": n / opened["seconds"],
+        "storm_seconds": storm["seconds"],
+        "storm_rate": n / storm["seconds"],
+    }

@@ -1,0 +1,218 @@
+"""The processes a benchmark run starts: the daemon, the sidecar farm, the bare server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BareServer",
+    "DaemonProcess",
+    "FarmClient",
+    "raise_open_files",
+    "rss_kib",
+]
+
+
+def raise_open_files() -> int:
+    """Raise this process's open-file limit to the hard limit (children inherit it)."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HUBD_")}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+    env.pop("PYTHONASYNCIODEBUG", None)
+    env.update(extra or {})
+    return env
+
+
+async def _stop(process: asyncio.subprocess.Process, within: float = 30) -> None:
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(within):
+            await process.wait()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+
+class DaemonProcess:
+    """``hubd run`` (through ``bench.launch``), its stderr kept in memory."""
+
+    def __init__(self, config: Path, *, max_sockets: int) -> None:
+        self.config = config
+        self.max_sockets = max_sockets
+        self.process: asyncio.subprocess.Process | None = None
+        self.running: dict[str, Any] = {}
+        self.lines: list[str] = []
+        self._reader: asyncio.Task[None] | None = None
+        self._announced = asyncio.Event()
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench.launch",
+            "run",
+            "--config",
+            str(self.config),
+            env=_child_env({"BENCH_MAX_SOCKETS": str(self.max_sockets)}),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        try:
+            async with asyncio.timeout(60):
+                await self._announced.wait()
+        except TimeoutError:
+            raise RuntimeError("hubd did not start:\n" + "\n".join(self.lines[-20:])) from None
+        if not self.running:
+            raise RuntimeError("hubd exited at start:\n" + "\n".join(self.lines[-20:]))
+
+    async def _read(self) -> None:
+        assert self.process is not None
+        assert self.process.stderr is not None
+        async for raw in self.process.stderr:
+            text = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append(text)
+            # The announcement of a daemon that is up (spelled either way across versions).
+            if '"hubd running"' in text or '"hubd_running"' in text:
+                self.running = json.loads(text)
+                self._announced.set()
+        self._announced.set()
+
+    async def refusals(self) -> dict[str, float]:
+        """The listener's refusals so far, from ``/metrics``: HTTP refusals of handshakes and
+        sockets refused by a resource bound, each summed over its labels."""
+        rest = str(self.running["admin"]).removeprefix("http://")
+        hostport = rest.partition("/")[0]
+        host, _, port = hostport.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(f"GET /metrics HTTP/1.1\r\nHost: {hostport}\r\n\r\n".encode())
+            await writer.drain()
+            body = (await reader.read()).decode().partition("\r\n\r\n")[2]
+        finally:
+            writer.close()
+        found = {"hubd_handshakes_rejected": 0.0, "hubd_sockets_refused": 0.0}
+        for line in body.splitlines():
+            for name in found:
+                if line.startswith(name) and not line.startswith("#"):
+                    found[name] += float(line.rsplit(" ", 1)[1])
+        return found
+
+    async def stop(self) -> None:
+        if self.process is not None:
+            await _stop(self.process)
+        if self._reader is not None:
+            await self._reader
+
+
+class FarmClient:
+    """The farm process and a control connection to it."""
+
+    def __init__(self, socket_path: Path, *, concurrency: int = 64) -> None:
+        self.socket_path = socket_path
+        self.concurrency = concurrency
+        self.process: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench.farm",
+            str(self.socket_path),
+            "--concurrency",
+            str(self.concurrency),
+            env=_child_env(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self.process.stdout is not None
+        async with asyncio.timeout(30):
+            line = await self.process.stdout.readline()
+        if b"farm ready" not in line:
+            raise RuntimeError("the sidecar farm did not start")
+        self._reader, self._writer = await asyncio.open_unix_connection(
+            str(self.socket_path), limit=1 << 26
+        )
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        assert self._reader is not None
+        assert self._writer is not None
+        self._writer.write(json.dumps({"op": op, **fields}).encode() + b"\n")
+        await self._writer.drain()
+        answer: dict[str, Any] = json.loads(await self._reader.readline())
+        if "error" in answer:
+            raise RuntimeError(f"farm {op}: {answer['error']}")
+        return answer
+
+    async def stop(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self.process is not None:
+            await _stop(self.process, within=10)
+
+
+class BareServer:
+    def __init__(self) -> None:
+        self.process: asyncio.subprocess.Process | None = None
+        self.url = ""
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench.bare",
+            env=_child_env(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self.process.stdout is not None
+        async with asyncio.timeout(30):
+            port = int(await self.process.stdout.readline())
+        self.url = f"ws://127.0.0.1:{port}/"
+
+    async def stop(self) -> None:
+        if self.process is not None:
+            await _stop(self.process, within=10)

@@ -1,0 +1,294 @@
+"""From raw results to the one table: measure, baseline, hubd, ratio, target, met."""
+
+from __future__ import annotations
+
+import collections
+import operator
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["Measures", "profile_summary", "render"]
+
+_COMPARE: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le}
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    """``on`` (``"ratio"`` or ``"hubd"``) compared by ``op`` with ``value``."""
+
+    on: str
+    op: str
+    value: float
+
+    def text(self) -> str:
+        suffix = "x" if self.on == "ratio" else ""
+        return f"{self.op} {self.value:g}{suffix}"
+
+    def met(self, hubd: float, ratio: float | None) -> bool | None:
+        subject = ratio if self.on == "ratio" else hubd
+        return None if subject is None else _COMPARE[self.op](subject, self.value)
+
+
+def _get(results: dict[str, Any], *path: str) -> Any:
+    node: Any = results
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+class Measures:
+    def build(self, results: dict[str, Any], size: Any) -> dict[str, dict[str, Any]]:
+        rows: dict[str, dict[str, Any]] = {}
+
+        def row(  # noqa: PLR0917 -- one call per table row reads best positionally
+            key: str,
+            measure: str,
+            hubd: Any,
+            baseline: Any = None,
+            target: Target | None = None,
+            unit: str = "",
+        ) -> None:
+            number = float(hubd) if isinstance(hubd, int | float) else None
+            base = float(baseline) if isinstance(baseline, int | float) else None
+            ratio = number / base if number is not None and base else None
+            rows[key] = {
+                "measure": measure,
+                "unit": unit,
+                "baseline": base,
+                "hubd": number,
+                "ratio": ratio,
+                "target": target.text() if target else "",
+                "met": target.met(number, ratio) if target and number is not None else None,
+            }
+
+        n = size.lifecycle
+        floor = _get(results, "floor", "rate")
+        pgq = _get(results, "pgqueuer", "rate")
+        ready16 = _get(results, "claims_16", "lifecycle", "ready_rate")
+        life16 = _get(results, "claims_16", "lifecycle", "lifecycle_rate")
+        row(
+            "ready_rate_16",
+            f"pending→ready, 16 claims, N={n} (vs hand floor)",
+            ready16,
+            floor,
+            unit="alloc/s",
+        )
+        row(
+            "lifecycle_rate_16",
+            f"whole lifecycle, 16 claims, N={n} (vs hand floor)",
+            life16,
+            floor,
+            Target(on="ratio", op=">=", value=0.33),
+            "alloc/s",
+        )
+        row(
+            "lifecycle_vs_pgqueuer",
+            "whole lifecycle, 16 claims (vs PgQueuer batch 1)",
+            life16,
+            pgq,
+            Target(on="ratio", op=">=", value=1),
+            "alloc/s",
+        )
+        for claims in (64, 256):
+            ready = _get(results, f"claims_{claims}", "lifecycle", "ready_rate")
+            life = _get(results, f"claims_{claims}", "lifecycle", "lifecycle_rate")
+            row(
+                f"ready_rate_{claims}",
+                f"pending→ready, {claims} claims (vs 16 claims)",
+                ready,
+                ready16,
+                Target(on="ratio", op=">=", value=1),
+                "alloc/s",
+            )
+            row(
+                f"lifecycle_rate_{claims}",
+                f"whole lifecycle, {claims} claims (vs 16 claims)",
+                life,
+                life16,
+                Target(on="ratio", op=">=", value=1),
+                "alloc/s",
+            )
+        floor_commits = _get(results, "floor", "commits_per_lifecycle")
+        for claims in (16, 64, 256):
+            row(
+                f"commits_per_lifecycle_{claims}",
+                f"commits per lifecycle, {claims} claims (vs hand floor)",
+                _get(results, f"claims_{claims}", "lifecycle", "commits_per_lifecycle"),
+                floor_commits,
+                Target(on="hubd", op="<=", value=8),
+                "commits",
+            )
+        for claims in (16, 64, 256):
+            row(
+                f"idle_commits_{claims}",
+                f"idle commits/s, {claims} claims",
+                _get(results, f"claims_{claims}", "idle", "rate"),
+                None,
+                Target(on="hubd", op="<=", value=1),
+                "commits/s",
+            )
+        samples = size.latency
+        row(
+            "connect_ready_p50",
+            f"welcome→ready p50, idle daemon, {samples} samples",
+            _get(results, "claims_16", "latency", "p50_ms"),
+            None,
+            Target(on="hubd", op="<=", value=5),
+            "ms",
+        )
+        row(
+            "connect_ready_p99",
+            f"welcome→ready p99, idle daemon, {samples} samples",
+            _get(results, "claims_16", "latency", "p99_ms"),
+            None,
+            Target(on="hubd", op="<=", value=25),
+            "ms",
+        )
+        small, large = size.small_rows, size.large_rows
+        for name, label in (("claim", "claim statement"), ("status_count", "status count")):
+            row(
+                f"{name}_cost",
+                f"{label}, {small:,} → {large:,} terminal rows",
+                _get(results, "statements", "statements", name, "ms_large"),
+                _get(results, "statements", "statements", name, "ms_small"),
+                Target(on="ratio", op="<=", value=1.2),
+                "ms",
+            )
+        for count in size.sockets:
+            phase = f"sockets_{count}"
+            row(
+                f"rss_per_socket_{count}",
+                f"RSS per idle socket, {count:,} (vs bare websockets)",
+                _get(results, phase, "hubd", "kib_per_socket"),
+                _get(results, phase, "bare", "kib_per_socket"),
+                Target(on="ratio", op="<=", value=1.35),
+                "KiB",
+            )
+            row(
+                f"reconnect_storm_{count}",
+                f"reconnect storm, {count:,}, 64 at a time (vs bare websockets)",
+                _get(results, phase, "hubd", "storm_rate"),
+                _get(results, phase, "bare", "storm_rate"),
+                Target(on="ratio", op=">=", value=0.6),
+                "handshakes/s",
+            )
+        return rows
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def render(report: dict[str, Any]) -> str:
+    rows = report["measures"]
+    head = ("measure", "unit", "baseline", "hubd", "ratio", "target", "met")
+    lines = [
+        [
+            r["measure"],
+            r["unit"],
+            _number(r["baseline"]),
+            _number(r["hubd"]),
+            "—" if r["ratio"] is None else f"{r['ratio']:.2f}x",
+            r["target"],
+            {True: "yes", False: "NO", None: ""}[r["met"]],
+        ]
+        for r in rows.values()
+    ]
+    widths = [max(len(str(x)) for x in column) for column in zip(head, *lines, strict=True)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    for line in lines:
+        cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
+        cells += [cell.rjust(w) for cell, w in zip(line[2:5], widths[2:5], strict=True)]
+        cells += [line[5].ljust(widths[5]), line[6]]
+        out.append("  ".join(cells).rstrip())
+    machine = report["machine"]
+    out.append("")
+    out.append(
+        f"size {report['size']}; {machine['nproc']} cores ({machine['cpu']}), {machine['memory']}; "
+        f"load average before {_load(machine['load_average_before'])}, "
+        f"after {_load(machine['load_average'])}; PostgreSQL {machine.get('postgresql', '?')}"
+    )
+    errors = {k: v["error"] for k, v in report["results"].items() if "error" in v}
+    for name, error in errors.items():
+        out.append(f"FAILED {name}: {error}")
+    skipped = report["results"].get("pgqueuer", {}).get("skipped")
+    if skipped:
+        out.append(f"PgQueuer skipped: {skipped}")
+    profile = report.get("profile")
+    if profile and profile["samples"]:
+        out.append("")
+        out.append(f"daemon profile, 16-claim lifecycle ({profile['samples']} samples):")
+        for title, key in (
+            ("running", "own"),
+            ("innermost hubd function", "nearest_hubd"),
+            ("hubd function on the stack", "hubd"),
+        ):
+            out.append(f"  {title}:")
+            out.extend(f"    {share:6.1%}  {name}" for name, share in profile.get(key, [])[:10])
+    return "\n".join(out)
+
+
+def _load(values: Any) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+_FRAME = re.compile(r"^(?P<function>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
+
+
+def _frame_name(frame: str) -> str:
+    match = _FRAME.match(frame.strip())
+    if not match:
+        return frame.strip()
+    file = match.group("file")
+    for marker in ("site-packages/", "lib/python3"):
+        if marker in file:
+            file = file.split(marker, 1)[1]
+    if "/hubd/" in file:
+        file = "hubd/" + file.split("/hubd/", 1)[1]
+    return f"{match.group('function')} ({file})"
+
+
+def profile_summary(path: Path, top: int = 15) -> dict[str, Any]:
+    """Top frames of a py-spy raw profile (collapsed stacks, idle threads left out), as shares
+    of all samples: ``own``, the frame that was running; ``hubd``, hubd's own functions on the
+    stack (inclusive); ``nearest_hubd``, the innermost hubd function of each sample, which says
+    what hubd code the time in libraries was spent for."""
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    nearest: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [_frame_name(f) for f in stack.split(";") if f.strip()]
+        if not frames:
+            continue
+        total += count
+        own[frames[-1]] += count
+        ours = [name for name in frames if "(hubd/" in name and "(hubd/cli.py)" not in name]
+        for name in set(ours):
+            inclusive[name] += count
+        nearest[ours[-1] if ours else "(outside hubd: event loop, libraries)"] += count
+    if total == 0:
+        return {"samples": 0, "own": [], "hubd": [], "nearest_hubd": []}
+    return {
+        "samples": total,
+        "own": [[name, count / total] for name, count in own.most_common(top)],
+        "hubd": [[name, count / total] for name, count in inclusive.most_common(top)],
+        "nearest_hubd": [[name, count / total] for name, count in nearest.most_common(top)],
+    }

@@ -1,0 +1,125 @@
+"""What the daemon's periodic statements cost as history grows: 10,000 terminal rows, then many
+more, in a database of their own with the same 1,000 active rows due in both cases.
+
+Each statement runs ``reps`` times on one connection, timed around the call (round trip on a
+local Unix socket included, which is the same in both cases); a statement that writes runs in a
+transaction that is rolled back, so every repetition sees the same rows. The table is
+``VACUUM ANALYZE``d after each fill, as autovacuum would have done by then. The result is the
+median per statement and the ratio large / small.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+
+__all__ = ["ACTIVE_ROWS", "periodic_statements", "statement_costs"]
+
+ACTIVE_ROWS = 1_000
+
+
+def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]]:
+    """The statements measured, by name: the SQL the daemon runs and a maker of its arguments.
+
+    Taken from hubd itself so the benchmark follows the code; when the daemon's claim or
+    status count changes shape, change them here too.
+    """
+    from hubd.store.allocations import SQL
+
+    return {
+        "claim": (SQL.claim_next, lambda: (uuid.uuid4().hex, 60.0, [])),
+        "status_count": (_daemon_constant("_COUNT_BY_STATUS"), tuple),
+    }
+
+
+def _daemon_constant(name: str) -> str:
+    """A statement the daemon keeps as a module constant, from whichever module holds it."""
+    import hubd.daemon
+
+    for module in pkgutil.iter_modules(hubd.daemon.__path__, "hubd.daemon."):
+        value = getattr(importlib.import_module(module.name), name, None)
+        if isinstance(value, str):
+            return value
+    raise LookupError(f"no hubd.daemon module defines {name}")
+
+
+async def _fill_terminal(conn: asyncpg.Connection, first: int, last: int) -> None:
+    await conn.execute(
+        """
+        INSERT INTO hubd_allocations
+            (id, status, generation, provisioner_id, finished_at, created_at, updated_at)
+        SELECT 'al_bench_done_' || g, 'released', 2, 'bench', now(),
+               now() - make_interval(secs => g), now()
+        FROM generate_series($1::int, $2::int) AS g
+        """,
+        first,
+        last,
+    )
+    await conn.execute("VACUUM ANALYZE hubd_allocations")
+
+
+async def _time(
+    conn: asyncpg.Connection, sql: str, args: Callable[[], tuple[Any, ...]], reps: int
+) -> float:
+    """Median milliseconds of ``sql`` over ``reps`` runs, each rolled back."""
+    samples = []
+    for _ in range(reps):
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            started = time.perf_counter()
+            await conn.fetch(sql, *args())
+            samples.append((time.perf_counter() - started) * 1000)
+        finally:
+            await tx.rollback()
+    return statistics.median(samples)
+
+
+async def statement_costs(dsn: str, *, small: int, large: int, reps: int) -> dict[str, Any]:
+    """Milliseconds per statement at ``small`` and ``large`` terminal rows, and the ratios."""
+    statements = periodic_statements()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            """
+            INSERT INTO hubd_allocations (id, provisioner_id, next_attempt_at)
+            SELECT 'al_bench_due_' || g, 'bench', now() - interval '1 second'
+            FROM generate_series(1, $1::int) AS g
+            """,
+            ACTIVE_ROWS,
+        )
+        await _fill_terminal(conn, 1, small)
+        # One warm-up pass so both sizes are measured with plans and pages cached.
+        for sql, args in statements.values():
+            await _time(conn, sql, args, 5)
+        at_small = {
+            name: await _time(conn, sql, args, reps) for name, (sql, args) in statements.items()
+        }
+        await _fill_terminal(conn, small + 1, large)
+        for sql, args in statements.values():
+            await _time(conn, sql, args, 5)
+        at_large = {
+            name: await _time(conn, sql, args, reps) for name, (sql, args) in statements.items()
+        }
+    finally:
+        await conn.close()
+    return {
+        "small": small,
+        "large": large,
+        "reps": reps,
+        "statements": {
+            name: {
+                "ms_small": at_small[name],
+                "ms_large": at_large[name],
+                "ratio": at_large[name] / at_small[name],
+            }
+            for name in statements
+        },
+    }

@@ -1,0 +1,402 @@
+"""hubd's benchmark suite: every measure and its baseline in one invocation, one table, one JSON.
+
+    .venv/bin/python -m bench --quick                 a minute or three
+    .venv/bin/python -m bench --size full --json bench.json --profile lifecycle.raw
+
+What runs, in order, on one PostgreSQL (the embedded one in a temporary directory, or
+``--database-url``, a maintenance DSN allowed to create databases):
+
+1. baselines with no daemon running: the hand floor (claim with lease + 7 fenced statements per
+   allocation, asyncpg, 16 workers) with its commits counted, and PgQueuer batch 1;
+2. periodic statement cost at 10,000 and at many more terminal rows (``bench.scale``);
+3. for 16, 64 and 256 ``max_concurrent_claims``, a fresh ``hubd run``: the lifecycle of N
+   allocations, the commits it took, then idle commits per second; at 16 also connect → ready
+   latency on the then idle daemon;
+4. for every socket count, a fresh daemon and a fresh bare websockets server: RSS per idle
+   socket and the reconnect storm.
+
+See docs/performance.md for what each measure means and a recorded run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import attrs
+
+from bench import baselines, phases, scale
+from bench.procs import DaemonProcess, FarmClient, raise_open_files
+from bench.report import Measures, profile_summary, render
+from bench.watch import Watcher, xact_commit
+from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.store.migrate import apply_migrations
+
+__all__ = ["SIZES", "Size", "main", "run"]
+
+CLAIMS = (16, 64, 256)
+
+
+@attrs.frozen(kw_only=True)
+class Size:
+    lifecycle: int
+    sockets: tuple[int, ...]
+    latency: int
+    idle_seconds: float
+    small_rows: int
+    large_rows: int
+    statement_reps: int
+    floor: int
+    pgqueuer: int
+    within: float
+
+
+SIZES = {
+    # For the smoke test: every measure, numbers meaningless.
+    "tiny": Size(
+        lifecycle=20,
+        sockets=(30,),
+        latency=5,
+        idle_seconds=2,
+        small_rows=1_000,
+        large_rows=3_000,
+        statement_reps=5,
+        floor=100,
+        pgqueuer=50,
+        within=60,
+    ),
+    "quick": Size(
+        lifecycle=500,
+        sockets=(1_000,),
+        latency=50,
+        idle_seconds=5,
+        small_rows=10_000,
+        large_rows=100_000,
+        statement_reps=50,
+        floor=2_000,
+        pgqueuer=1_000,
+        within=180,
+    ),
+    "mid": Size(
+        lifecycle=2_000,
+        sockets=(2_000, 5_000),
+        latency=200,
+        idle_seconds=10,
+        small_rows=10_000,
+        large_rows=1_000_000,
+        statement_reps=200,
+        floor=5_000,
+        pgqueuer=2_000,
+        within=600,
+    ),
+    "full": Size(
+        lifecycle=5_000,
+        sockets=(2_000, 5_000, 10_000),
+        latency=200,
+        idle_seconds=10,
+        small_rows=10_000,
+        large_rows=1_000_000,
+        statement_reps=200,
+        floor=5_000,
+        pgqueuer=5_000,
+        within=1_200,
+    ),
+}
+
+
+async def _database(maintenance: str, name: str, *, migrate: bool) -> str:
+    conn = await asyncpg.connect(maintenance)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await conn.execute(f"CREATE DATABASE {name}")
+    finally:
+        await conn.close()
+    dsn = dsn_for_database(maintenance, name)
+    if migrate:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await apply_migrations(conn)
+        finally:
+            await conn.close()
+    return dsn
+
+
+async def _drop(maintenance: str, names: list[str]) -> None:
+    conn = await asyncpg.connect(maintenance)
+    try:
+        for name in names:
+            await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
+def machine() -> dict[str, Any]:
+    memory = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = f"{int(line.split()[1]) // 1024} MiB"
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "memory": memory,
+        "load_average": os.getloadavg(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
+
+
+class Run:
+    """One invocation: the databases, the farm, the watcher, and what was measured."""
+
+    def __init__(self, args: argparse.Namespace, size: Size, workdir: Path) -> None:
+        self.args = args
+        self.size = size
+        self.workdir = workdir
+        self.measures = Measures()
+        self.results: dict[str, Any] = {}
+        self.dsn = ""
+        self.farm = FarmClient(workdir / "farm.sock")
+        self.watcher = Watcher()
+        self.stats: asyncpg.Connection | None = None
+        self.config: phases.BenchConfig | None = None
+
+    async def step(self, name: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        """Run one part; a failure is recorded under its name and the run goes on."""
+        if self.args.only and name.split("_", maxsplit=1)[0] not in self.args.only:
+            return None
+        print(f"bench: {name} ...", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        try:
+            result = await work()
+        except Exception as exc:  # noqa: BLE001 -- one broken measure must not hide the rest
+            traceback.print_exc()
+            self.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            return None
+        self.results[name] = result
+        print(f"bench: {name} done in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        return result
+
+    async def daemon(self, claims: int, *, max_sockets: int = 0) -> DaemonProcess:
+        assert self.config is not None
+        daemon = DaemonProcess(self.config.write(claims=claims), max_sockets=max_sockets)
+        await daemon.start()
+        return daemon
+
+    async def claims_phase(self, claims: int) -> dict[str, Any]:
+        assert self.stats is not None
+        daemon = await self.daemon(claims)
+        profiler = None
+        try:
+            await asyncio.sleep(1)
+            if self.args.profile and claims == CLAIMS[0]:
+                profiler = await _start_profiler(daemon.pid, self.args.profile)
+            cycle = await phases.lifecycle(
+                self.dsn,
+                self.watcher,
+                n=self.size.lifecycle,
+                within=self.size.within,
+                stats=self.stats,
+            )
+            if profiler is not None:
+                await _stop_profiler(profiler)
+                profiler = None
+            idle = await phases.idle_commits(self.stats, seconds=self.size.idle_seconds)
+            # Commits the idle daemon would have made anyway during the window are not the
+            # lifecycle's.
+            cycle["commits_per_lifecycle"] = (
+                cycle["commits_raw"] - idle["rate"] * cycle["window_seconds"]
+            ) / self.size.lifecycle
+            result: dict[str, Any] = {"lifecycle": cycle, "idle": idle}
+            if claims == CLAIMS[0]:
+                result["latency"] = await phases.latency(
+                    self.dsn, self.watcher, self.farm, samples=self.size.latency
+                )
+            result["listener_refusals"] = await daemon.refusals()
+            return result
+        finally:
+            if profiler is not None:
+                await _stop_profiler(profiler)
+            await daemon.stop()
+            await self.farm.call("forget")
+
+    async def socket_phase(self, n: int) -> dict[str, Any]:
+        bare = await phases.bare_sockets(self.farm, n=n)
+        daemon = await self.daemon(CLAIMS[0], max_sockets=n + 1_000)
+        try:
+            hubd = await phases.socket_phase(
+                self.dsn, self.watcher, self.farm, daemon, n=n, within=self.size.within
+            )
+            hubd["listener_refusals"] = await daemon.refusals()
+        finally:
+            await daemon.stop()
+        return {"bare": bare, "hubd": hubd}
+
+    async def floor(self) -> dict[str, Any]:
+        assert self.stats is not None
+        before = await xact_commit(self.stats)
+        result = await baselines.hand_floor(self.dsn, n=self.size.floor, workers=16)
+        await asyncio.sleep(phases.STATS_LAG)
+        after = await xact_commit(self.stats)
+        # Less the bench's own: schema, fill, ANALYZE, one statistics read.
+        result["commits_per_lifecycle"] = (after - before - 4) / self.size.floor
+        return result
+
+
+async def _start_profiler(pid: int, path: Path) -> asyncio.subprocess.Process:
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    process = await asyncio.create_subprocess_exec(
+        py_spy,
+        "record",
+        "--pid",
+        str(pid),
+        "--format",
+        "raw",
+        "--rate",
+        "200",
+        "--output",
+        str(path),
+        "--nonblocking",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    await asyncio.sleep(1)  # attached, or failed (ptrace restrictions) and said so
+    if process.returncode is not None:
+        assert process.stderr is not None
+        message = (await process.stderr.read()).decode(errors="replace")
+        raise RuntimeError(f"py-spy could not attach to the daemon: {message.strip()}")
+    return process
+
+
+async def _stop_profiler(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGINT)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(30):
+                await process.wait()
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    size = SIZES[args.size]
+    if args.lifecycle:
+        size = attrs.evolve(size, lifecycle=args.lifecycle)
+    if args.sockets:
+        size = attrs.evolve(size, sockets=tuple(args.sockets))
+    raise_open_files()
+    load_before = os.getloadavg()
+    workdir = Path(tempfile.mkdtemp(prefix="hubd-bench"))
+    embedded: EmbeddedPostgres | None = None
+    # Named for this process: several runs (or a run and the tests) may share one server.
+    names = [f"hubd_bench_{os.getpid()}{part}" for part in ("", "_scale", "_pgq")]
+    try:
+        if args.database_url:
+            maintenance = args.database_url
+        else:
+            embedded = EmbeddedPostgres(workdir)
+            maintenance = await asyncio.to_thread(embedded.start)
+        bench_run = Run(args, size, workdir)
+        bench_run.dsn = await _database(maintenance, names[0], migrate=True)
+        scale_dsn = await _database(maintenance, names[1], migrate=True)
+        pgq_dsn = await _database(maintenance, names[2], migrate=False)
+        bench_run.config = phases.BenchConfig(workdir, bench_run.dsn, bench_run.farm.socket_path)
+        bench_run.stats = await asyncpg.connect(bench_run.dsn)
+        server_version = await bench_run.stats.fetchval("SHOW server_version")
+        await bench_run.watcher.start(bench_run.dsn)
+        await bench_run.farm.start()
+        try:
+            await bench_run.step("floor", bench_run.floor)
+            await bench_run.step(
+                "pgqueuer", lambda: baselines.pgqueuer_drain(pgq_dsn, n=size.pgqueuer)
+            )
+            await bench_run.step(
+                "statements",
+                lambda: scale.statement_costs(
+                    scale_dsn,
+                    small=size.small_rows,
+                    large=size.large_rows,
+                    reps=size.statement_reps,
+                ),
+            )
+            for claims in CLAIMS:
+                await bench_run.step(
+                    f"claims_{claims}", functools.partial(bench_run.claims_phase, claims)
+                )
+            for n in size.sockets:
+                await bench_run.step(f"sockets_{n}", functools.partial(bench_run.socket_phase, n))
+        finally:
+            await bench_run.farm.stop()
+            await bench_run.watcher.stop()
+            await bench_run.stats.close()
+            await _drop(maintenance, names)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    description = machine()
+    description["load_average_before"] = load_before
+    description["postgresql"] = server_version
+    report: dict[str, Any] = {
+        "size": args.size,
+        "parameters": attrs.asdict(size),
+        "machine": description,
+        "results": bench_run.results,
+    }
+    if args.profile and await asyncio.to_thread(args.profile.exists):
+        report["profile"] = profile_summary(args.profile)
+    report["measures"] = bench_run.measures.build(bench_run.results, size)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="mid")
+    parser.add_argument("--quick", action="store_const", const="quick", dest="size")
+    parser.add_argument("--lifecycle", type=int, default=0, help="allocations per lifecycle run")
+    parser.add_argument(
+        "--sockets", type=int, action="append", help="idle socket count (repeatable)"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=["floor", "pgqueuer", "statements", "claims", "sockets"],
+        help="run only these parts (repeatable; the table then has gaps)",
+    )
+    parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))
+    parser.add_argument("--json", type=Path, default=Path("bench-results.json"))
+    parser.add_argument(
+        "--profile", type=Path, help="py-spy raw profile of the 16-claim lifecycle run"
+    )
+    parser.add_argument("--render", type=Path, help="print the table of a saved JSON and exit")
+    args = parser.parse_args(argv)
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return 0
+    report = asyncio.run(run(args))
+    args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(render(report))
+    print(f"\nJSON: {args.json}")
+    failed = [name for name, result in report["results"].items() if "error" in result]
+    missing = [key for key, row in report["measures"].items() if row["hubd"] is None]
+    # With --only, the parts left out leave gaps on purpose; a failure is still one.
+    return 1 if failed or (missing and not args.only) else 0

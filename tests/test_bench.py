@@ -1,0 +1,96 @@
+"""The benchmark suite at its smallest size: every measure runs and lands in the JSON as a number.
+
+Behaviour only: the numbers of a run this small mean nothing and are never compared with
+anything; ``python -m bench`` at a real size is how throughput is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.clikit import hubd_env
+from tests.conftest import PostgresServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+EVERY_MEASURE = {
+    "ready_rate_16",
+    "lifecycle_rate_16",
+    "lifecycle_vs_pgqueuer",
+    "ready_rate_64",
+    "lifecycle_rate_64",
+    "ready_rate_256",
+    "lifecycle_rate_256",
+    "commits_per_lifecycle_16",
+    "commits_per_lifecycle_64",
+    "commits_per_lifecycle_256",
+    "idle_commits_16",
+    "idle_commits_64",
+    "idle_commits_256",
+    "connect_ready_p50",
+    "connect_ready_p99",
+    "claim_cost",
+    "status_count_cost",
+    "rss_per_socket_30",
+    "reconnect_storm_30",
+}
+WITH_BASELINE = EVERY_MEASURE - {
+    "idle_commits_16",
+    "idle_commits_64",
+    "idle_commits_256",
+    "connect_ready_p50",
+    "connect_ready_p99",
+}
+
+
+async def test_the_smallest_run_reports_every_measure_with_numbers(
+    postgres_server: PostgresServer, tmp_path: Path
+) -> None:
+    """A tiny run on the tests' PostgreSQL exits 0, prints the table, and writes JSON in which
+    every measure has a numeric hubd value (and baseline where it has one), every part ran
+    without error, and the lifecycles finished every allocation."""
+    output = tmp_path / "bench.json"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench",
+        "--size",
+        "tiny",
+        "--database-url",
+        postgres_server.maintenance_dsn,
+        "--json",
+        str(output),
+        env=hubd_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    text = stdout.decode()
+    assert process.returncode == 0, text + stderr.decode()[-4000:]
+    assert "measure" in text
+    assert "ratio" in text
+
+    report = json.loads(output.read_text())
+    errors = {name: r["error"] for name, r in report["results"].items() if "error" in r}
+    assert errors == {}
+    measures = report["measures"]
+    assert set(measures) == EVERY_MEASURE
+    for key, row in measures.items():
+        assert isinstance(row["hubd"], float), key
+        if key in WITH_BASELINE and not (
+            key == "lifecycle_vs_pgqueuer" and "skipped" in report["results"]["pgqueuer"]
+        ):
+            assert isinstance(row["baseline"], float), key
+            assert isinstance(row["ratio"], float), key
+    for claims in (16, 64, 256):
+        cycle = report["results"][f"claims_{claims}"]["lifecycle"]
+        assert cycle["complete"], cycle
+        assert cycle["ready"] == cycle["released"] == report["parameters"]["lifecycle"]
+    machine = report["machine"]
+    assert machine["nproc"] >= 1
+    assert len(machine["load_average"]) == 3
