@@ -59,6 +59,8 @@ class Farm:
         self.hold = False
         self.handshakes = asyncio.Semaphore(concurrency)
         self.welcomes: list[tuple[str, float]] = []
+        self.dialed: dict[str, float] = {}
+        """When the latest handshake of each allocation started (host wall clock)."""
         self.refusals: dict[str, int] = {}
         self.sources = itertools.cycle(_SOURCES)
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -112,6 +114,7 @@ class Farm:
         """One connection; the delay before the next one, or ``None`` to stop."""
         try:
             async with self.handshakes:
+                self.dialed[str(creds["allocation_id"])] = time.time()
                 ws = await connect(
                     connect_urls(str(creds["url"]))[0],
                     additional_headers={
@@ -180,6 +183,8 @@ class Farm:
                 "welcomes": len(self.welcomes),
                 "refusals": self.refusals,
             }
+        if op == "dialed":
+            return {"at": self.dialed.get(str(request["allocation_id"]))}
         if op == "welcomes_since":
             start = int(request["index"])
             return {"welcomes": self.welcomes[start:], "next": len(self.welcomes)}

@@ -185,12 +185,16 @@ async def idle_commits(stats: asyncpg.Connection, *, seconds: float) -> dict[str
 
 
 async def latency(dsn: str, watcher: Watcher, farm: FarmClient, *, samples: int) -> dict[str, Any]:
-    """One allocation at a time on an idle daemon: from the farm's receipt of the welcome to
-    this process's receipt of the ready notification (sent at the commit that made the row
-    ready), both on the host's wall clock; and to the database clock of that update."""
+    """One allocation at a time on an idle daemon, on the host's wall clock: from the farm's
+    receipt of the welcome, and from the start of its handshake, to this process's receipt of
+    the ready notification (sent at the commit that made the row ready); and to the database
+    clock of that update. When a connect makes its parked allocation ready in the statement that
+    records it, the row is ready before the welcome is sent: welcome → ready is then negative,
+    and dial → ready is the whole cost a sidecar sees."""
     db, store = await _store(dsn)
     to_notify: list[float] = []
     to_update: list[float] = []
+    from_dial: list[float] = []
     try:
         for _ in range(samples):
             index = (await farm.call("status"))["welcomes"]
@@ -198,12 +202,19 @@ async def latency(dsn: str, watcher: Watcher, farm: FarmClient, *, samples: int)
             if not await watcher.until(lambda a=allocation_id: a in watcher.ready, within=60):
                 raise RuntimeError(f"{allocation_id} did not become ready within 60 s")
             received, updated = watcher.ready[allocation_id]
-            welcomes = (await farm.call("welcomes_since", index=index))["welcomes"]
-            welcomed = [t for a, t in welcomes if a == allocation_id]
+            welcomed: list[float] = []
+            deadline = time.monotonic() + 10
+            while not welcomed and time.monotonic() < deadline:
+                welcomes = (await farm.call("welcomes_since", index=index))["welcomes"]
+                welcomed = [t for a, t in welcomes if a == allocation_id]
+                if not welcomed:
+                    await asyncio.sleep(0.001)
             if not welcomed:
                 raise RuntimeError(f"the farm has no welcome for {allocation_id}")
+            dialed = (await farm.call("dialed", allocation_id=allocation_id))["at"]
             to_notify.append((received - welcomed[-1]) * 1000)
             to_update.append((updated - welcomed[-1]) * 1000)
+            from_dial.append((received - dialed) * 1000)
             await _release(store, dsn, [allocation_id])
             if not await watcher.until(lambda a=allocation_id: a in watcher.done, within=60):
                 raise RuntimeError(f"{allocation_id} was not released within 60 s")
@@ -215,6 +226,8 @@ async def latency(dsn: str, watcher: Watcher, farm: FarmClient, *, samples: int)
         "p99_ms": percentile(to_notify, 0.99),
         "update_p50_ms": statistics.median(to_update),
         "update_p99_ms": percentile(to_update, 0.99),
+        "dial_p50_ms": statistics.median(from_dial),
+        "dial_p99_ms": percentile(from_dial, 0.99),
     }
 
 

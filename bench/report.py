@@ -150,8 +150,22 @@ class Measures:
             Target(on="hubd", op="<=", value=25),
             "ms",
         )
+        for quantile, goal in (("p50", 5), ("p99", 25)):
+            row(
+                f"dial_ready_{quantile}",
+                f"handshake start→ready {quantile}, idle daemon, {samples} samples",
+                _get(results, "claims_16", "latency", f"dial_{quantile}_ms"),
+                None,
+                Target(on="hubd", op="<=", value=goal),
+                "ms",
+            )
         small, large = size.small_rows, size.large_rows
-        for name, label in (("claim", "claim statement"), ("status_count", "status count")):
+        for name, label in (
+            ("claim", "claim statement (16 slots)"),
+            ("renewal", "lease renewal (16 leases)"),
+            ("status_count", "active status count"),
+            ("status_estimate", "terminal status estimate"),
+        ):
             row(
                 f"{name}_cost",
                 f"{label}, {small:,} → {large:,} terminal rows",

@@ -10,8 +10,6 @@ median per statement and the ratio large / small.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import statistics
 import time
 import uuid
@@ -28,26 +26,34 @@ ACTIVE_ROWS = 1_000
 def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]]:
     """The statements measured, by name: the SQL the daemon runs and a maker of its arguments.
 
-    Taken from hubd itself so the benchmark follows the code; when the daemon's claim or
-    status count changes shape, change them here too.
+    Taken from hubd itself so the benchmark follows the code; when the daemon's claim, renewal
+    or status counts change shape, change them here too.
     """
     from hubd.store.allocations import SQL
 
+    def claim() -> tuple[Any, ...]:
+        # The dispatcher's statement, claiming for 16 free slots at once.
+        bound = SQL.claim_due(
+            lease_ids=[uuid.uuid4().hex for _ in range(16)], lease_duration=60.0, exclude=[]
+        )
+        return tuple(bound.args)
+
+    def renewal() -> tuple[Any, ...]:
+        bound = SQL.renew_leases(
+            allocation_ids=[f"al_bench_due_{g}" for g in range(1, 17)],
+            lease_ids=[uuid.uuid4().hex for _ in range(16)],
+            lease_duration=60.0,
+        )
+        return tuple(bound.args)
+
+    sample_claim = SQL.claim_due(lease_ids=["x"], lease_duration=60.0, exclude=[])
+    sample_renewal = SQL.renew_leases(allocation_ids=[], lease_ids=[], lease_duration=60.0)
     return {
-        "claim": (SQL.claim_next, lambda: (uuid.uuid4().hex, 60.0, [])),
-        "status_count": (_daemon_constant("_COUNT_BY_STATUS"), tuple),
+        "claim": (sample_claim.sql, claim),
+        "renewal": (sample_renewal.sql, renewal),
+        "status_count": (SQL.count_active().sql, tuple),
+        "status_estimate": (SQL.estimate_statuses().sql, tuple),
     }
-
-
-def _daemon_constant(name: str) -> str:
-    """A statement the daemon keeps as a module constant, from whichever module holds it."""
-    import hubd.daemon
-
-    for module in pkgutil.iter_modules(hubd.daemon.__path__, "hubd.daemon."):
-        value = getattr(importlib.import_module(module.name), name, None)
-        if isinstance(value, str):
-            return value
-    raise LookupError(f"no hubd.daemon module defines {name}")
 
 
 async def _fill_terminal(conn: asyncpg.Connection, first: int, last: int) -> None:

@@ -34,8 +34,12 @@ EVERY_MEASURE = {
     "idle_commits_256",
     "connect_ready_p50",
     "connect_ready_p99",
+    "dial_ready_p50",
+    "dial_ready_p99",
     "claim_cost",
+    "renewal_cost",
     "status_count_cost",
+    "status_estimate_cost",
     "rss_per_socket_30",
     "reconnect_storm_30",
 }
@@ -45,6 +49,8 @@ WITH_BASELINE = EVERY_MEASURE - {
     "idle_commits_256",
     "connect_ready_p50",
     "connect_ready_p99",
+    "dial_ready_p50",
+    "dial_ready_p99",
 }
 
 
