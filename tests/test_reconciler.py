@@ -1063,8 +1063,10 @@ class TestDispatch:
     ) -> None:
         """With four claim slots and six due allocations, one batch claims four, each running
         on its own; no slot is left, so the next batch claims nothing. Once the claims end
-        (their sidecars' ensures answer), the next batch takes the remaining two."""
-        woken: list[None] = []
+        (their sidecars' ensures answer), a wake-up says so when the slots are really free, and
+        the next batch takes the remaining two."""
+        woken: list[int] = []
+        """The free slots each wake-up found: one must find the slot it announces free."""
         reconciler = Reconciler(
             store=store,
             ledger=LedgerStore(db, instance_id="in_test"),
@@ -1073,7 +1075,7 @@ class TestDispatch:
             router=router,
             hub_ws_url="ws://127.0.0.1:1",
             settings=SETTINGS,
-            on_settled=lambda: woken.append(None),
+            on_settled=lambda: woken.append(reconciler.free_capacity),
         )
         release = asyncio.Event()
         gates = [Gate(release=release) for _ in range(6)]
@@ -1086,7 +1088,7 @@ class TestDispatch:
         assert await reconciler.claim_batch() == 0
         release.set()
         await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
-        assert woken
+        assert max(woken) == SETTINGS.max_concurrent_claims
         assert reconciler.free_capacity == SETTINGS.max_concurrent_claims
         assert await reconciler.claim_batch() == 2
         await asyncio.wait_for(reconciler.wait_claims(), scaled(10))

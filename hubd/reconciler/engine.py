@@ -83,6 +83,7 @@ class Reconciler:
         self._observer: ReconcilerObserver = observer or NullObserver()
         self._active: dict[str, ClaimRun] = {}
         self._work = LocalWork(on_settled)
+        self._on_settled = on_settled or (lambda: None)
         self._admitted = 0
         self._claims: set[asyncio.Task[None]] = set()
         self._renewer = LeaseRenewer(
@@ -161,6 +162,9 @@ class Reconciler:
     def _claim_ended(self, task: asyncio.Task[None]) -> None:
         self._claims.discard(task)
         self._release_admission()
+        # Only now is the allocation out of the active set (and so claimable here), and its slot
+        # free: a wake-up sent when its local work settled came a moment too early for both.
+        self._on_settled()
 
     async def wait_claims(self) -> None:
         """Wait until every claim started by :meth:`claim_batch` has ended."""
