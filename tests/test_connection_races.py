@@ -261,3 +261,85 @@ class TestPools:
             assert await conn.fetchval("SELECT pg_backend_pid()") == pid
             assert await conn.fetchval("SHOW application_name") == "hubd-kept"
             await conn.execute("RESET application_name")
+
+
+class TestParkOrReady:
+    async def test_a_park_finding_its_sidecar_connected_makes_it_ready(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """A claim parking with no on-ready hook to run, whose sidecar already holds a live
+        record, makes the row ready in the same statement, with a mark_ready ledger row; one
+        whose sidecar has not connected parks until the connect deadline."""
+        await InstanceStore(db).register("in_a", "a", 1, None)
+        sidecar, fence = await sidecar_in(store, db)
+        waiting, waiting_fence = await sidecar_in(store, db)
+        connections = ConnectionStore(db, instance_id="in_a")
+        assert (await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq
+        current = await store.get(sidecar.allocation_id)
+        ready = await store.park(
+            fence,
+            mode=ParkMode.AWAIT_CONNECTION,
+            delay=60,
+            connection_seq=current.connection_seq,
+            ready_within=20,
+        )
+        assert ready is not None
+        assert ready.ready
+        assert ready.next_attempt_at is None
+        assert ready.connect_deadline is None
+        assert ready.lease_id is None
+        history = await LedgerStore(db, instance_id="in_a").history(sidecar.allocation_id)
+        assert history[-1].kind == "mark_ready"
+
+        before = await store.get(waiting.allocation_id)
+        parked_row = await store.park(
+            waiting_fence,
+            mode=ParkMode.AWAIT_CONNECTION,
+            delay=60,
+            connection_seq=before.connection_seq,
+            ready_within=20,
+        )
+        assert parked_row is not None
+        assert not parked_row.ready
+        assert parked_row.next_attempt_at == before.connect_deadline
+
+    async def test_a_park_blocked_behind_a_disconnect_does_not_make_it_ready(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        """The park's look finds the record, then waits on the row lock of the sidecar's
+        disconnect on another replica: once that commits, the row is not made ready (its
+        connection number moved past the look) but due now for another look."""
+        await InstanceStore(db).register("in_a", "a", 1, None)
+        sidecar, fence = await sidecar_in(store, db)
+        connections = ConnectionStore(db, instance_id="in_a")
+        assert (await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq
+        seen = (await store.get(sidecar.allocation_id)).connection_seq
+        closer = await asyncpg.connect(database_url)
+        try:
+            async with closer.transaction():
+                gone = CONNECTION_SQL.disconnect(
+                    allocation_id=sidecar.allocation_id,
+                    connection_id="cn_a",
+                    instance_id="in_a",
+                    connect_timeout=60.0,
+                )
+                assert (await closer.fetchrow(gone.sql, *gone.args))["cleared"]
+                park = asyncio.create_task(
+                    store.park(
+                        fence,
+                        mode=ParkMode.AWAIT_CONNECTION,
+                        delay=60,
+                        connection_seq=seen,
+                        ready_within=20,
+                    )
+                )
+                await blocked_on_a_lock(database_url)
+                assert not park.done()
+        finally:
+            await closer.close()
+        written = await park
+        assert written is not None
+        assert not written.ready
+        assert written.connection_seq == seen + 1
+        history = await LedgerStore(db, instance_id="in_a").history(sidecar.allocation_id)
+        assert history[-1].kind == "follow_up"

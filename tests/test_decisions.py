@@ -25,6 +25,7 @@ from hubd.reconciler.decisions import (
     TimedOut,
     abandon,
     abandon_unsettled,
+    after_acceptance,
     after_connect_window,
     after_destroy,
     after_ensure,
@@ -365,6 +366,15 @@ class TestConnectWait:
         assert await_connection(4) == Park(
             mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=4
         )
+
+    def test_acceptance_parks_or_readies_in_one_statement_without_a_hook(self) -> None:
+        """After an accepted ensure with no on-ready hook, one park looks at the record
+        itself (fenced on the row's connection number); with a hook the claim looks first."""
+        accepted = row(Status.ALLOCATED)
+        assert after_acceptance(accepted, has_on_ready=False, instance_ttl=20) == Park(
+            mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=7, ready_within=20
+        )
+        assert after_acceptance(accepted, has_on_ready=True, instance_ttl=20) is None
 
     def test_missed_before_the_deadline_parks(self) -> None:
         """A window that ends before the deadline gives the slot back and parks."""

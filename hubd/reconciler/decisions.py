@@ -350,10 +350,27 @@ def deadline_passed(remaining: float) -> str:
     return f"the sidecar did not connect before its deadline ({-remaining:.0f}s ago)"
 
 
-def await_connection(connection_seq: int) -> Park:
+def await_connection(connection_seq: int, *, ready_within: float | None = None) -> Park:
     """Park until the connect deadline; fenced on the connection number the claim saw, so a
-    connect recorded since (on any replica) makes the row due now instead."""
-    return Park(mode=ParkMode.AWAIT_CONNECTION, delay=CAPPED_DELAY, connection_seq=connection_seq)
+    connect recorded since (on any replica) makes the row due now instead. With
+    ``ready_within``, a sidecar already connected makes the row ready instead."""
+    return Park(
+        mode=ParkMode.AWAIT_CONNECTION,
+        delay=CAPPED_DELAY,
+        connection_seq=connection_seq,
+        ready_within=ready_within,
+    )
+
+
+def after_acceptance(
+    allocation: Allocation, *, has_on_ready: bool, instance_ttl: float
+) -> Park | None:
+    """What follows an accepted ensure. With no on-ready hook, one statement looks at the
+    connection record and parks or makes the row ready. With a hook, ``None``: look at the
+    record first, since a connected sidecar must go through the hook."""
+    if has_on_ready:
+        return None
+    return await_connection(allocation.connection_seq, ready_within=instance_ttl)
 
 
 def unless_connected(readiness: Readiness) -> Park | None:

@@ -83,6 +83,7 @@ def statement(store: AllocationStore, fence: Fence, write: Write) -> Statement:
                 delay=write.delay,
                 failure=write.failure,
                 connection_seq=write.connection_seq,
+                ready_within=write.ready_within,
             )
         case Abandon(release=True):
             return store.begin_unrecoverable_release(
@@ -171,6 +172,8 @@ def _report_final(run: ClaimRun, write: Retry | Park | MarkReady, written: Alloc
             run.log.info("ready")
         else:
             run.log.info("a connection event arrived during initialization; following up")
+    elif isinstance(write, Park) and write.ready_within is not None and written.ready:
+        run.log.info("ready")
     elif isinstance(write, Park) and write.connection_seq not in (None, written.connection_seq):
         run.log.info("a connection event arrived while the claim looked; due now")
 

@@ -22,6 +22,7 @@ from hubd.reconciler.decisions import (
     Proceed,
     Step,
     abandon_unsettled,
+    after_acceptance,
     after_connect_window,
     after_destroy,
     after_ensure,
@@ -137,8 +138,17 @@ async def _accept_ensure(run: ClaimRun, provisioner: Provisioner, token: str) ->
         return
     # Acceptance and readiness are separate durable steps. Rather than hold a claim slot
     # for the whole connect timeout, park until the connect deadline; the sidecar's
-    # connect (recorded on any replica) wakes the allocation, and one recorded since the
-    # look below makes the park itself fall through to "due now".
+    # connect (recorded on any replica) wakes the allocation, or makes it ready itself, and
+    # one recorded since the look makes the park itself fall through to "due now". With no
+    # hook to run, the look is part of the park's own statement.
+    park_or_ready = after_acceptance(
+        run.allocation,
+        has_on_ready=s.on_ready is not None,
+        instance_ttl=s.settings.instance_ttl,
+    )
+    if park_or_ready is not None:
+        await run.apply(park_or_ready)
+        return
     readiness = await _readiness(run)
     park = unless_connected(readiness)
     if park is None:

@@ -92,6 +92,10 @@ class Park:
     failure: Failure | None = None
     connection_seq: int | None = None
     """Awaiting a connection: the number the claim saw; a different one makes the row due now."""
+    ready_within: float | None = None
+    """Awaiting a connection with no on-ready hook to run: if the sidecar already holds a
+    record on an instance heartbeating within this many seconds, the row becomes ready instead
+    (the look and the write in one statement)."""
 
 
 @attrs.frozen(kw_only=True)

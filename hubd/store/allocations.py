@@ -290,9 +290,11 @@ class AllocationStore:
         delay: float,
         failure: Failure | None = None,
         connection_seq: int | None = None,
+        ready_within: float | None = None,
     ) -> Allocation | None:
         """Drop the lease until later. Awaiting a connection, the row is due at once instead if
-        its connection number is no longer ``connection_seq``."""
+        its connection number is no longer ``connection_seq``; with ``ready_within`` (an
+        instance TTL), it becomes ready instead if its sidecar already holds a live record."""
         return await self._fenced(
             "park",
             SQL.park,
@@ -302,6 +304,7 @@ class AllocationStore:
             failure_code=failure.code if failure else None,
             failure_message=failure.message if failure else None,
             connection_seq=connection_seq,
+            ready_within=None if ready_within is None else float(ready_within),
         )
 
     async def begin_replacement(

@@ -275,32 +275,68 @@ SELECT * FROM updated;
 -- connection is fenced on the connection number the claim last saw (:connection_seq, when given):
 -- if a connection was recorded or cleared since, on any replica, the row is due now instead (ledger
 -- kind 'follow_up'), so no connect is slept through.
-WITH updated AS (
-    UPDATE hubd_allocations SET
+-- With :ready_within (an instance TTL in seconds; NULL: never), an allocated row whose current
+-- generation already holds a live record (on an instance heartbeating within :ready_within, or
+-- on :instance_id itself) becomes ready here instead, as mark_connection_ready would make it: the
+-- look at the record and the write are one statement. The look reads this statement's snapshot;
+-- a record or clear that commits while this statement waits for the row lock moves the row's
+-- connection number past the one the look saw (live.seq), and then the row is not made ready.
+WITH live AS (
+    SELECT a.connection_seq AS seq,
+           EXISTS (
+               SELECT 1 FROM hubd_sidecar_connections AS c
+               LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
+               WHERE c.allocation_id = a.id AND c.generation = a.generation
+                 AND (i.heartbeat_at > now() - make_interval(secs => :ready_within::float8)
+                      OR c.instance_id = :instance_id)
+           ) AS connected
+    FROM hubd_allocations AS a
+    WHERE a.id = :allocation_id AND :ready_within::float8 IS NOT NULL
+      AND :mode::text = 'await_connection'
+), prior AS (
+    -- Under the row lock, the row as it now stands: a write committed since the snapshot is
+    -- seen here, and its connection number then differs from live.seq.
+    SELECT a.id,
+           (live.connected IS TRUE AND a.connection_seq = live.seq AND a.status = 'allocated'
+            AND a.initialization_lease_id IS NULL) AS ready_now
+    FROM hubd_allocations AS a LEFT JOIN live ON true
+    WHERE a.id = :allocation_id AND a.lease_id = :lease_id AND a.generation = :generation
+      AND a.lease_expires_at > clock_timestamp()
+      AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+    FOR UPDATE OF a
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        connection_ready = a.connection_ready OR prior.ready_now,
         next_attempt_at = CASE
-            WHEN :mode::text = 'await_connection' AND connection_seq <> :connection_seq::bigint
+            WHEN prior.ready_now THEN NULL
+            WHEN :mode::text = 'await_connection' AND a.connection_seq <> :connection_seq::bigint
                 THEN now()
             WHEN :mode::text = 'await_connection'
-                THEN COALESCE(connect_deadline, now() + make_interval(secs => :delay))
+                THEN COALESCE(a.connect_deadline, now() + make_interval(secs => :delay))
             ELSE now() + make_interval(secs => :delay) END,
-        failure_code = COALESCE(:failure_code, failure_code),
-        failure_message =
-            CASE WHEN :failure_code::text IS NULL THEN failure_message ELSE :failure_message END,
+        connect_deadline = CASE WHEN prior.ready_now THEN NULL ELSE a.connect_deadline END,
+        ensure_attempts = CASE WHEN prior.ready_now THEN 0 ELSE a.ensure_attempts END,
+        destroy_attempts = CASE WHEN prior.ready_now THEN 0 ELSE a.destroy_attempts END,
+        failure_code = CASE WHEN prior.ready_now THEN NULL
+                            ELSE COALESCE(:failure_code, a.failure_code) END,
+        failure_message = CASE WHEN prior.ready_now THEN NULL
+                               WHEN :failure_code::text IS NULL THEN a.failure_message
+                               ELSE :failure_message END,
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
-      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
-    RETURNING *
+    FROM prior
+    WHERE a.id = prior.id
+    RETURNING a.*
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id,
-        CASE WHEN :mode::text = 'await_connection' AND connection_seq <> :connection_seq::bigint
+    SELECT updated.id, generation, :lease_id, :instance_id,
+        CASE WHEN prior.ready_now THEN 'mark_ready'
+             WHEN :mode::text = 'await_connection' AND connection_seq <> :connection_seq::bigint
              THEN 'follow_up' ELSE 'park_' || :mode::text END,
         status, status, 'committed', :failure_code, :failure_message
-    FROM updated
+    FROM updated JOIN prior ON prior.id = updated.id
 )
 SELECT * FROM updated;
 
