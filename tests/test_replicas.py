@@ -49,7 +49,7 @@ async def ready_on(
 
 
 class TestConnectsLandingOnAPeer:
-    async def test_connect_on_peer_while_the_claim_parks(
+    async def test_connect_on_peer_before_the_park_is_seen_by_the_park(
         self,
         db: Database,
         database_url: str,
@@ -57,10 +57,47 @@ class TestConnectsLandingOnAPeer:
         ledger: LedgerStore,
         exits: AsyncExitStack,
     ) -> None:
-        """A sidecar that connects to replica B after replica A's claim found it absent, but
-        before A parks, makes A's park fall through to "due now": the allocation is ready at
-        the next claim, not at the connect deadline."""
+        """A sidecar that connects to replica B after replica A's ensure was accepted, but
+        before A parks (no on-ready hook): A's park looks at the record in its own statement and
+        makes the allocation ready, under A's lease, with no second claim."""
         async with replica(db, database_url, "hubA") as a, replica(db, database_url, "hubB") as b:
+            allocation = await store.request(provisioner_id="fake")
+            park = a.store.pauses["park"].arm()
+            claim = asyncio.create_task(a.reconciler.reconcile_next())
+            await park.reached.wait()
+            await open_socket(exits, b, sidecar_of(a.provisioner.ensure_calls[-1]))
+            park.proceed.set()
+            assert await claim
+            ready = await store.get(allocation.id)
+            assert ready.ready
+            assert ready.lease_id is None
+            assert ready.next_attempt_at is None
+            assert ready.generation == 1
+            entries = await ledger.history(allocation.id)
+            assert entries[-1].kind == "mark_ready"
+            assert entries[-1].instance_id == "hubA"
+            assert not await b.reconciler.reconcile_next()
+
+    async def test_connect_on_peer_while_a_hooked_claim_parks(
+        self,
+        db: Database,
+        database_url: str,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        exits: AsyncExitStack,
+    ) -> None:
+        """With an on-ready hook to run, a sidecar that connects to replica B after replica A's
+        claim found it absent, but before A parks, makes A's park fall through to "due now": the
+        allocation is ready at the next claim (after the hook), not at the connect deadline."""
+        hooked: list[str] = []
+
+        async def on_ready(allocation: Allocation, _context: HookContext) -> None:
+            hooked.append(allocation.id)
+
+        async with (
+            replica(db, database_url, "hubA", on_ready=on_ready) as a,
+            replica(db, database_url, "hubB", on_ready=on_ready) as b,
+        ):
             allocation = await store.request(provisioner_id="fake")
             park = a.store.pauses["park"].arm()
             claim = asyncio.create_task(a.reconciler.reconcile_next())
@@ -73,10 +110,12 @@ class TestConnectsLandingOnAPeer:
             assert after_park.next_attempt_at is not None
             assert after_park.connect_deadline is not None
             assert after_park.next_attempt_at < after_park.connect_deadline
+            assert not after_park.ready
             assert await b.reconciler.reconcile_next()
             ready = await store.get(allocation.id)
             assert ready.ready
             assert ready.generation == 1
+            assert hooked == [allocation.id]
             assert "follow_up" in await kinds(ledger, allocation.id)
 
     async def test_restart_during_initialization_reaching_the_peer(

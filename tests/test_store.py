@@ -24,6 +24,7 @@ from hubd.store import (
 )
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
+from hubd.store.ledger import new_effect_id
 from tests.pgtime import age_row, expire_lease
 from tests.storekit import LEASE_SECONDS, claim_one, drive_to, new_lease, token_hash
 
@@ -328,15 +329,48 @@ class TestClaims:
         leased = await claim_one(store, rows[0].id)
         leases = [new_lease() for _ in range(3)]
         claimed = await store.claim_due(lease_ids=leases, lease_duration=60, exclude=[rows[2].id])
-        assert [(a.id, lease) for a, lease in claimed] == [
+        assert [(c.allocation.id, c.lease_id) for c in claimed] == [
             (rows[1].id, leases[0]),
             (rows[3].id, leases[1]),
             (rows[4].id, leases[2]),
         ]
-        assert all(a.lease_id == lease for a, lease in claimed)
+        assert all(c.allocation.lease_id == c.lease_id for c in claimed)
+        assert not any(c.open_effects for c in claimed)
         assert (await store.get(rows[0].id)).lease_id == leased.lease_id
         more = await store.claim_due(lease_ids=[new_lease(), new_lease()], lease_duration=60)
-        assert [a.id for a, _ in more] == [rows[2].id]
+        assert [c.allocation.id for c in more] == [rows[2].id]
+
+    async def test_a_claim_says_whether_a_plugin_call_was_left_without_outcome(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """An intent an earlier lease recorded and never answered shows in the next claim of
+        the row, so that claim settles it; once settled, or answered, claims say there is none."""
+        ledger = LedgerStore(db, instance_id="in_test")
+        fence = await drive_to(store, db, Status.PROVISIONING)
+        assert await ledger.record_effect(
+            fence,
+            effect_id=new_effect_id(),
+            kind="ensure",
+            phase=Phase.INTENT,
+            status=Status.PROVISIONING,
+        )
+        await expire_lease(db, fence.allocation_id)
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET next_attempt_at = now() WHERE id = $1",
+                fence.allocation_id,
+            )
+        (claimed,) = await store.claim_due(lease_ids=[new_lease()], lease_duration=60)
+        assert claimed.open_effects
+        settled = Fence(
+            allocation_id=fence.allocation_id,
+            lease_id=claimed.lease_id,
+            generation=fence.generation,
+        )
+        assert await ledger.settle_open_effects(settled) == 1
+        await expire_lease(db, fence.allocation_id)
+        (again,) = await store.claim_due(lease_ids=[new_lease()], lease_duration=60)
+        assert not again.open_effects
 
     async def test_batch_claims_never_share_a_row(self, store: AllocationStore) -> None:
         """Concurrent batch claims (as from several replicas) lease every due row exactly once."""
@@ -347,7 +381,7 @@ class TestClaims:
                 for _ in range(8)
             )
         )
-        claimed = [a.id for batch in batches for a, _ in batch]
+        claimed = [c.allocation.id for batch in batches for c in batch]
         assert sorted(claimed) == sorted(ids)
 
     async def test_renewals_in_one_statement_grant_only_held_live_leases(

@@ -85,6 +85,8 @@ class ClaimRun:
     db_anchor: datetime
     local_anchor: float
     log: FilteringBoundLogger
+    open_effects: bool = True
+    """An earlier lease may have left a plugin call with no outcome to settle."""
     lost: LeaseLost | None = None
     task: asyncio.Task[None] | None = None
 

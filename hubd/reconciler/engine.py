@@ -41,10 +41,9 @@ from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings
 from hubd.reconciler.steps import reconcile
 from hubd.reconciler.work import LocalWork
 from hubd.routing import Router
-from hubd.store.allocations import AllocationStore
+from hubd.store.allocations import AllocationStore, Claimed
 from hubd.store.connections import ConnectionStore
 from hubd.store.ledger import LedgerStore
-from hubd.store.models import Allocation
 from hubd.tokens import new_lease_id, new_sidecar_id, new_token
 
 __all__ = ["HookContext", "Reconciler", "ReconcilerSettings"]
@@ -148,12 +147,12 @@ class Reconciler:
         a tracked task for each claim; how many were claimed. The tasks run on their own: the
         reconciler's ``on_settled`` callback says when capacity frees up."""
         claimed = await self._claim(self.free_capacity)
-        for allocation, lease_id, started in claimed:
+        for row, started in claimed:
             self._admitted += 1
             claim = self._work.spawn(
-                self._reconcile_claim(allocation, lease_id, started),
+                self._reconcile_claim(row, started),
                 allocation_id=None,
-                name=f"claim {allocation.id}",
+                name=f"claim {row.allocation.id}",
             )
             self._claims.add(claim)
             claim.add_done_callback(self._claim_ended)
@@ -192,14 +191,14 @@ class Reconciler:
         finally:
             self._admitted -= 1
 
-    async def _claim(self, capacity: int) -> list[tuple[Allocation, str, float]]:
+    async def _claim(self, capacity: int) -> list[tuple[Claimed, float]]:
         """Lease up to ``capacity`` due allocations; each with its lease id and the moment the
         claim statement started (the lease's local deadline counts from there)."""
         if capacity < 1:
             return []
         lease_ids = [self._create_lease_id() for _ in range(capacity)]
         self._admitted += capacity
-        query: asyncio.Task[list[tuple[Allocation, str]]] | None = None
+        query: asyncio.Task[list[Claimed]] | None = None
         try:
             started = self._clock.monotonic()
             query = self._work.spawn(
@@ -219,7 +218,7 @@ class Reconciler:
             if not settled:
                 query.cancel()
                 raise OperationTimeout("the claim query did not finish within operation_timeout")
-            return [(allocation, lease_id, started) for allocation, lease_id in query.result()]
+            return [(row, started) for row in query.result()]
         finally:
             if query is None or query.done():
                 self._admitted -= capacity
@@ -236,7 +235,8 @@ class Reconciler:
             done += 1
         return done
 
-    async def _reconcile_claim(self, allocation: Allocation, lease_id: str, started: float) -> None:
+    async def _reconcile_claim(self, claimed: Claimed, started: float) -> None:
+        allocation, lease_id = claimed.allocation, claimed.lease_id
         bound = log.bind(
             allocation_id=allocation.id, generation=allocation.generation, lease_id=lease_id
         )
@@ -271,6 +271,7 @@ class Reconciler:
             db_anchor=allocation.updated_at,
             local_anchor=self._clock.monotonic(),
             log=bound,
+            open_effects=claimed.open_effects,
         )
         self._active[aid] = claim
         self._renewer.register(lease)

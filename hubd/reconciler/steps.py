@@ -59,7 +59,7 @@ async def reconcile(run: ClaimRun) -> None:
     s.router.fence(a.id, a.generation)
     if a.status.terminal:
         return
-    if a.status in (Status.PROVISIONING, Status.REPLACING, Status.RELEASING):
+    if run.open_effects and a.status in (Status.PROVISIONING, Status.REPLACING, Status.RELEASING):
         settled = await run.op(s.ledger.settle_open_effects(run.fence), "settle open effects")
         if settled:
             run.log.warning("earlier_plugin_calls_without_outcome", count=settled)

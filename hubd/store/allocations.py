@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
+import attrs
 
 from hubd.errors import AllocationNotFound
 from hubd.store.database import Database, Pool
@@ -29,9 +30,19 @@ from hubd.store.values import (
     validate_spec,
 )
 
-__all__ = ["AllocationStore", "AttemptKind", "ParkMode"]
+__all__ = ["AllocationStore", "AttemptKind", "Claimed", "ParkMode"]
 
 SQL = load_queries("allocations.sql")
+
+
+@attrs.frozen(kw_only=True)
+class Claimed:
+    """A row a claim statement leased."""
+
+    allocation: Allocation
+    lease_id: str
+    open_effects: bool
+    """An earlier lease left a plugin call of this generation's history with no outcome."""
 
 
 class AttemptKind(enum.StrEnum):
@@ -150,7 +161,7 @@ class AllocationStore:
 
     async def claim_due(
         self, *, lease_ids: Sequence[str], lease_duration: float, exclude: Iterable[str] = ()
-    ) -> list[tuple[Allocation, str]]:
+    ) -> list[Claimed]:
         """Lease up to ``len(lease_ids)`` due active allocations whose ids are not in
         ``exclude``, oldest first, in one statement; each with the lease id it was given."""
         if not lease_ids:
@@ -163,8 +174,14 @@ class AllocationStore:
                 exclude=sorted(set(exclude)),
             ),
         )
-        claimed = [Allocation.from_row(row) for row in rows]
-        return [(a, a.lease_id) for a in claimed if a.lease_id is not None]
+        return [
+            Claimed(
+                allocation=Allocation.from_row(row),
+                lease_id=row["lease_id"],
+                open_effects=row["open_effects"],
+            )
+            for row in rows
+        ]
 
     async def claim_next(
         self, *, lease_id: str, lease_duration: float, exclude: Iterable[str] = ()
@@ -173,7 +190,7 @@ class AllocationStore:
         claimed = await self.claim_due(
             lease_ids=[lease_id], lease_duration=lease_duration, exclude=exclude
         )
-        return claimed[0][0] if claimed else None
+        return claimed[0].allocation if claimed else None
 
     async def renew_leases(
         self, leases: Iterable[tuple[str, str]], lease_duration: float

@@ -77,7 +77,18 @@ UPDATE hubd_allocations AS a SET
 FROM due
 JOIN unnest(:lease_ids::text[]) WITH ORDINALITY AS leases (lease_id, slot) ON leases.slot = due.slot
 WHERE a.id = due.id
-RETURNING a.*;
+RETURNING a.*,
+    -- Whether an earlier lease left a plugin call with no outcome (only a status that calls
+    -- plugins can have one): the claim settles those first, and skips the statement otherwise.
+    -- Exact: no other lease can write an intent while this one is live.
+    a.status IN ('provisioning', 'replacing', 'releasing') AND EXISTS (
+        SELECT 1 FROM hubd_allocation_ledger AS i
+        WHERE i.allocation_id = a.id AND i.effect_id IS NOT NULL AND i.phase = 'intent'
+          AND NOT EXISTS (
+              SELECT 1 FROM hubd_allocation_ledger AS o
+              WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id
+                AND o.phase <> 'intent')
+    ) AS open_effects;
 
 -- name: renew_leases
 -- Extend, in one statement, every lease in the pairs (:allocation_ids, :lease_ids) that is still held
