@@ -69,6 +69,15 @@ class Rotation:
     presented_hash: bytes | None = attrs.field(repr=False)
 
 
+def _identity(target: Target, sidecar_id: str) -> dict[str, object]:
+    """The identity a secret belongs to, as both statements name it."""
+    return {
+        "allocation_id": target.allocation_id,
+        "generation": target.generation,
+        "sidecar_id": sidecar_id,
+    }
+
+
 async def rotate(
     db: Database, conn: Connection, target: Target, sidecar_id: str, rotation: Rotation
 ) -> bool:
@@ -77,9 +86,7 @@ async def rotate(
     won = await db.fetchval(
         "rotate reconnect secret",
         SQL.rotate_secret(
-            allocation_id=target.allocation_id,
-            generation=target.generation,
-            sidecar_id=sidecar_id,
+            **_identity(target, sidecar_id),
             seen_hash=rotation.seen_hash,
             secret_hash=rotation.secret_hash,
             presented_hash=rotation.presented_hash,
@@ -94,11 +101,6 @@ async def acknowledge(db: Database, target: Target, sidecar_id: str, secret_hash
     connection stops being accepted. ``False`` when a newer rotation made this moot."""
     done = await db.fetchval(
         "acknowledge reconnect secret",
-        SQL.acknowledge_secret(
-            allocation_id=target.allocation_id,
-            generation=target.generation,
-            sidecar_id=sidecar_id,
-            secret_hash=secret_hash,
-        ),
+        SQL.acknowledge_secret(**_identity(target, sidecar_id), secret_hash=secret_hash),
     )
     return done is not None
