@@ -14,7 +14,7 @@ __all__ = ["REDACTED", "describe_error", "redact_dsn", "scrub"]
 REDACTED: Final = "***"
 
 _SECRETS: Final = re.compile(
-    r"hubd_sc_[0-9A-Za-z]{8,}"  # sidecar tokens, and anything shaped like one
+    r"hubd_(?:sc|rs)_[0-9A-Za-z]{8,}"  # tokens and reconnect secrets, and their shapes
     r"|(?i:bearer)\s+[^\s,;\"']+"  # Authorization header values
     # A token's secret part without its prefix (pasted into the wrong header, say). Ids are
     # 32 hex digits; 64 in a row is a secret's shape, so it goes (a digest now and then too).

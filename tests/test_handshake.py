@@ -16,6 +16,7 @@ from hubd.server.handshake import (
     check_origin,
     close_reason,
     parse_request,
+    secret_accepted,
     unavailable,
 )
 from hubd.server.limits import TokenBucket
@@ -28,7 +29,8 @@ from hubd.store.connections import (
     parse_sockets_payload,
 )
 from hubd.store.models import Status
-from hubd.tokens import hash_token, new_token
+from hubd.store.secrets import SecretState
+from hubd.tokens import hash_token, new_reconnect_secret, new_token
 
 TOKEN = new_token()
 ALLOCATION = "al_" + "a" * 32
@@ -221,6 +223,89 @@ class TestAuthorize:
         assert unavailable(7) == Rejection(
             status=503, reason="sidecar identity cannot be checked now", retry_after=7
         )
+
+
+OLD = new_reconnect_secret()
+NEW = new_reconnect_secret()
+
+
+class TestReconnectSecret:
+    def test_parsed_only_with_v2(self) -> None:
+        """The secret header is taken with v2, refused (400) with v1, and must be well formed;
+        v1 alone is still spoken."""
+        parsed = parse_request(CONNECT_PATH, headers(Hubd_Reconnect_Secret=NEW))
+        assert isinstance(parsed, HandshakeRequest)
+        assert (parsed.version, parsed.secret) == (2, NEW)
+        assert NEW not in repr(parsed)
+        v1 = parse_request(CONNECT_PATH, headers(Sec_WebSocket_Protocol="hubd.sidecar.v1"))
+        assert isinstance(v1, HandshakeRequest)
+        assert (v1.version, v1.secret) == (1, None)
+        both = headers(Sec_WebSocket_Protocol="hubd.sidecar.v1", Hubd_Reconnect_Secret=NEW)
+        assert isinstance(parse_request(CONNECT_PATH, both), Rejection)
+        bad = parse_request(CONNECT_PATH, headers(Hubd_Reconnect_Secret="hubd_rs_short"))
+        assert bad == Rejection(status=400, reason="malformed Hubd-Reconnect-Secret header")
+
+    @pytest.mark.parametrize(
+        ("presented", "state", "accepted"),
+        [
+            (None, SecretState(), True),
+            (NEW, SecretState(), False),
+            (None, SecretState(secret_hash=hash_token(NEW)), False),
+            (NEW, SecretState(secret_hash=hash_token(NEW)), True),
+            (OLD, SecretState(secret_hash=hash_token(NEW)), False),
+            # Not acknowledged yet: what opened the latest connection still works.
+            (None, SecretState(secret_hash=hash_token(NEW), acknowledged=False), True),
+            (
+                OLD,
+                SecretState(
+                    secret_hash=hash_token(NEW), previous_hash=hash_token(OLD), acknowledged=False
+                ),
+                True,
+            ),
+            (
+                None,
+                SecretState(
+                    secret_hash=hash_token(NEW), previous_hash=hash_token(OLD), acknowledged=False
+                ),
+                False,
+            ),
+            (
+                OLD,
+                SecretState(
+                    secret_hash=hash_token(NEW), previous_hash=hash_token(OLD), acknowledged=True
+                ),
+                False,
+            ),
+        ],
+        ids=[
+            "first-connection",
+            "secret-nobody-was-given",
+            "token-alone-after-first",
+            "current",
+            "stale",
+            "first-welcome-lost",
+            "later-welcome-lost",
+            "token-alone-when-a-secret-opened-it",
+            "previous-after-ack",
+        ],
+    )
+    def test_which_credential_opens(
+        self, presented: str | None, state: SecretState, accepted: bool
+    ) -> None:
+        """The current secret always; the token alone only before any secret exists; the
+        credential of the latest connection only until its welcome is acknowledged."""
+        assert secret_accepted(presented, state) is accepted
+
+    def test_authorize_uses_the_secret(self) -> None:
+        """A right token with a missing secret is the same 401 as a wrong token; v1 is
+        refused once the generation has a secret."""
+        state = SecretState(secret_hash=hash_token(NEW))
+        assert authorize(request(), identity(secret=state)) == Rejection(
+            status=401, reason="unauthorized"
+        )
+        assert authorize(request(secret=NEW), identity(secret=state)) is None
+        assert authorize(request(version=1), identity(secret=state)) is not None
+        assert authorize(request(version=1), identity()) is None
 
 
 class TestCloseCodes:

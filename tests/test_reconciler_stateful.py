@@ -130,7 +130,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
     async def _truncate(self) -> None:
         async with self.harness.db.pool.acquire() as conn:
             await conn.execute(
-                "TRUNCATE hubd_allocation_ledger, hubd_sidecar_connections, hubd_allocations, "
+                "TRUNCATE hubd_allocation_ledger, hubd_sidecar_connections, hubd_sidecar_secrets, "
+                "hubd_allocations, "
                 "hubd_instances"
             )
 

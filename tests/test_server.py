@@ -36,7 +36,12 @@ from hubd.store.connections import (
 )
 from hubd.store.instances import InstanceStore
 from hubd.store.values import new_allocation_id
-from hubd.tokens import hash_token, new_sidecar_id, new_token
+from hubd.tokens import (
+    hash_token,
+    new_sidecar_id,
+    new_token,
+    reconnect_secret_is_well_formed,
+)
 from tests.polling import eventually
 from tests.storekit import claim_one
 from tests.wskit import (
@@ -89,8 +94,10 @@ class TestHandshake:
     async def test_welcome(self, db: Database, hub: Hub, sidecar: Sidecar) -> None:
         """A good handshake is upgraded, gets its welcome, and is recorded durably first."""
         async with dial(hub.url, sidecar.headers()) as ws:
-            assert ws.subprotocol == "hubd.sidecar.v1"
+            assert ws.subprotocol == "hubd.sidecar.v2"
             welcome = await welcome_of(ws)
+            secret = welcome.pop("reconnect_secret")
+            assert reconnect_secret_is_well_formed(secret)
             assert welcome == {
                 "type": "welcome",
                 "allocation_id": sidecar.allocation_id,
@@ -148,7 +155,7 @@ class TestHandshake:
         assert refused.response.status_code == 404
 
     async def test_missing_subprotocol_400(self, hub: Hub, sidecar: Sidecar) -> None:
-        """A client that does not offer hubd.sidecar.v1 is refused with 400."""
+        """A client that offers neither hubd.sidecar.v2 nor v1 is refused with 400."""
         refused = await rejection(hub.url, sidecar.headers(), subprotocols=None)
         assert refused.response.status_code == 400
 

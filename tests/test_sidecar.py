@@ -38,9 +38,13 @@ from tests.polling import eventually
 from tests.wskit import (
     Sidecar,
     bring_back,
+    dial,
+    record_row,
     running_hub,
+    secret_acknowledged,
     sidecar_in,
     take_away,
+    welcome_of,
     wrong_token,
 )
 
@@ -302,21 +306,44 @@ class TestClient:
         assert client.attempts == 1
 
     async def test_superseded_stays_away(self, db: Database, sidecar: Sidecar) -> None:
-        """Of two sidecars with one identity, the superseded one stops (4000) instead of
-        stealing the socket back; the newer one stays connected."""
+        """A sidecar superseded (4000) by a connection that holds its reconnect secret stops
+        instead of stealing the socket back; the newer connection stays."""
         async with running_hub(db) as hub:
             older = SidecarClient(settings_for(sidecar, hub.server.url), backoff=FAST)
             older_task = asyncio.create_task(older.run())
             await eventually(lambda: older.welcomes == 1)
-            newer = SidecarClient(settings_for(sidecar, hub.server.url), backoff=FAST)
-            newer_task = asyncio.create_task(newer.run())
-            outcome = await finish(older_task)
-            assert outcome.code == 1
-            assert "superseded" in outcome.reason
-            await eventually(lambda: newer.connected)
-            assert older.attempts == 1
-            newer.stop()
-            assert await finish(newer_task) == SidecarExit(0, "stopped")
+            # The secret lives only in the sidecar's memory; the test plays the process that
+            # legitimately holds it (a restarted sidecar handed it over, say).
+            assert older._secret is not None
+            headers = sidecar.headers(**{"Hubd-Reconnect-Secret": older._secret})
+            async with dial(hub.url, headers) as newer:
+                await welcome_of(newer)
+                outcome = await finish(older_task)
+                assert outcome.code == 1
+                assert "superseded" in outcome.reason
+                assert older.attempts == 1
+                assert [e.connection_id for e in hub.router.sockets(sidecar.allocation_id)] == [
+                    (await record_row(db, sidecar.allocation_id) or {})["connection_id"]
+                ]
+
+    async def test_copied_environment_cannot_take_over(
+        self, db: Database, sidecar: Sidecar
+    ) -> None:
+        """A second process started from the same environment (the token copied) is refused
+        with 401 once the first has connected, and stops; the first stays connected."""
+        async with running_hub(db) as hub:
+            first = SidecarClient(settings_for(sidecar, hub.server.url), backoff=FAST)
+            first_task = asyncio.create_task(first.run())
+            await eventually(lambda: first.welcomes == 1)
+            await eventually(lambda: secret_acknowledged(db, sidecar.allocation_id))
+            copy = SidecarClient(settings_for(sidecar, hub.server.url), backoff=FAST)
+            outcome = await finish(asyncio.create_task(copy.run()))
+            assert outcome == SidecarExit(1, "hub refused the credentials (401)")
+            assert copy.welcomes == 0
+            assert first.connected
+            assert hub.server.stats.rejected[401] == 1
+            first.stop()
+            assert await finish(first_task) == SidecarExit(0, "stopped")
 
     async def test_retries_503(
         self, db: Database, store: AllocationStore, database_url: str

@@ -136,6 +136,7 @@ async def running_hub(
     records_db: Database | None = None,
     port: int = 0,
     router_options: Mapping[str, Any] | None = None,
+    instance_id: str = INSTANCE_ID,
     **server_options: Any,
 ) -> AsyncIterator[Hub]:
     """A hub on 127.0.0.1 whose instance row is registered (readiness needs a live instance).
@@ -143,11 +144,11 @@ async def running_hub(
     ``lookup_db`` serves the handshake's identity look-ups and ``records_db`` the router's
     connection records, so a test can take either away.
     """
-    await InstanceStore(db).register(INSTANCE_ID, "localhost", 1, None)
-    connections = ConnectionStore(records_db or db, instance_id=INSTANCE_ID)
+    await InstanceStore(db).register(instance_id, "localhost", 1, None)
+    connections = ConnectionStore(records_db or db, instance_id=instance_id)
     events = RecordingEvents()
     router = SocketRouter(connections, events=events, **(router_options or {}))
-    lookups = ConnectionStore(lookup_db or db, instance_id=INSTANCE_ID)
+    lookups = ConnectionStore(lookup_db or db, instance_id=instance_id)
     server = SidecarServer(
         router=router, connections=lookups, host="127.0.0.1", port=port, **server_options
     )
@@ -207,6 +208,20 @@ async def record_row(db: Database, allocation_id: str) -> dict[str, Any] | None:
             "SELECT * FROM hubd_sidecar_connections WHERE allocation_id = $1", allocation_id
         )
     return dict(row) if row is not None else None
+
+
+async def secret_row(db: Database, allocation_id: str) -> dict[str, Any] | None:
+    """The allocation's reconnect-secret row (digests only)."""
+    async with db.pool.acquire() as conn:
+        row = await conn.fetchrow(
+            "SELECT * FROM hubd_sidecar_secrets WHERE allocation_id = $1", allocation_id
+        )
+    return dict(row) if row is not None else None
+
+
+async def secret_acknowledged(db: Database, allocation_id: str) -> bool:
+    row = await secret_row(db, allocation_id)
+    return row is not None and bool(row["acknowledged"])
 
 
 async def take_away(database: Database) -> None:

@@ -18,6 +18,7 @@ from websockets.server import ServerProtocol
 
 from hubd.server.handshake import HandshakeRequest, Rejection
 from hubd.server.limits import HeaderScanner, TokenBucket
+from hubd.store.secrets import SecretState
 
 if TYPE_CHECKING:
     from hubd.server.websocket import SidecarServer
@@ -41,6 +42,9 @@ class SidecarConnection(ServerConnection):
     """
 
     hubd_request: HandshakeRequest | None = None
+    hubd_secret: SecretState | None = None
+    """The generation's secret state the handshake was accepted against: the guard of the
+    rotation written with the connection record."""
     budget: TokenBucket | None = None
     """Messages and control frames together; set once the socket is open."""
     on_violation: Callable[[str], None] | None = None

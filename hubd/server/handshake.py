@@ -4,7 +4,14 @@ The websocket shell hands over the request path and headers and, later, the iden
 up; these functions answer with a typed request or a :class:`Rejection`. The order of the
 checks is the protocol's (docs/architecture.md §4): headers (400), then ``Origin`` (403), then
 the allocation lookup (401 absent, 503 unknown), then generation and status (409), then sidecar
-id and token (401).
+id, token and reconnect secret (401).
+
+Protocol v2 binds a generation's identity to its latest connection: once a generation has a
+reconnect secret (handed out in each v2 welcome), a handshake must present it, and the token
+alone, which sits in the sidecar's environment, opens nothing. v1 is still spoken for sidecars
+started before v2 existed; a v1 sidecar can neither be told a secret nor present one, so it is
+accepted only while its generation has none (v1's token model), and never once a v2 sidecar of
+that generation has connected.
 """
 
 from __future__ import annotations
@@ -19,13 +26,22 @@ import attrs
 
 from hubd.store.connections import SidecarIdentity
 from hubd.store.models import Status
-from hubd.tokens import token_is_well_formed, verify_token
+from hubd.store.secrets import SecretState
+from hubd.tokens import (
+    hash_token,
+    reconnect_secret_is_well_formed,
+    token_is_well_formed,
+    verify_token,
+)
 
 __all__ = [
     "ACCEPTING_STATUSES",
     "CONNECT_PATH",
     "MAX_GENERATION",
+    "SECRET_HEADER",
     "SUBPROTOCOL",
+    "SUBPROTOCOLS",
+    "SUBPROTOCOL_V1",
     "UNAUTHORIZED",
     "CloseCode",
     "HandshakeRequest",
@@ -39,7 +55,11 @@ __all__ = [
 ]
 
 CONNECT_PATH: Final = "/v1/sidecars/connect"
-SUBPROTOCOL: Final = "hubd.sidecar.v1"
+SUBPROTOCOL: Final = "hubd.sidecar.v2"
+SUBPROTOCOL_V1: Final = "hubd.sidecar.v1"
+SUBPROTOCOLS: Final = (SUBPROTOCOL, SUBPROTOCOL_V1)
+"""What the listener speaks, preferred first (websockets picks the first one a client offers)."""
+SECRET_HEADER: Final = "Hubd-Reconnect-Secret"  # noqa: S105 -- a header name
 MAX_GENERATION: Final = 2**31 - 1  # a PostgreSQL integer
 
 ACCEPTING_STATUSES: Final = frozenset({Status.PROVISIONING, Status.ALLOCATED})
@@ -101,6 +121,9 @@ class HandshakeRequest:
     generation: int
     token: str = attrs.field(repr=False)
     origin: str | None
+    version: int = 2
+    secret: str | None = attrs.field(default=None, repr=False)
+    """The reconnect secret presented (v2 only); ``None``: the token alone."""
 
 
 def _single(headers: HeaderSource, name: str) -> str | Rejection | None:
@@ -148,8 +171,21 @@ def parse_request(path: str, headers: HeaderSource) -> HandshakeRequest | Reject
         for header in headers.get_all("Sec-WebSocket-Protocol")
         for protocol in header.split(",")
     }
-    if SUBPROTOCOL not in offered:
+    if SUBPROTOCOL in offered:
+        version = 2
+    elif SUBPROTOCOL_V1 in offered:
+        version = 1
+    else:
         return Rejection(status=400, reason=f"missing subprotocol {SUBPROTOCOL}")
+
+    secret = _single(headers, SECRET_HEADER)
+    if isinstance(secret, Rejection):
+        return secret
+    if secret is not None:
+        if version == 1:
+            return Rejection(status=400, reason=f"{SECRET_HEADER} needs {SUBPROTOCOL}")
+        if not reconnect_secret_is_well_formed(secret):
+            return Rejection(status=400, reason=f"malformed {SECRET_HEADER} header")
 
     origin = _single(headers, "Origin")
     if isinstance(origin, Rejection):
@@ -160,6 +196,8 @@ def parse_request(path: str, headers: HeaderSource) -> HandshakeRequest | Reject
         generation=int(generation_text),
         token=bearer.group(1),
         origin=origin,
+        version=version,
+        secret=secret or None,
     )
 
 
@@ -194,22 +232,50 @@ def authorize(request: HandshakeRequest, identity: SidecarIdentity | None) -> Re
     """
     if identity is None:
         verify_token(request.token, _NO_HASH)
+        secret_accepted(request.secret, SecretState())
         return UNAUTHORIZED
     if request.generation < identity.generation:
         return Rejection(status=409, reason="stale generation: this sidecar was replaced")
     if identity.status.terminal or identity.status in (Status.REPLACING, Status.RELEASING):
         return Rejection(status=409, reason="allocation no longer accepts sidecars")
-    # Both comparisons always run, so the response time does not say which of them failed.
+    # Every comparison always runs, so the response time does not say which of them failed.
     token_ok = verify_token(request.token, identity.token_hash)
+    # v1 cannot present a secret: once its generation has one, v1 opens nothing.
+    secret_ok = secret_accepted(request.secret, identity.secret) and not (
+        request.version == 1 and identity.secret.is_set
+    )
     sidecar_ok = (
         identity.sidecar_id is not None
         and request.generation == identity.generation
         and identity.status in ACCEPTING_STATUSES
         and _equal(request.sidecar_id, identity.sidecar_id)
     )
-    if not (token_ok and sidecar_ok):
+    if not (token_ok and sidecar_ok and secret_ok):
         return UNAUTHORIZED
     return None
+
+
+def secret_accepted(presented: str | None, state: SecretState) -> bool:
+    """Whether a handshake that presented ``presented`` (``None``: the token alone) may take
+    over its generation, given the generation's secret ``state``.
+
+    No secret yet: only the token alone (a first connection; a secret nobody was given is
+    refused). Otherwise the current secret, or, until the latest welcome is acknowledged, the
+    credential that opened the latest connection (its sidecar may never have got the welcome).
+    Both digests are compared in constant time whatever the outcome.
+    """
+    digest = hash_token(presented) if presented is not None else _NO_HASH
+    current = hmac.compare_digest(digest, state.secret_hash or _NO_HASH)
+    previous = hmac.compare_digest(digest, state.previous_hash or _NO_HASH)
+    if not state.is_set:
+        return presented is None
+    if current and presented is not None:
+        return True
+    if state.acknowledged:
+        return False
+    if state.previous_hash is None:
+        return presented is None
+    return previous and presented is not None
 
 
 def _equal(a: str, b: str) -> bool:

@@ -52,10 +52,18 @@ from hubd.store.connections import (
     SocketControl,
 )
 from hubd.store.models import Status
+from hubd.store.secrets import Rotation
 
 __all__ = ["SocketRouter"]
 
 log = structlog.get_logger(__name__)
+
+_REFUSED_RECORD_CLOSES = {
+    RecordOutcome.RETIRED: CloseCode.RETIRED,
+    RecordOutcome.FENCED: CloseCode.FENCED,
+    # Another handshake with the same credential won the rotation: it holds the new secret.
+    RecordOutcome.SUPERSEDED: CloseCode.SUPERSEDED,
+}
 
 
 class SocketRouter:
@@ -274,20 +282,22 @@ class SocketRouter:
         entry.log.info("sidecar_connected")
         return entry
 
-    async def open(self, entry: SocketEntry, *, welcome: str) -> bool:
-        """Record the connection, send the welcome, then tell the reconciler.
+    async def open(self, entry: SocketEntry, *, welcome: str, rotation: Rotation) -> bool:
+        """Record the connection and rotate the generation's reconnect secret (one
+        transaction), send the welcome, then tell the reconciler.
 
         The record is written before anything else learns of the connection: readiness must be
         visible from the database by the time anyone acts on it. ``False`` when the socket did
-        not make it (closed by the hub, or gone); the socket is then already being closed.
+        not make it (closed by the hub, lost a race with the same credential, or gone); the
+        socket is then already being closed.
         """
         async with self._serial.hold(entry.target.allocation_id):
             if entry.closed_by_hub is not None:
                 return False
             try:
                 async with asyncio.timeout(self._event_timeout):
-                    record = await self._connections.record(
-                        entry.connection_id, entry.target, entry.sidecar_id
+                    record = await self._connections.record_rotating(
+                        entry.connection_id, entry.target, entry.sidecar_id, rotation
                     )
             except (StoreError, TimeoutError) as exc:
                 entry.log.warning("connection_not_recorded", error=describe_error(exc))
@@ -296,11 +306,11 @@ class SocketRouter:
             outcome = record.outcome
             if outcome is not RecordOutcome.RECORDED:
                 entry.log.info("connection_refused_by_record", outcome=str(outcome))
-                code = CloseCode.RETIRED if outcome is RecordOutcome.RETIRED else CloseCode.FENCED
-                self._close(entry, code)
+                self._close(entry, _REFUSED_RECORD_CLOSES[outcome])
                 return False
             entry.recorded = True
             entry.seq = record.seq
+            entry.secret_hash = rotation.secret_hash
             if record.ready:
                 entry.log.info("sidecar_ready_on_connect")
             # The record replaced whatever the superseded socket had written: nothing left to
@@ -317,6 +327,26 @@ class SocketRouter:
                 return False
             await self._deliver(entry, "handle_connected")
             return True
+
+    def acknowledge(self, entry: SocketEntry) -> None:
+        """The sidecar says it holds its welcome's secret: from now on only that secret opens
+        its generation's next connection. Acted on once per socket."""
+        secret_hash, entry.secret_hash = entry.secret_hash, None
+        if secret_hash is None or entry.closed_by_hub is not None:
+            return
+        self._spawn(
+            self._acknowledge(entry, secret_hash), name=f"acknowledge-{entry.connection_id}"
+        )
+
+    async def _acknowledge(self, entry: SocketEntry, secret_hash: bytes) -> None:
+        try:
+            async with asyncio.timeout(self._event_timeout):
+                await self._connections.acknowledge_secret(
+                    entry.target, entry.sidecar_id, secret_hash
+                )
+        except (StoreError, TimeoutError) as exc:
+            # The previous credential stays valid a while longer; nothing else depends on it.
+            entry.log.warning("secret_not_acknowledged", error=describe_error(exc))
 
     async def unregister(self, entry: SocketEntry) -> None:
         """The socket's handler is done: forget it, clear its record, report the disconnect."""

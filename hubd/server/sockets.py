@@ -44,6 +44,8 @@ class SocketEntry:
     """The connection number its record was written with (the higher of two sockets wins)."""
     gone: bool = False
     """Set when its handler is done with it: no record may be written for it again."""
+    secret_hash: bytes | None = attrs.field(default=None, repr=False)
+    """The digest of the reconnect secret its welcome carried (v2), until acknowledged."""
     superseded: SocketEntry | None = attrs.field(default=None, repr=False)
     """The socket this one took over from; its record is this one's to clean up if this one
     never manages to write its own."""

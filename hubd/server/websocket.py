@@ -36,7 +36,7 @@ from hubd.logs import Sampler
 from hubd.redaction import describe_error, scrub
 from hubd.server.connection import SidecarConnection, drain, remote_of
 from hubd.server.handshake import (
-    SUBPROTOCOL,
+    SUBPROTOCOLS,
     CloseCode,
     HandshakeRequest,
     Rejection,
@@ -50,6 +50,8 @@ from hubd.server.router import SocketRouter
 from hubd.server.sockets import SocketEntry
 from hubd.server.wire import ServerStats, WireLogger, is_loopback_host, tls_context
 from hubd.store.connections import ConnectionStore, SidecarIdentity
+from hubd.store.secrets import Rotation
+from hubd.tokens import hash_token, new_reconnect_secret
 
 __all__ = [
     "MAX_MESSAGE_SIZE",
@@ -169,7 +171,7 @@ class SidecarServer:
             create_connection=cast(
                 "type[ServerConnection]", functools.partial(SidecarConnection, hub=self)
             ),
-            subprotocols=[Subprotocol(SUBPROTOCOL)],
+            subprotocols=[Subprotocol(name) for name in SUBPROTOCOLS],
             # Off: it multiplies per-connection memory and invites decompression bombs.
             compression=None,
             server_header="hubd",
@@ -276,6 +278,7 @@ class SidecarServer:
                 parsed,
             )
         connection.hubd_request = parsed
+        connection.hubd_secret = identity.secret if identity is not None else None
         return None
 
     async def _lookup(self, allocation_id: str) -> SidecarIdentity | None:
@@ -354,9 +357,9 @@ class SidecarServer:
 
     async def _handle(self, connection: ServerConnection) -> None:
         assert isinstance(connection, SidecarConnection)
-        request = connection.hubd_request
+        request, seen = connection.hubd_request, connection.hubd_secret
         # The request holds the raw token; nothing after authentication needs it.
-        connection.hubd_request = None
+        connection.hubd_request = connection.hubd_secret = None
         if request is None:  # pragma: no cover -- process_request always sets it
             await connection.close(int(CloseCode.INTERNAL_ERROR), CloseCode.INTERNAL_ERROR.reason)
             return
@@ -365,17 +368,25 @@ class SidecarServer:
         connection.budget = TokenBucket(self._message_rate, self._message_burst, loop.time())
         entry = self._router.register(connection, request, remote=remote_of(connection))
         connection.on_violation = functools.partial(self._violation, entry)
+        welcome: dict[str, Any] = {
+            "type": "welcome",
+            "allocation_id": request.allocation_id,
+            "sidecar_id": request.sidecar_id,
+            "generation": request.generation,
+            "heartbeat_interval_s": self._heartbeat_interval,
+        }
+        # v2: a fresh secret per connection, the only credential that opens the next one. Only
+        # its digest leaves this function other than in the welcome itself.
+        secret = new_reconnect_secret() if request.version == 2 else None
+        if secret is not None:
+            welcome["reconnect_secret"] = secret
+        rotation = Rotation(
+            seen_hash=seen.secret_hash if seen is not None else None,
+            secret_hash=hash_token(secret) if secret is not None else None,
+            presented_hash=hash_token(request.secret) if request.secret is not None else None,
+        )
         try:
-            welcome = json.dumps(
-                {
-                    "type": "welcome",
-                    "allocation_id": request.allocation_id,
-                    "sidecar_id": request.sidecar_id,
-                    "generation": request.generation,
-                    "heartbeat_interval_s": self._heartbeat_interval,
-                }
-            )
-            if await self._router.open(entry, welcome=welcome):
+            if await self._router.open(entry, welcome=json.dumps(welcome), rotation=rotation):
                 self.stats.accepted += 1
                 await self._read(connection, entry)
             else:
@@ -426,6 +437,8 @@ class SidecarServer:
             self._ignore(entry, "no_type")
         elif kind == "heartbeat":
             self.stats.heartbeats += 1
+        elif kind == "welcome_ack" and entry.secret_hash is not None:
+            self._router.acknowledge(entry)
         else:
             self._ignore(entry, "unknown_type")
 

@@ -3,6 +3,12 @@
 Configured by the environment the local provisioner gives it (``HUBD_URL``, ``HUBD_TOKEN``,
 ``HUBD_ALLOCATION_ID``, ``HUBD_SIDECAR_ID``, ``HUBD_GENERATION``). The token travels only in the
 ``Authorization`` header of the handshake; it is never logged, printed or put in an exception.
+
+Protocol v2: each welcome carries a reconnect secret, kept in memory only, presented in the
+next handshake and acknowledged at once. Once the sidecar has connected, the token in its
+environment no longer opens a connection by itself, so another process that reads it cannot
+take this sidecar's place. A sidecar restarted from its environment has lost its secret: it is
+refused (401) and stops, and the hub replaces it when its connect deadline passes.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from hubd.sidecar.policy import (
     after_http_status,
     parse_retry_after,
 )
-from hubd.tokens import token_is_well_formed
+from hubd.tokens import reconnect_secret_is_well_formed, token_is_well_formed
 
 __all__ = [
     "CONNECT_PATH",
@@ -57,7 +63,8 @@ log = structlog.get_logger(__name__)
 # The protocol's constants, repeated rather than imported: the sidecar is a client program and
 # must not pull in the hub's server and store (the tests hold the two equal).
 CONNECT_PATH: Final = "/v1/sidecars/connect"
-SUBPROTOCOL: Final = "hubd.sidecar.v1"
+SUBPROTOCOL: Final = "hubd.sidecar.v2"
+SECRET_HEADER: Final = "Hubd-Reconnect-Secret"  # noqa: S105 -- a header name
 _MAX_MESSAGE_SIZE: Final = 64 * 1024
 
 
@@ -152,6 +159,12 @@ class SidecarExit:
 
 
 @attrs.frozen
+class _Welcome:
+    interval: float
+    secret: str = attrs.field(repr=False)
+
+
+@attrs.frozen
 class _Ended:
     decision: Decision
     retry_after: float | None = None
@@ -195,6 +208,8 @@ class SidecarClient:
         """Which of the settings' URLs the next attempt dials."""
         self.welcomes = 0
         """Welcomes received so far (one per successful connection)."""
+        self._secret: str | None = None
+        """The reconnect secret of the latest welcome: the next handshake's credential."""
         self.connected = False
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=32)
         """The latest decisions taken after a connection ended, newest last."""
@@ -255,15 +270,18 @@ class SidecarClient:
         """One connection, from dialing to its close, reduced to what happens next."""
         self.attempts += 1
         welcomed = False
+        headers = {
+            "Authorization": f"Bearer {self._settings.token}",
+            "Hubd-Allocation-Id": self._settings.allocation_id,
+            "Hubd-Sidecar-Id": self._settings.sidecar_id,
+            "Hubd-Generation": str(self._settings.generation),
+        }
+        if self._secret is not None:
+            headers[SECRET_HEADER] = self._secret
         try:
             async with connect(
                 self._settings.urls[self.url_index],
-                additional_headers={
-                    "Authorization": f"Bearer {self._settings.token}",
-                    "Hubd-Allocation-Id": self._settings.allocation_id,
-                    "Hubd-Sidecar-Id": self._settings.sidecar_id,
-                    "Hubd-Generation": str(self._settings.generation),
-                },
+                additional_headers=headers,
                 subprotocols=[Subprotocol(SUBPROTOCOL)],
                 compression=None,
                 # Dialed directly: a proxy from the environment would see the bearer token.
@@ -280,16 +298,20 @@ class SidecarClient:
                 try:
                     if self._stop.is_set():
                         return _Ended(Decision(Action.STOP, "stopped"))
-                    interval = await self._welcome(ws)
-                    if interval is None:
+                    welcome = await self._welcome(ws)
+                    if welcome is None:
                         await ws.close(1008, "welcome does not match")
                         mismatch = "the hub's welcome is not for this sidecar"
                         return _Ended(Decision(Action.STOP, mismatch))
+                    # Kept before it is acknowledged: once the hub reads the ack, the secret
+                    # this handshake presented opens nothing any more.
+                    self._secret = welcome.secret
+                    await ws.send(json.dumps({"type": "welcome_ack"}))
                     welcomed = True
                     self.welcomes += 1
                     self.connected = True
                     self._log.info("sidecar_welcomed")
-                    await self._hold(ws, interval)
+                    await self._hold(ws, welcome.interval)
                 finally:
                     self.connected = False
                     self._ws = None
@@ -306,8 +328,9 @@ class SidecarClient:
         # _hold only returns once the connection closed without an exception reaching here.
         return _Ended(after_close(None), welcomed=welcomed)
 
-    async def _welcome(self, ws: ClientConnection) -> float | None:
-        """The heartbeat interval from the hub's welcome; ``None`` if it is not for us."""
+    async def _welcome(self, ws: ClientConnection) -> _Welcome | None:
+        """The heartbeat interval and reconnect secret of the hub's welcome; ``None`` if it is
+        not for us."""
         async with asyncio.timeout(self._open_timeout):
             message = await ws.recv()
         try:
@@ -326,7 +349,10 @@ class SidecarClient:
         interval = data.get("heartbeat_interval_s")
         if not isinstance(interval, int | float) or isinstance(interval, bool) or interval <= 0:
             return None
-        return max(float(interval), 1.0)
+        secret = data.get("reconnect_secret")
+        if not isinstance(secret, str) or not reconnect_secret_is_well_formed(secret):
+            return None
+        return _Welcome(max(float(interval), 1.0), secret)
 
     async def _hold(self, ws: ClientConnection, interval: float) -> None:
         """Stay connected: answer pings (websockets does), send a heartbeat every interval."""
@@ -334,7 +360,7 @@ class SidecarClient:
         while True:
             try:
                 async with asyncio.timeout(interval):
-                    await ws.recv()  # the hub sends nothing else in v1; anything is ignored
+                    await ws.recv()  # the hub sends nothing else in v2; anything is ignored
             except TimeoutError:
                 await ws.send(heartbeat)
 

@@ -13,11 +13,14 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
+from asyncpg import Connection
 
 from hubd.routing import Target
+from hubd.store import secrets
 from hubd.store.database import Database, Pool
 from hubd.store.models import Status
 from hubd.store.queries import Bound, Statement, load_queries
+from hubd.store.secrets import Rotation, SecretState
 
 __all__ = [
     "CONNECTED_CHANNEL",
@@ -56,6 +59,8 @@ class SidecarIdentity:
     generation: int
     sidecar_id: str | None
     token_hash: bytes | None = attrs.field(repr=False)
+    secret: SecretState = attrs.field(factory=SecretState, repr=False)
+    """The current identity's reconnect secret (none until its first v2 connection)."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> SidecarIdentity:
@@ -66,6 +71,7 @@ class SidecarIdentity:
             generation=row["generation"],
             sidecar_id=row["sidecar_id"],
             token_hash=bytes(token_hash) if token_hash is not None else None,
+            secret=SecretState.from_row(row),
         )
 
 
@@ -118,6 +124,9 @@ class RecordOutcome(enum.StrEnum):
     """A newer generation (or identity) owns the allocation: the socket is stale."""
     RETIRED = "retired"
     """The allocation is gone or terminal: no sidecar of it may stay connected."""
+    SUPERSEDED = "superseded"
+    """A handshake that presented the same credential recorded itself first: it holds the
+    generation's new secret, and this one must go."""
 
 
 @attrs.frozen(kw_only=True)
@@ -219,7 +228,43 @@ class ConnectionStore:
         )
         return SidecarIdentity.from_row(row) if row is not None else None
 
-    async def record(self, connection_id: str, target: Target, sidecar_id: str) -> Record:
+    async def record_rotating(
+        self, connection_id: str, target: Target, sidecar_id: str, rotation: Rotation
+    ) -> Record:
+        """:meth:`record`, with the generation's reconnect secret rotated in the same
+        transaction: guarded on the secret state the handshake saw, so of two handshakes that
+        presented the same credential exactly one records itself (the other is
+        ``SUPERSEDED``), and nothing is written unless the record is."""
+        async with self._db.connection("record connection", pool=Pool.SOCKETS) as conn:
+            transaction = conn.transaction()
+            await transaction.start()
+            try:
+                if not await secrets.rotate(self._db, conn, target, sidecar_id, rotation):
+                    record = Record(RecordOutcome.SUPERSEDED)
+                else:
+                    record = await self.record(connection_id, target, sidecar_id, conn=conn)
+            except BaseException:
+                await transaction.rollback()
+                raise
+            if record.outcome is RecordOutcome.RECORDED:
+                await transaction.commit()
+            else:
+                await transaction.rollback()
+            return record
+
+    async def acknowledge_secret(self, target: Target, sidecar_id: str, secret_hash: bytes) -> bool:
+        """The sidecar holds the secret of its welcome: the credential that opened its
+        connection is no longer accepted. ``False`` when a newer rotation made this moot."""
+        return await secrets.acknowledge(self._db, target, sidecar_id, secret_hash)
+
+    async def record(
+        self,
+        connection_id: str,
+        target: Target,
+        sidecar_id: str,
+        *,
+        conn: Connection | None = None,
+    ) -> Record:
         """Make ``connection_id`` the allocation's current connection, if it still may be; the
         allocation is woken and every replica told, in the same statement."""
         row = await self._db.fetchrow(
@@ -233,6 +278,7 @@ class ConnectionStore:
                 ready_on_connect=self._ready_on_connect,
             ),
             pool=Pool.SOCKETS,
+            conn=conn,
         )
         if row is None:
             return Record(RecordOutcome.RETIRED)

@@ -131,6 +131,28 @@ CREATE UNIQUE INDEX hubd_sidecar_connections_allocation_idx
 
 CREATE INDEX hubd_sidecar_connections_instance_idx ON hubd_sidecar_connections (instance_id);
 
+-- A generation's reconnect secret (protocol v2): only its holder may take over the connection.
+CREATE TABLE hubd_sidecar_secrets (
+    allocation_id text PRIMARY KEY REFERENCES hubd_allocations (id),
+    -- The identity the secret belongs to: a row of an older generation or sidecar counts as no
+    -- secret at all, so a replacement starts with none and needs no statement to forget it.
+    generation    integer NOT NULL,
+    sidecar_id    text NOT NULL,
+    -- The secret of the latest welcome; NULL while only v1 sidecars (which cannot be told one)
+    -- have connected.
+    secret_hash   bytea,
+    -- The secret that authenticated the latest connection (NULL: the token alone did). It stays
+    -- valid until that connection acknowledges its welcome: a sidecar whose welcome was lost
+    -- still holds it.
+    previous_hash bytea,
+    acknowledged  boolean NOT NULL DEFAULT false,
+    rotated_at    timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT hubd_sidecar_secrets_generation_check CHECK (generation >= 1),
+    CONSTRAINT hubd_sidecar_secrets_hash_check CHECK (
+        (secret_hash IS NULL OR octet_length(secret_hash) = 32)
+        AND (previous_hash IS NULL OR octet_length(previous_hash) = 32))
+);
+
 -- Serves the sweep of dead instances' records and their own deletion.
 CREATE INDEX hubd_instances_heartbeat_idx ON hubd_instances (heartbeat_at);
 

@@ -7,9 +7,15 @@
 -- also takes its row lock, so a record and a clear of one allocation never interleave.
 
 -- name: identity
--- What a handshake is checked against: the allocation's status, generation and current identity.
-SELECT id, status, generation, sidecar_id, token_hash
-FROM hubd_allocations WHERE id = :allocation_id;
+-- What a handshake is checked against: the allocation's status, generation and current identity,
+-- and that identity's reconnect secret (all NULL when it has none: a row of an older generation
+-- or sidecar is no secret of this one).
+SELECT a.id, a.status, a.generation, a.sidecar_id, a.token_hash,
+       s.secret_hash, s.previous_hash, s.acknowledged
+FROM hubd_allocations AS a
+LEFT JOIN hubd_sidecar_secrets AS s
+       ON s.allocation_id = a.id AND s.generation = a.generation AND s.sidecar_id = a.sidecar_id
+WHERE a.id = :allocation_id;
 
 -- name: record
 -- Connection :connection_id of :allocation_id at :generation, sidecar :sidecar_id on instance

@@ -1,0 +1,107 @@
+"""Reconnect secrets: what binds a generation's identity to its latest connection (protocol v2).
+
+The token a provisioner hands a sidecar sits in its environment, where any process of the same
+uid can read it. So the token alone only opens a generation's *first* connection: each welcome
+carries a fresh secret, and once a generation has one, a handshake must present it. Each accepted
+connection rotates it. The secret that authenticated the latest connection (or the token alone,
+on a first connection) stays valid until the sidecar acknowledges its welcome: a sidecar whose
+welcome was lost on the way still holds it.
+
+Only SHA-256 digests are stored (:func:`hubd.tokens.hash_token`). These values carry digests and
+keep them out of ``repr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from asyncpg import Connection
+
+from hubd.routing import Target
+from hubd.store.database import Database, Pool
+from hubd.store.queries import load_queries
+
+__all__ = ["Rotation", "SecretState", "acknowledge", "rotate"]
+
+SQL = load_queries("secrets.sql")
+
+
+def _digest(value: Any) -> bytes | None:
+    return bytes(value) if value is not None else None
+
+
+@attrs.frozen(kw_only=True)
+class SecretState:
+    """A generation's reconnect secret as a handshake sees it."""
+
+    secret_hash: bytes | None = attrs.field(default=None, repr=False)
+    """The secret of the latest welcome; ``None``: the generation has none yet."""
+    previous_hash: bytes | None = attrs.field(default=None, repr=False)
+    """The secret that authenticated the latest connection (``None``: the token alone did)."""
+    acknowledged: bool = True
+    """Whether the latest welcome was acknowledged; until it is, ``previous_hash`` (or the
+    token alone) is still accepted."""
+
+    @property
+    def is_set(self) -> bool:
+        return self.secret_hash is not None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> SecretState:
+        """From the ``identity`` statement's columns (all NULL: no secret)."""
+        return cls(
+            secret_hash=_digest(row["secret_hash"]),
+            previous_hash=_digest(row["previous_hash"]),
+            acknowledged=row["acknowledged"] is not False,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class Rotation:
+    """What an accepted handshake writes with its connection record: the secret state it saw
+    (the guard), the digest of the secret its welcome carries (``None``: a v1 sidecar, told
+    none) and the digest of what it presented (``None``: the token alone)."""
+
+    seen_hash: bytes | None = attrs.field(repr=False)
+    secret_hash: bytes | None = attrs.field(repr=False)
+    presented_hash: bytes | None = attrs.field(repr=False)
+
+
+def _identity(target: Target, sidecar_id: str) -> dict[str, object]:
+    """The identity a secret belongs to, as both statements name it."""
+    return {
+        "allocation_id": target.allocation_id,
+        "generation": target.generation,
+        "sidecar_id": sidecar_id,
+    }
+
+
+async def rotate(
+    db: Database, conn: Connection, target: Target, sidecar_id: str, rotation: Rotation
+) -> bool:
+    """Write ``rotation`` in the caller's transaction (the one that records the connection);
+    ``False`` when a racing handshake that saw the same state wrote first: this one lost."""
+    won = await db.fetchval(
+        "rotate reconnect secret",
+        SQL.rotate_secret(
+            **_identity(target, sidecar_id),
+            seen_hash=rotation.seen_hash,
+            secret_hash=rotation.secret_hash,
+            presented_hash=rotation.presented_hash,
+        ),
+        conn=conn,
+    )
+    return won is not None
+
+
+async def acknowledge(db: Database, target: Target, sidecar_id: str, secret_hash: bytes) -> bool:
+    """The sidecar confirmed it holds ``secret_hash``'s secret: what authenticated its
+    connection stops being accepted. ``False`` when a newer rotation made this moot."""
+    done = await db.fetchval(
+        "acknowledge reconnect secret",
+        SQL.acknowledge_secret(**_identity(target, sidecar_id), secret_hash=secret_hash),
+        pool=Pool.SOCKETS,
+    )
+    return done is not None
