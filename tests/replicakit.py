@@ -73,15 +73,8 @@ class PausingConnections(ConnectionStore):
         await self.pauses.at("disconnect")
         return await super().disconnect(allocation_id, connection_id, **kw)
 
-    async def record_rotating(self, *args: Any) -> Any:
-        # Paused before its transaction starts, as the record alone was: a paused handshake
-        # must not hold the secret row's lock.
-        await self.pauses.at("record")
-        return await super().record_rotating(*args)
-
     async def record(self, *args: Any, **options: Any) -> Any:
-        if "conn" not in options:  # inside record_rotating: paused already
-            await self.pauses.at("record")
+        await self.pauses.at("record")
         return await super().record(*args, **options)
 
 

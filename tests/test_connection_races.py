@@ -35,6 +35,10 @@ async def record_held_open(
                 sidecar_id=sidecar_id,
                 instance_id=instance,
                 ready_on_connect=False,
+                rotate=False,
+                seen_hash=None,
+                secret_hash=None,
+                presented_hash=None,
             )
             row = await conn.fetchrow(record.sql, *record.args)
             assert row["seq"] is not None

@@ -260,8 +260,8 @@ class TestReconnect:
             for _ in range(2)
         ]
         records = await asyncio.gather(
-            a.record_rotating("cn_a", sidecar.target, sidecar.sidecar_id, rotations[0]),
-            b.record_rotating("cn_b", sidecar.target, sidecar.sidecar_id, rotations[1]),
+            a.record("cn_a", sidecar.target, sidecar.sidecar_id, rotation=rotations[0]),
+            b.record("cn_b", sidecar.target, sidecar.sidecar_id, rotation=rotations[1]),
         )
         outcomes = sorted(r.outcome for r in records)
         assert outcomes == sorted([RecordOutcome.RECORDED, RecordOutcome.SUPERSEDED])

@@ -296,8 +296,8 @@ class SocketRouter:
                 return False
             try:
                 async with asyncio.timeout(self._event_timeout):
-                    record = await self._connections.record_rotating(
-                        entry.connection_id, entry.target, entry.sidecar_id, rotation
+                    record = await self._connections.record(
+                        entry.connection_id, entry.target, entry.sidecar_id, rotation=rotation
                     )
             except (StoreError, TimeoutError) as exc:
                 entry.log.warning("connection_not_recorded", error=describe_error(exc))

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
-from asyncpg import Connection
 
 from hubd.routing import Target
 from hubd.store import secrets
@@ -228,30 +227,6 @@ class ConnectionStore:
         )
         return SidecarIdentity.from_row(row) if row is not None else None
 
-    async def record_rotating(
-        self, connection_id: str, target: Target, sidecar_id: str, rotation: Rotation
-    ) -> Record:
-        """:meth:`record`, with the generation's reconnect secret rotated in the same
-        transaction: guarded on the secret state the handshake saw, so of two handshakes that
-        presented the same credential exactly one records itself (the other is
-        ``SUPERSEDED``), and nothing is written unless the record is."""
-        async with self._db.connection("record connection", pool=Pool.SOCKETS) as conn:
-            transaction = conn.transaction()
-            await transaction.start()
-            try:
-                if not await secrets.rotate(self._db, conn, target, sidecar_id, rotation):
-                    record = Record(RecordOutcome.SUPERSEDED)
-                else:
-                    record = await self.record(connection_id, target, sidecar_id, conn=conn)
-            except BaseException:
-                await transaction.rollback()
-                raise
-            if record.outcome is RecordOutcome.RECORDED:
-                await transaction.commit()
-            else:
-                await transaction.rollback()
-            return record
-
     async def acknowledge_secret(self, target: Target, sidecar_id: str, secret_hash: bytes) -> bool:
         """The sidecar holds the secret of its welcome: the credential that opened its
         connection is no longer accepted. ``False`` when a newer rotation made this moot."""
@@ -263,10 +238,13 @@ class ConnectionStore:
         target: Target,
         sidecar_id: str,
         *,
-        conn: Connection | None = None,
+        rotation: Rotation | None = None,
     ) -> Record:
         """Make ``connection_id`` the allocation's current connection, if it still may be; the
-        allocation is woken and every replica told, in the same statement."""
+        allocation is woken and every replica told, in the same statement. With ``rotation``,
+        the generation's reconnect secret is rotated first in that statement, guarded on the
+        secret state the handshake saw: of two handshakes that presented the same credential
+        exactly one records itself (the other is ``SUPERSEDED``)."""
         row = await self._db.fetchrow(
             "record connection",
             SQL.record(
@@ -276,12 +254,17 @@ class ConnectionStore:
                 sidecar_id=sidecar_id,
                 instance_id=self.instance_id,
                 ready_on_connect=self._ready_on_connect,
+                rotate=rotation is not None,
+                seen_hash=rotation.seen_hash if rotation else None,
+                secret_hash=rotation.secret_hash if rotation else None,
+                presented_hash=rotation.presented_hash if rotation else None,
             ),
             pool=Pool.SOCKETS,
-            conn=conn,
         )
         if row is None:
             return Record(RecordOutcome.RETIRED)
+        if row["rotation_lost"]:
+            return Record(RecordOutcome.SUPERSEDED)
         if row["seq"] is not None:
             return Record(RecordOutcome.RECORDED, row["seq"], ready=row["ready"])
         status = Status(row["status"])

@@ -17,13 +17,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from asyncpg import Connection
 
 from hubd.routing import Target
 from hubd.store.database import Database, Pool
 from hubd.store.queries import load_queries
 
-__all__ = ["Rotation", "SecretState", "acknowledge", "rotate"]
+__all__ = ["Rotation", "SecretState", "acknowledge"]
 
 SQL = load_queries("secrets.sql")
 
@@ -76,24 +75,6 @@ def _identity(target: Target, sidecar_id: str) -> dict[str, object]:
         "generation": target.generation,
         "sidecar_id": sidecar_id,
     }
-
-
-async def rotate(
-    db: Database, conn: Connection, target: Target, sidecar_id: str, rotation: Rotation
-) -> bool:
-    """Write ``rotation`` in the caller's transaction (the one that records the connection);
-    ``False`` when a racing handshake that saw the same state wrote first: this one lost."""
-    won = await db.fetchval(
-        "rotate reconnect secret",
-        SQL.rotate_secret(
-            **_identity(target, sidecar_id),
-            seen_hash=rotation.seen_hash,
-            secret_hash=rotation.secret_hash,
-            presented_hash=rotation.presented_hash,
-        ),
-        conn=conn,
-    )
-    return won is not None
 
 
 async def acknowledge(db: Database, target: Target, sidecar_id: str, secret_hash: bytes) -> bool:

@@ -31,9 +31,35 @@ WHERE a.id = :allocation_id;
 --   a claim that lost it can write nothing).
 -- * Otherwise the allocation is made due and woken (a claim holding it sees the bump when it
 --   parks or marks ready, so a connect on a leased row is never lost).
+-- With :rotate (a protocol v2 handshake, or a v1 one of a generation with no secret), the
+-- generation's reconnect secret (hubd_sidecar_secrets) is rotated first (the new
+-- :secret_hash, :presented_hash valid until the welcome is acknowledged), guarded on the state
+-- the handshake saw (:seen_hash): of two handshakes that saw the same state only the first
+-- rotates, and the other records nothing (rotation_lost). The rotation is written only for an
+-- allocation that, in this statement's snapshot, accepts this sidecar; one that moves on in the
+-- moment before the row lock leaves a secret of an identity no handshake can present again.
 -- Returns the allocation's status and generation (no row: no such allocation), the record's
--- number (NULL: not written) and whether the allocation became ready.
-WITH prior AS (
+-- number (NULL: not written), whether the allocation became ready and whether the rotation lost.
+WITH rotated AS (
+    INSERT INTO hubd_sidecar_secrets AS s
+        (allocation_id, generation, sidecar_id, secret_hash, previous_hash, acknowledged)
+    SELECT a.id, a.generation, a.sidecar_id, :secret_hash::bytea, :presented_hash::bytea,
+           :secret_hash::bytea IS NULL
+    FROM hubd_allocations AS a
+    WHERE :rotate::boolean AND a.id = :allocation_id AND a.generation = :generation
+      AND a.sidecar_id = :sidecar_id AND a.status IN ('provisioning', 'allocated')
+    ON CONFLICT (allocation_id) DO UPDATE SET
+        generation = EXCLUDED.generation,
+        sidecar_id = EXCLUDED.sidecar_id,
+        secret_hash = EXCLUDED.secret_hash,
+        previous_hash = EXCLUDED.previous_hash,
+        acknowledged = EXCLUDED.acknowledged,
+        rotated_at = now()
+    WHERE CASE WHEN s.generation = EXCLUDED.generation AND s.sidecar_id = EXCLUDED.sidecar_id
+               THEN s.secret_hash IS NOT DISTINCT FROM :seen_hash::bytea
+               ELSE :seen_hash::bytea IS NULL END
+    RETURNING s.allocation_id
+), prior AS (
     SELECT id,
            (:ready_on_connect::boolean AND status = 'allocated' AND NOT connection_ready
             AND initialization_lease_id IS NULL
@@ -41,6 +67,7 @@ WITH prior AS (
     FROM hubd_allocations
     WHERE id = :allocation_id AND generation = :generation AND sidecar_id = :sidecar_id
       AND status IN ('provisioning', 'allocated')
+      AND (NOT :rotate::boolean OR EXISTS (SELECT 1 FROM rotated))
     FOR UPDATE
 ), alloc AS (
     UPDATE hubd_allocations AS a SET
@@ -88,6 +115,7 @@ WITH prior AS (
 SELECT current.status, current.generation,
        (SELECT seq FROM written) AS seq,
        coalesce((SELECT ready_now FROM alloc), false) AS ready,
+       :rotate::boolean AND NOT EXISTS (SELECT 1 FROM rotated) AS rotation_lost,
        (SELECT count(*) FROM notified) AS notified
 FROM (SELECT status, generation FROM hubd_allocations WHERE id = :allocation_id) AS current;
 
