@@ -517,7 +517,8 @@ async def reset(db: Database) -> None:
     """An empty database for the next seed, the observer triggers kept."""
     async with db.pool.acquire() as conn:
         await conn.execute(
-            "TRUNCATE hubd_allocation_ledger, hubd_sidecar_connections, hubd_allocations, "
+            "TRUNCATE hubd_allocation_ledger, hubd_sidecar_connections, hubd_sidecar_secrets, "
+            "hubd_allocations, "
             "hubd_instances, hubd_observed_versions"
         )
 
