@@ -30,6 +30,7 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     or status counts change shape, change them here too.
     """
     from hubd.store.allocations import SQL
+    from hubd.store.counts import SQL as COUNTS
 
     def claim() -> tuple[Any, ...]:
         # The dispatcher's statement, claiming for 16 free slots at once.
@@ -51,8 +52,8 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     return {
         "claim": (sample_claim.sql, claim),
         "renewal": (sample_renewal.sql, renewal),
-        "status_count": (SQL.count_active().sql, tuple),
-        "status_estimate": (SQL.estimate_statuses().sql, tuple),
+        "status_count": (COUNTS.count_active().sql, tuple),
+        "status_estimate": (COUNTS.estimate_statuses().sql, tuple),
     }
 
 

@@ -10,6 +10,8 @@ what its sockets do. Neither side imports the other: both depend on this module 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Protocol
 
 import attrs
@@ -17,7 +19,15 @@ import attrs
 # Part of the seam (wait_ready raises it), defined with every other error and re-exported here.
 from hubd.errors import SidecarNotConnected
 
-__all__ = ["ConnectionEvents", "MemoryRouter", "Router", "SidecarNotConnected", "Target"]
+__all__ = [
+    "Arrivals",
+    "ConnectionEvents",
+    "MemoryRouter",
+    "Router",
+    "SidecarNotConnected",
+    "Target",
+    "not_connected",
+]
 
 
 @attrs.frozen
@@ -49,6 +59,44 @@ class ConnectionEvents(Protocol):
         """The current connection of ``target`` closed (not superseded, fenced or retired)."""
 
 
+class Arrivals:
+    """Waiters for connect notifications, by target. A waiter is registered before anyone
+    asks the database whether the sidecar is connected, so a connect that lands between the
+    question and the wait resolves it instead of being missed."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[Target, set[asyncio.Future[None]]] = {}
+
+    @contextlib.contextmanager
+    def expect(self, target: Target) -> Iterator[asyncio.Future[None]]:
+        """A future resolved by the next :meth:`arrived` of ``target``, for the block."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(target, set()).add(waiter)
+        try:
+            yield waiter
+        finally:
+            waiters = self._waiters.get(target)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[target]
+
+    def arrived(self, target: Target) -> None:
+        for waiter in self._waiters.get(target, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def __len__(self) -> int:
+        return sum(len(waiters) for waiters in self._waiters.values())
+
+
+def not_connected(target: Target, within: float) -> SidecarNotConnected:
+    return SidecarNotConnected(
+        f"sidecar of {target.allocation_id} generation {target.generation} did not connect "
+        f"within {within:g}s"
+    )
+
+
 class MemoryRouter:
     """A :class:`Router` with no sockets: it remembers what it was asked to fence and retire,
     and its waiters wake when the owner calls :meth:`notify_connected` (as a ``hubd_connected``
@@ -57,12 +105,10 @@ class MemoryRouter:
     def __init__(self) -> None:
         self.fenced: list[Target] = []
         self.retired: list[Target] = []
-        self._arrivals: dict[Target, asyncio.Event] = {}
+        self._arrivals = Arrivals()
 
     def notify_connected(self, target: Target) -> None:
-        arrival = self._arrivals.pop(target, None)
-        if arrival is not None:
-            arrival.set()
+        self._arrivals.arrived(target)
 
     def fence(self, allocation_id: str, generation: int) -> None:
         self.fenced.append(Target(allocation_id, generation))
@@ -71,12 +117,9 @@ class MemoryRouter:
         self.retired.append(Target(allocation_id, generation))
 
     async def wait_ready(self, target: Target, within: float) -> None:
-        arrival = self._arrivals.setdefault(target, asyncio.Event())
-        try:
-            async with asyncio.timeout(within):
-                await arrival.wait()
-        except TimeoutError:
-            raise SidecarNotConnected(
-                f"sidecar of {target.allocation_id} generation {target.generation} did not "
-                f"connect within {within:g}s"
-            ) from None
+        with self._arrivals.expect(target) as arrival:
+            try:
+                async with asyncio.timeout(within):
+                    await arrival
+            except TimeoutError:
+                raise not_connected(target, within) from None

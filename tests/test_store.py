@@ -23,6 +23,7 @@ from hubd.store import (
     Status,
 )
 from hubd.store.connections import ConnectionStore
+from hubd.store.counts import status_counts
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id
 from tests.pgtime import age_row, expire_lease
@@ -538,14 +539,14 @@ class TestClaims:
                 """
             )
             await conn.execute("ANALYZE hubd_allocations")
-            from hubd.store.allocations import SQL
+            from hubd.store.counts import SQL
 
             plans = [
                 str(await conn.fetchval("EXPLAIN (FORMAT JSON) " + bound.sql))
                 for bound in (SQL.count_active(), SQL.estimate_statuses())
             ]
         assert all("Seq Scan on hubd_allocations" not in plan for plan in plans), plans
-        counts = await store.status_counts()
+        counts = await status_counts(db)
         assert counts[Status.PENDING] == 300
         assert counts[Status.ALLOCATED] == 0
         assert 70_000 <= counts[Status.RELEASED] <= 80_000

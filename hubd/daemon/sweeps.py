@@ -21,6 +21,7 @@ from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.errors import StoreError
 from hubd.reconciler.orphans import OrphanCollector
 from hubd.store import Status
+from hubd.store.counts import status_counts
 
 __all__ = ["DEAD_INSTANCE_TTLS", "Sweeps"]
 
@@ -128,11 +129,11 @@ class Sweeps:
 
     async def counts(self) -> None:
         statuses = [str(s) for s in Status]
-        store, listener = self.running.store, self.running.listener
+        db, listener = self.running.db, self.running.listener
         while True:
             raise_if_cancelled()
             try:
-                counts = await store.status_counts()
+                counts = await status_counts(db)
                 self.metrics.set_allocation_counts(
                     {str(status): n for status, n in counts.items()}, statuses
                 )

@@ -34,17 +34,24 @@ heartbeat: a database outage must not turn a healthy sidecar into a lost one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
-from hubd.backoff import Retries
 from hubd.errors import DatabaseUnavailable, StoreError
 from hubd.redaction import describe_error
-from hubd.routing import ConnectionEvents, SidecarNotConnected, Target
+from hubd.routing import Arrivals, ConnectionEvents, Target, not_connected
 from hubd.server.handshake import CloseCode, HandshakeRequest
-from hubd.server.sockets import KeyedFifo, SidecarSocket, SocketEntry, new_connection_id
+from hubd.server.sockets import (
+    REFUSED_RECORD_CLOSES,
+    KeyedFifo,
+    SidecarSocket,
+    SocketEntry,
+    TrackedTasks,
+    clear_record,
+    new_connection_id,
+)
 from hubd.store.connections import (
     ConnectedNotice,
     ConnectionStore,
@@ -57,13 +64,6 @@ from hubd.store.secrets import Rotation
 __all__ = ["SocketRouter"]
 
 log = structlog.get_logger(__name__)
-
-_REFUSED_RECORD_CLOSES = {
-    RecordOutcome.RETIRED: CloseCode.RETIRED,
-    RecordOutcome.FENCED: CloseCode.FENCED,
-    # Another handshake with the same credential won the rotation: it holds the new secret.
-    RecordOutcome.SUPERSEDED: CloseCode.SUPERSEDED,
-}
 
 
 class SocketRouter:
@@ -86,9 +86,9 @@ class SocketRouter:
         self._event_timeout = event_timeout
         self._clear_budget = clear_budget
         self._sockets: dict[str, dict[str, SocketEntry]] = {}
-        self._waiters: dict[Target, set[asyncio.Future[None]]] = {}
+        self._arrivals = Arrivals()
         self._serial = KeyedFifo()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TrackedTasks()
         self._closing = False
         self.remote_closes = 0
         """Sockets closed because another replica's write said they no longer belong."""
@@ -202,13 +202,8 @@ class SocketRouter:
             return True
 
     async def wait_ready(self, target: Target, within: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        waiter: asyncio.Future[None] = loop.create_future()
-        # The waiter is registered before the database is asked: a connect that lands between
-        # the question and the wait then resolves the waiter instead of being missed.
-        self._waiters.setdefault(target, set()).add(waiter)
-        try:
+        deadline = asyncio.get_running_loop().time() + within
+        with self._arrivals.expect(target) as waiter:
             try:
                 async with asyncio.timeout_at(deadline):
                     ready = await self.is_ready(target)
@@ -221,22 +216,11 @@ class SocketRouter:
                 async with asyncio.timeout_at(deadline):
                     await waiter
             except TimeoutError:
-                raise SidecarNotConnected(
-                    f"sidecar of {target.allocation_id} generation {target.generation} "
-                    f"did not connect within {within:g}s"
-                ) from None
-        finally:
-            waiters = self._waiters.get(target)
-            if waiters is not None:
-                waiters.discard(waiter)
-                if not waiters:
-                    del self._waiters[target]
+                raise not_connected(target, within) from None
 
     def notify_connected(self, target: Target) -> None:
         """A ``hubd_connected`` notification arrived (from any replica, this one included)."""
-        for waiter in self._waiters.get(target, ()):
-            if not waiter.done():
-                waiter.set_result(None)
+        self._arrivals.arrived(target)
 
     # -- the server side ------------------------------------------------------------------------
 
@@ -306,7 +290,7 @@ class SocketRouter:
             outcome = record.outcome
             if outcome is not RecordOutcome.RECORDED:
                 entry.log.info("connection_refused_by_record", outcome=str(outcome))
-                self._close(entry, _REFUSED_RECORD_CLOSES[outcome])
+                self._close(entry, REFUSED_RECORD_CLOSES[outcome])
                 return False
             entry.recorded = True
             entry.seq = record.seq
@@ -334,7 +318,7 @@ class SocketRouter:
         secret_hash, entry.secret_hash = entry.secret_hash, None
         if secret_hash is None or entry.closed_by_hub is not None:
             return
-        self._spawn(
+        self._tasks.spawn(
             self._acknowledge(entry, secret_hash), name=f"acknowledge-{entry.connection_id}"
         )
 
@@ -394,7 +378,7 @@ class SocketRouter:
             for entry in list(peers.values()):
                 self._close(entry, code)
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -408,7 +392,7 @@ class SocketRouter:
 
     @property
     def waiter_count(self) -> int:
-        return sum(len(waiters) for waiters in self._waiters.values())
+        return len(self._arrivals)
 
     @property
     def busy_allocations(self) -> int:
@@ -428,52 +412,25 @@ class SocketRouter:
         # sees the close, knows it was the hub's doing and why.
         entry.closed_by_hub = code
         entry.log.info("closing_sidecar", code=int(code), reason=code.reason)
-        self._spawn(entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}")
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("router_task_failed", task=task.get_name(), error=describe_error(exc))
+        self._tasks.spawn(
+            entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}"
+        )
 
     async def _clear(
         self, entry: SocketEntry, holder: SocketEntry, *, lost: bool = True
     ) -> bool | None:
         """Clear ``holder``'s record (and, with ``lost``, mark the sidecar lost in the same
-        statement), retrying a failing database within the clear budget.
-
-        ``None`` when it could not be cleared: the record then outlives the socket until its
-        instance stops heartbeating, so this is logged as an error.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._clear_budget
-        retries = Retries.doubling(0.05, 2.0)
-        while True:
-            delay = retries.next_delay()
-            try:
-                async with asyncio.timeout(self._event_timeout):
-                    if lost:
-                        return await self._connections.disconnect(
-                            holder.target.allocation_id,
-                            holder.connection_id,
-                            connect_timeout=self._connect_timeout,
-                        )
-                    return await self._connections.clear(
-                        holder.target.allocation_id, holder.connection_id
-                    )
-            except (StoreError, TimeoutError) as exc:
-                if loop.time() + delay >= deadline:
-                    # The message says it all; a traceback would add nothing.
-                    entry.log.error(  # noqa: TRY400
-                        "connection_record_left_behind", error=describe_error(exc)
-                    )
-                    return None
-                entry.log.warning("connection_clear_retry", error=describe_error(exc))
-            await asyncio.sleep(delay)
+        statement), retrying a failing database within the clear budget; ``None`` when it could
+        not be cleared."""
+        return await clear_record(
+            self._connections,
+            holder,
+            lost=lost,
+            connect_timeout=self._connect_timeout,
+            attempt_timeout=self._event_timeout,
+            budget=self._clear_budget,
+            log=entry.log,
+        )
 
     async def _deliver(self, entry: SocketEntry, event: str) -> None:
         if self._events is None:

@@ -4,16 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import attrs
+import structlog
 
+from hubd.backoff import Retries
+from hubd.errors import StoreError
+from hubd.redaction import describe_error
 from hubd.routing import Target
 from hubd.server.handshake import CloseCode
+from hubd.store.connections import ConnectionStore, RecordOutcome
 
-__all__ = ["KeyedFifo", "SidecarSocket", "SocketEntry", "new_connection_id"]
+__all__ = [
+    "REFUSED_RECORD_CLOSES",
+    "KeyedFifo",
+    "SidecarSocket",
+    "SocketEntry",
+    "TrackedTasks",
+    "clear_record",
+    "new_connection_id",
+]
+
+log = structlog.get_logger(__name__)
+
+# How a socket whose connection record was refused is closed.
+REFUSED_RECORD_CLOSES = {
+    RecordOutcome.RETIRED: CloseCode.RETIRED,
+    RecordOutcome.FENCED: CloseCode.FENCED,
+    # Another handshake with the same credential won the rotation: it holds the new secret.
+    RecordOutcome.SUPERSEDED: CloseCode.SUPERSEDED,
+}
 
 
 def new_connection_id() -> str:
@@ -84,3 +107,65 @@ class KeyedFifo:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+
+class TrackedTasks:
+    """Fire-and-forget work of the router (closes, acknowledgements), kept referenced until
+    done, and logged if it fails."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("router_task_failed", task=task.get_name(), error=describe_error(exc))
+
+    def __iter__(self) -> Iterator[asyncio.Task[None]]:
+        return iter(set(self._tasks))
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+
+async def clear_record(
+    connections: ConnectionStore,
+    holder: SocketEntry,
+    *,
+    lost: bool,
+    connect_timeout: float,
+    attempt_timeout: float,
+    budget: float,
+    log: Any,
+) -> bool | None:
+    """Clear ``holder``'s connection record (and, with ``lost``, mark the sidecar lost in the
+    same statement), retrying a failing database for up to ``budget`` seconds. Whether the
+    record was still ``holder``'s; ``None`` when it could not be cleared: the record then
+    outlives the socket until its instance stops heartbeating, so that is logged as an error.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget
+    retries = Retries.doubling(0.05, 2.0)
+    while True:
+        delay = retries.next_delay()
+        try:
+            async with asyncio.timeout(attempt_timeout):
+                if lost:
+                    return await connections.disconnect(
+                        holder.target.allocation_id,
+                        holder.connection_id,
+                        connect_timeout=connect_timeout,
+                    )
+                return await connections.clear(holder.target.allocation_id, holder.connection_id)
+        except (StoreError, TimeoutError) as exc:
+            if loop.time() + delay >= deadline:
+                # The message says it all; a traceback would add nothing.
+                log.error("connection_record_left_behind", error=describe_error(exc))  # noqa: TRY400
+                return None
+            log.warning("connection_clear_retry", error=describe_error(exc))
+        await asyncio.sleep(delay)

@@ -14,11 +14,10 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
-import attrs
 
 from hubd.errors import AllocationNotFound
 from hubd.store.database import Database, Pool
-from hubd.store.models import Allocation, Fence, Status
+from hubd.store.models import Allocation, Claimed, Fence, Status
 from hubd.store.queries import Bound, Statement, load_queries
 from hubd.store.values import (
     Failure,
@@ -33,16 +32,6 @@ from hubd.store.values import (
 __all__ = ["AllocationStore", "AttemptKind", "Claimed", "ParkMode"]
 
 SQL = load_queries("allocations.sql")
-
-
-@attrs.frozen(kw_only=True)
-class Claimed:
-    """A row a claim statement leased."""
-
-    allocation: Allocation
-    lease_id: str
-    open_effects: bool
-    """An earlier lease left a plugin call of this generation's history with no outcome."""
 
 
 class AttemptKind(enum.StrEnum):
@@ -141,21 +130,6 @@ class AllocationStore:
             "list allocations",
             SQL.list_allocations(status=str(status) if status else None, limit=limit),
         )
-
-    async def status_counts(self) -> dict[Status, int]:
-        """Allocations by status, at a cost that does not grow with finished rows: active
-        statuses counted exactly, terminal ones estimated from the planner's statistics."""
-        estimated = await self._db.fetch("count allocations", SQL.estimate_statuses())
-        active = await self._db.fetch("count allocations", SQL.count_active())
-        counts = dict.fromkeys(Status, 0)
-        for row in estimated:
-            if row["status"] in Status.__members__.values():
-                status = Status(row["status"])
-                if status.terminal:
-                    counts[status] = int(row["n"])
-        for row in active:
-            counts[Status(row["status"])] = int(row["n"])
-        return counts
 
     # -- claims and leases -------------------------------------------------------------------
 

@@ -148,3 +148,13 @@ class LedgerEntry:
         values = {field.name: row[field.name] for field in attrs.fields(cls)}
         values["phase"] = Phase(values["phase"])
         return cls(**values)
+
+
+@attrs.frozen(kw_only=True)
+class Claimed:
+    """A row a claim statement leased."""
+
+    allocation: Allocation
+    lease_id: str
+    open_effects: bool
+    """An earlier lease left a plugin call of this generation's history with no outcome."""
