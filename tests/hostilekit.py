@@ -12,6 +12,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -30,6 +31,7 @@ __all__ = [
     "HOLDER_ATTACKS",
     "MUTE",
     "STOLEN_ATTACKS",
+    "UNAUTHORIZED",
     "Attacker",
     "Measured",
     "hostile_config",
@@ -75,9 +77,13 @@ never dials by itself, so whoever holds the environment it was given connects fi
 for the hub, the allocation's genuine sidecar."""
 
 
+UNAUTHORIZED: Final = "401 unauthorized"
+"""The one answer to every authentication failure."""
+
+
 def hostile_config(path: Path, *, state_dir: Path, marker: str) -> Path:
-    """The test daemon's config (:func:`tests.daemonkit.write_config`) plus the
-    :data:`MUTE` provisioner."""
+    """The test daemon's config (:func:`tests.daemonkit.write_config`) with the production
+    instance TTL, plus the :data:`MUTE` provisioner."""
     mute = f"""
 [[provisioners]]
 id = "{MUTE}"
@@ -88,7 +94,12 @@ grace = 2
 [provisioners.options.env]
 {MARKER_VARIABLE} = "{marker}"
 """
-    return write_config(path, state_dir=state_dir, marker=marker, extra=mute)
+    config = write_config(path, state_dir=state_dir, marker=marker, extra=mute)
+    # The production instance TTL: readiness reports a heartbeat older than the TTL, and the
+    # test config's 5 s is shorter than the event-loop stalls a loaded 2-core machine shows
+    # while one process floods the daemon.
+    config.write_text(config.read_text().replace('ttl = "5s"', 'ttl = "20s"'))
+    return config
 
 
 async def unconnected_sidecar(env: dict[str, str], marker: str) -> tuple[str, dict[str, str]]:
@@ -254,7 +265,9 @@ async def _open_as_sidecar(
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
         if status != 101:
-            outcomes[str(status)] += 1
+            length = re.search(rb"(?i)\r\ncontent-length: *([0-9]+)", head)
+            reason = await reader.readexactly(int(length.group(1))) if length else b""
+            outcomes[f"{status} {reason.decode(errors='replace').strip()}"] += 1
             return None
         opcode, payload = await _read_frame(reader)
     if opcode != 0x1:
@@ -310,28 +323,37 @@ async def ping_flood(port: int, size: int, seconds: float, attacker: Attacker) -
     return sent
 
 
+def _told_to_stop(outcomes: collections.Counter[str]) -> bool:
+    """Whether the hub answered with a status after which the protocol says a sidecar stops
+    (400, 401, 403, 409): an attacker holding the genuine identity gains nothing by going on,
+    and only loses it."""
+    return any(key[:3] in ("400", "401", "403", "409") for key in outcomes)
+
+
 async def reconnect_loop(port: int, size: int, seconds: float, attacker: Attacker) -> int:
     """A sidecar reconnecting in a loop as fast as the hub answers, each time with the
     reconnect secret of its latest welcome (acknowledged at once), ignoring ``Retry-After``.
 
-    Every other time it takes over its own live socket (the hub closes the old one with 4000);
-    in between it closes the live socket first, so the hub also sees it lost and reconnected.
+    After one accepted reconnect it takes over its own live socket (the hub closes the old one
+    with 4000), after the next it closes the live socket first, so the hub also sees it lost
+    and reconnected.
     As the first connector each accepted reconnect is legitimate and only the per-allocation
-    bucket bounds them; with a copied token the first try gets 401, and a sidecar that is told
-    401 stops."""
+    bucket bounds them; with a copied token the first try gets 401. It stops where the protocol
+    says a sidecar stops."""
     del size
     outcomes = attacker.outcomes
     deadline = time.monotonic() + seconds
     secret: str | None = None
     live: asyncio.StreamWriter | None = None
     tries = 0
+    close_first = False
     try:
-        while time.monotonic() < deadline and not outcomes["401"]:
+        while time.monotonic() < deadline and not _told_to_stop(outcomes):
             tries += 1
-            if live is not None and tries % 2:
+            if live is not None and close_first:
                 live.close()
                 live = None
-            with contextlib.suppress(OSError, TimeoutError, asyncio.IncompleteReadError):
+            try:
                 reader, writer = await _connect(port, "127.0.0.10")
                 fresh = None
                 try:
@@ -343,9 +365,12 @@ async def reconnect_loop(port: int, size: int, seconds: float, attacker: Attacke
                         writer.close()
                 if fresh is not None:
                     secret = fresh
+                    close_first = not close_first
                     if live is not None:
                         live.close()
                     live = writer
+            except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                outcomes[f"error {type(exc).__name__}"] += 1
     finally:
         if live is not None:
             live.close()

@@ -19,6 +19,7 @@ from tests.daemonkit import DaemonProcess, kill_sidecars, new_marker
 from tests.hostilekit import (
     HOLDER_ATTACKS,
     STOLEN_ATTACKS,
+    UNAUTHORIZED,
     Attacker,
     Measured,
     hostile_config,
@@ -28,6 +29,8 @@ from tests.hostilekit import (
 )
 from tests.polling import eventually
 from tests.test_daemon import request_many
+
+STALE = "409 stale generation: this sidecar was replaced"
 
 pytestmark = [pytest.mark.hostile, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -57,10 +60,6 @@ async def attacked() -> AsyncIterator[Attacked]:
     with tempfile.TemporaryDirectory(prefix="hubd-h") as tmp:
         state_dir = Path(tmp)
         config = hostile_config(state_dir / "hubd.toml", state_dir=state_dir, marker=marker)
-        # The production instance TTL: readiness reports a heartbeat older than the TTL, and
-        # the test config's 5 s is shorter than the event-loop stalls a loaded 2-core machine
-        # shows while this same process floods the daemon.
-        config.write_text(config.read_text().replace('ttl = "5s"', 'ttl = "20s"'))
         env = {"HUBD_STATE_DIR": str(state_dir), "HUBD_CONFIG": str(config)}
         daemon = DaemonProcess(config)
         await daemon.start()
@@ -103,7 +102,7 @@ def assert_holder_contained(attack: str, result: Measured, ledger_growth: int) -
     """The genuine sidecar's own attack: it was let in, and then stopped by the caps."""
     outcomes = result.outcomes
     summary = f"{result!r} ledger +{ledger_growth}"
-    assert "401" not in outcomes, summary
+    assert UNAUTHORIZED not in outcomes, summary
     if attack == "ping-flood":
         # Welcomed once, then dropped by the hub (the flood only ends early when its writes
         # fail: the hub closed the socket under it).
@@ -115,10 +114,18 @@ def assert_holder_contained(attack: str, result: Measured, ledger_growth: int) -
     # Every accepted reconnect is a legitimate one, and the per-allocation bucket caps them.
     allowed = limits.reconnect_burst + limits.reconnect_rate * result.seconds + 1
     assert 2 <= outcomes.get("welcome", 0) <= allowed, summary
-    assert outcomes.get("429", 0) >= 1, summary
+    assert outcomes.get("429 reconnecting too often", 0) >= 1, summary
     # At most a loss and a "ready on connect" per accepted reconnect: bounded by the bucket,
     # not by how fast the sidecar loops.
     assert ledger_growth <= 2 * allowed + 4, summary
+    # Nothing but welcomes and the bucket's refusals: no other refusal, no failed dial.
+    if STALE in outcomes and set(outcomes) == {"welcome", "429 reconnecting too often", STALE}:
+        pytest.xfail(
+            "known defect: a claim that loaded the row while it was ready reads its absent "
+            "connect deadline as passed (_wait_until_ready in hubd/reconciler/steps.py) and "
+            "abandons a sidecar that dropped a moment before (sidecar_connect_failed, '-0s ago')"
+        )
+    assert set(outcomes) == {"welcome", "429 reconnecting too often"}, summary
 
 
 @pytest.mark.parametrize(("attack", "size", "seconds"), SIZES, ids=[s[0] for s in SIZES])
@@ -161,13 +168,14 @@ async def test_attack_is_contained(
     assert result.rss_after - result.rss_before < 32, summary
     assert result.fds_after <= result.fds_before + 8, summary
     assert result.log_lines < 200, summary
-    if target:
-        growth = await ledger_rows(attacked.dsn, target) - ledger_before
-        assert_holder_contained(attack, result, growth)
-        released = await run_hubd_async("alloc", "release", target, env=attacked.env)
-        assert released.code == 0, released.err
+    await stays(attacked.dsn, healthy)
     if attack in STOLEN_ATTACKS:
         # A copied token opens nothing, and the sidecar it was copied from keeps its socket.
-        assert result.outcomes == {"401": 1}, summary
+        assert result.outcomes == {UNAUTHORIZED: 1}, summary
         await stays(attacked.dsn, victim, ready=True)
-    await stays(attacked.dsn, healthy)
+    if target:
+        growth = await ledger_rows(attacked.dsn, target) - ledger_before
+        # Released first: the next attack's daemon has no stray allocation of this one.
+        released = await run_hubd_async("alloc", "release", target, env=attacked.env)
+        assert released.code == 0, released.err
+        assert_holder_contained(attack, result, growth)
