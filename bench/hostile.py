@@ -14,7 +14,8 @@ Columns: offered (bytes, connections, handshakes, pings or reconnect tries, by a
 rate, seconds, RSS before / peak / after settling (MiB), descriptors before / after, legitimate
 request latency p50 / p99 (s) and failures, /readyz p50 / p99 / max (ms, the separate prober)
 and failures (either prober), the daemon's log lines during the attack, and what the hub
-answered the attacker (``w`` welcomes, ``dropped@s`` when the hub dropped it, statuses).
+answered the attacker (``w`` welcomes, ``dropped@s`` when the hub dropped it, statuses with
+their reasons, and how many ledger rows the attacker's own allocation gained).
 ``--json`` also prints every measurement as a JSON line.
 """
 
@@ -41,6 +42,7 @@ from tests.hostilekit import (
     Measured,
     hostile_config,
     json_line,
+    ledger_rows,
     measure,
     sidecar_environment,
     unconnected_sidecar,
@@ -86,9 +88,11 @@ def _outcome(m: Measured) -> str:
     parts = [f"w{m.outcomes['welcome']}"] if "welcome" in m.outcomes else []
     if m.dropped_after is not None:
         parts.append(f"dropped@{m.dropped_after:.1f}s")
-    parts += [f"{k}x{v}" for k, v in sorted(m.outcomes.items()) if k[:1].isdigit()]
-    parts += [k for k in m.outcomes if k == "never dropped"]
-    return " ".join(parts) or "-"
+    parts += [f"{k}: {v}" for k, v in sorted(m.outcomes.items()) if k[:1].isdigit()]
+    parts += [k for k in m.outcomes if not k[:1].isdigit() and k not in ("welcome", "dropped")]
+    if m.ledger_growth is not None:
+        parts.append(f"ledger+{m.ledger_growth}")
+    return ", ".join(parts) or "-"
 
 
 HEADER = (
@@ -133,6 +137,7 @@ async def main(args: argparse.Namespace) -> None:
         state_dir = Path(tmp)
         config = hostile_config(state_dir / "hubd.toml", state_dir=state_dir, marker=marker)
         env = {"HUBD_STATE_DIR": str(state_dir), "HUBD_CONFIG": str(config)}
+        dsn = f"postgresql://postgres@/hubd?host={tmp}/pgdata"
         daemon = DaemonProcess(config)
         await daemon.start()
         try:
@@ -140,20 +145,21 @@ async def main(args: argparse.Namespace) -> None:
                 size, seconds = FULL[name]
                 await request_many(1, env, wait=True)  # a bystander
                 attacker, held = await _attacker(name, env, marker)
-                rows.append(
-                    await measure(
-                        daemon,
-                        name,
-                        size=size,
-                        seconds=args.seconds or seconds,
-                        env=env,
-                        attacker=attacker,
-                        legit_requests=args.legit,
-                        separate_prober=separate_prober,
-                    )
+                before = await ledger_rows(dsn, held) if held else 0
+                result = await measure(
+                    daemon,
+                    name,
+                    size=size,
+                    seconds=args.seconds or seconds,
+                    env=env,
+                    attacker=attacker,
+                    legit_requests=args.legit,
+                    separate_prober=separate_prober,
                 )
                 if held:
+                    result.ledger_growth = await ledger_rows(dsn, held) - before
                     await run_hubd_async("alloc", "release", held, env=env)
+                rows.append(result)
         finally:
             await daemon.kill()
             kill_sidecars(marker)

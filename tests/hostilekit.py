@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import attrs
 
+from hubd.store import connect_database
 from tests.clikit import run_hubd_async
 from tests.daemonkit import MARKER_VARIABLE, DaemonProcess, http_get, write_config
 from tests.polling import eventually
@@ -35,6 +36,7 @@ __all__ = [
     "Attacker",
     "Measured",
     "hostile_config",
+    "ledger_rows",
     "measure",
     "open_fds",
     "rss_mib",
@@ -100,6 +102,20 @@ grace = 2
     # while one process floods the daemon.
     config.write_text(config.read_text().replace('ttl = "5s"', 'ttl = "20s"'))
     return config
+
+
+async def ledger_rows(dsn: str, allocation_id: str) -> int:
+    """The allocation's ledger rows (it only ever grows)."""
+    db = await connect_database(dsn)
+    try:
+        async with db.pool.acquire() as conn:
+            count = await conn.fetchval(
+                "SELECT count(*) FROM hubd_allocation_ledger WHERE allocation_id = $1",
+                allocation_id,
+            )
+    finally:
+        await db.close()
+    return int(count)
 
 
 async def unconnected_sidecar(env: dict[str, str], marker: str) -> tuple[str, dict[str, str]]:
@@ -422,6 +438,8 @@ class Measured:
     log_lines: int = 0
     outcomes: dict[str, int] = attrs.field(factory=dict)
     dropped_after: float | None = None
+    ledger_growth: int | None = None
+    """Ledger rows the attacker's own allocation gained (holder attacks)."""
 
 
 Prober = Callable[[str], contextlib.AbstractAsyncContextManager[dict[str, Any]]]

@@ -23,6 +23,7 @@ from tests.hostilekit import (
     Attacker,
     Measured,
     hostile_config,
+    ledger_rows,
     measure,
     sidecar_environment,
     unconnected_sidecar,
@@ -68,19 +69,6 @@ async def attacked() -> AsyncIterator[Attacked]:
         finally:
             await daemon.kill()
             kill_sidecars(marker)
-
-
-async def ledger_rows(dsn: str, allocation_id: str) -> int:
-    db = await connect_database(dsn)
-    try:
-        async with db.pool.acquire() as conn:
-            count = await conn.fetchval(
-                "SELECT count(*) FROM hubd_allocation_ledger WHERE allocation_id = $1",
-                allocation_id,
-            )
-    finally:
-        await db.close()
-    return int(count)
 
 
 async def stays(dsn: str, allocation_id: str, *, ready: bool = False) -> None:
