@@ -284,6 +284,8 @@ async def _open_as_sidecar(
             length = re.search(rb"(?i)\r\ncontent-length: *([0-9]+)", head)
             reason = await reader.readexactly(int(length.group(1))) if length else b""
             outcomes[f"{status} {reason.decode(errors='replace').strip()}"] += 1
+            if status in (429, 503) and not re.search(rb"(?i)\r\nretry-after: *[0-9]+", head):
+                outcomes[f"{status} without Retry-After"] += 1
             return None
         opcode, payload = await _read_frame(reader)
     if opcode != 0x1:
