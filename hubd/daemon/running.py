@@ -10,7 +10,7 @@ import contextlib
 import errno
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import attrs
 import structlog
@@ -248,7 +248,7 @@ class Running:
         on_ready: Hook | None,
         on_wake: Callable[[], None],
         on_reconnected: Callable[[], None],
-        readiness: Callable[[], Awaitable[str | None]],
+        readiness: Callable[[], str | None],
     ) -> Running:
         rc, db, router = config.reconciler, parts.db, parts.router
         store = AllocationStore(db, instance_id=parts.instance_id)
