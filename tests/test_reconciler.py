@@ -751,7 +751,7 @@ class TestLeases:
             assert gate.cancelled.is_set()
             assert await store.get(allocation.id) == before
         finally:
-            await db.pool.close()
+            await db.close()
 
     async def test_abandoned_reconciler_then_fresh_one(
         self,
@@ -1089,7 +1089,7 @@ class TestLogLevels:
                 await reconciler.reconcile_next()
                 await reconciler.drain()
         finally:
-            own.lease_pool.terminate()
+            own.terminate()
         failed = [e for e in logs if e["event"] == "reconciliation_failed"]
         assert failed
         assert {e["log_level"] for e in failed} == {"warning"}
