@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import attrs
 
+from hubd.store.values import bounded_code, bounded_message
+
 __all__ = [
     "ACTIVE_STATUSES",
     "TERMINAL_STATUSES",
     "Allocation",
+    "EffectRow",
     "Fence",
     "LedgerEntry",
     "Phase",
     "Status",
+    "effects_json",
 ]
 
 
@@ -122,6 +126,48 @@ class Fence:
             "generation": self.generation,
             "instance_id": instance_id,
         }
+
+
+@attrs.frozen(kw_only=True)
+class EffectRow:
+    """One phase of a plugin call, written by the fenced transition that brackets it: an
+    ``intent`` after the transition that makes the call due (the bind before ``ensure``), an
+    outcome before the transition that follows from it. ``status`` is the status the call ran in.
+    """
+
+    effect_id: str
+    kind: str
+    phase: Phase
+    status: Status
+    error_code: str | None = None
+    message: str | None = None
+    duration_ms: float | None = None
+
+    def as_json(self, place: int) -> dict[str, object]:
+        """The row as the statements' ``:effects`` take it; ``place`` orders it against the
+        transition's own row (0): negative before it, positive after."""
+        return {
+            "place": place,
+            "kind": self.kind,
+            "from_status": str(self.status),
+            "to_status": str(self.status),
+            "phase": str(self.phase),
+            "error_code": None if self.error_code is None else bounded_code(self.error_code),
+            "message": None if self.message is None else bounded_message(self.message),
+            "effect_id": self.effect_id,
+            "duration_ms": self.duration_ms,
+        }
+
+
+def effects_json(effects: Sequence[EffectRow]) -> str:
+    """``effects`` as a transition's ``:effects``: intents after the transition's own row,
+    outcomes before it, each group in the order given."""
+    return json.dumps(
+        [
+            effect.as_json(index + 2 if effect.phase is Phase.INTENT else index - len(effects))
+            for index, effect in enumerate(effects)
+        ]
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -4,6 +4,10 @@
 -- live by the database clock; :instance_id is the hub written to the ledger. The fence reads
 -- clock_timestamp(), not now(): a write that waited on a row lock is re-checked at the moment it
 -- proceeds, not at the moment its statement started.
+-- A transition that brackets a plugin call also writes the call's ledger rows (:effects, a JSON
+-- array; see EffectRow): the intent with the bind that makes the call due, the outcome with the
+-- transition that follows from it. Each has a place: negative before the transition's own row,
+-- positive after it; the rows get their seq in that order.
 
 -- name: insert_allocation
 -- A new request, due at once; the wake-up is delivered when the caller's transaction commits.
@@ -137,10 +141,21 @@ WITH updated AS (
       AND status = 'pending'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :lease_id, :instance_id, 'bind_sidecar', 'pending', status, 'committed'
-    FROM updated
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'bind_sidecar' AS kind, 'pending' AS from_status,
+            status AS to_status, 'committed' AS phase, NULL AS error_code, NULL AS message,
+            NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT * FROM updated;
 
@@ -160,11 +175,22 @@ WITH updated AS (
       AND status = 'replacing'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :lease_id, :instance_id, 'bind_replacement_sidecar', 'replacing', status,
-        'committed'
-    FROM updated
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'bind_replacement_sidecar' AS kind,
+            'replacing' AS from_status,
+            status AS to_status, 'committed' AS phase, NULL AS error_code, NULL AS message,
+            NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT * FROM updated;
 
@@ -178,11 +204,22 @@ WITH updated AS (
       AND status = 'provisioning'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :lease_id, :instance_id, 'mark_allocated', 'provisioning', status,
-        'committed'
-    FROM updated
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'mark_allocated' AS kind,
+            'provisioning' AS from_status,
+            status AS to_status, 'committed' AS phase, NULL AS error_code, NULL AS message,
+            NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT * FROM updated;
 
@@ -272,10 +309,20 @@ WITH updated AS (
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id, 'schedule_retry', status, status, 'committed',
-        :failure_code, :failure_message
-    FROM updated
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'schedule_retry' AS kind, status AS from_status,
+            status AS to_status, 'committed' AS phase, :failure_code AS error_code,
+            :failure_message AS message, NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT * FROM updated;
 
@@ -292,6 +339,9 @@ SELECT * FROM updated;
 -- look at the record and the write are one statement. The look reads this statement's snapshot;
 -- a record or clear that commits while this statement waits for the row lock moves the row's
 -- connection number past the one the look saw (live.seq), and then the row is not made ready.
+-- With :accept, a provisioning row becomes allocated first (ensure accepted, :external_ref), in
+-- the same statement: acceptance, the ensure's outcome (:effects) and the park or ready commit
+-- together.
 WITH live AS (
     SELECT a.connection_seq AS seq,
            EXISTS (
@@ -308,15 +358,19 @@ WITH live AS (
     -- Under the row lock, the row as it now stands: a write committed since the snapshot is
     -- seen here, and its connection number then differs from live.seq.
     SELECT a.id,
-           (live.connected IS TRUE AND a.connection_seq = live.seq AND a.status = 'allocated'
+           (live.connected IS TRUE AND a.connection_seq = live.seq
+            AND (a.status = 'allocated' OR :accept::boolean)
             AND a.initialization_lease_id IS NULL) AS ready_now
     FROM hubd_allocations AS a LEFT JOIN live ON true
     WHERE a.id = :allocation_id AND a.lease_id = :lease_id AND a.generation = :generation
       AND a.lease_expires_at > clock_timestamp()
       AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+      AND (NOT :accept::boolean OR a.status = 'provisioning')
     FOR UPDATE OF a
 ), updated AS (
     UPDATE hubd_allocations AS a SET
+        status = CASE WHEN :accept::boolean THEN 'allocated' ELSE a.status END,
+        external_ref = CASE WHEN :accept::boolean THEN :external_ref ELSE a.external_ref END,
         connection_ready = a.connection_ready OR prior.ready_now,
         next_attempt_at = CASE
             WHEN prior.ready_now THEN NULL
@@ -341,13 +395,28 @@ WITH live AS (
     RETURNING a.*
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT updated.id, generation, :lease_id, :instance_id,
-        CASE WHEN prior.ready_now THEN 'mark_ready'
-             WHEN :mode::text = 'await_connection' AND connection_seq <> :connection_seq::bigint
-             THEN 'follow_up' ELSE 'park_' || :mode::text END,
-        status, status, 'committed', :failure_code, :failure_message
-    FROM updated JOIN prior ON prior.id = updated.id
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'mark_allocated' AS kind,
+            'provisioning' AS from_status, status AS to_status, 'committed' AS phase,
+            NULL AS error_code, NULL AS message, NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated WHERE :accept::boolean
+        UNION ALL
+        SELECT updated.id, generation, 1,
+            CASE WHEN prior.ready_now THEN 'mark_ready'
+                 WHEN :mode::text = 'await_connection'
+                      AND connection_seq <> :connection_seq::bigint
+                 THEN 'follow_up' ELSE 'park_' || :mode::text END,
+            status, status, 'committed', :failure_code, :failure_message, NULL, NULL
+        FROM updated JOIN prior ON prior.id = updated.id
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT * FROM updated;
 
@@ -380,10 +449,21 @@ WITH updated AS (
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id, 'begin_replacement', :expected_status, status,
-        'committed', :failure_code, :failure_message
-    FROM updated
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'begin_replacement' AS kind,
+            :expected_status AS from_status,
+            status AS to_status, 'committed' AS phase, :failure_code AS error_code,
+            :failure_message AS message, NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT * FROM updated;
 
@@ -441,10 +521,20 @@ WITH updated AS (
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id, 'fail', :expected_status, status, 'committed',
-        :failure_code, :failure_message
-    FROM updated
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'fail' AS kind, :expected_status AS from_status,
+            status AS to_status, 'committed' AS phase, :failure_code AS error_code,
+            :failure_message AS message, NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT * FROM updated;
 
@@ -473,10 +563,20 @@ WITH prior AS (
     RETURNING a.*, prior.status AS from_status
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id, 'mark_destroy_failed', from_status, status,
-        'committed', :failure_code, :failure_message
-    FROM updated
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'mark_destroy_failed' AS kind, from_status,
+            status AS to_status, 'committed' AS phase, :failure_code AS error_code,
+            :failure_message AS message, NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT updated.* FROM updated;
 
@@ -496,11 +596,21 @@ WITH updated AS (
       AND status = 'releasing'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :lease_id, :instance_id, 'mark_released', 'releasing', status,
-        'committed'
-    FROM updated
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
+        error_code, message, effect_id, duration_ms
+    FROM (
+        SELECT id, generation, 0 AS place, 'mark_released' AS kind, 'releasing' AS from_status,
+            status AS to_status, 'committed' AS phase, NULL AS error_code, NULL AS message,
+            NULL AS effect_id, NULL::float8 AS duration_ms
+        FROM updated
+        UNION ALL
+        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
+            AS e (place int, kind text, from_status text, to_status text, phase text,
+                  error_code text, message text, effect_id text, duration_ms float8)
+    ) AS r
+    ORDER BY place
 )
 SELECT * FROM updated;
 
