@@ -513,7 +513,13 @@ class TestClaims:
             await conn.execute("ANALYZE hubd_allocations")
             from hubd.store.allocations import SQL
 
-            claim = SQL.claim_due(lease_ids=[new_lease()], lease_duration=60.0, exclude=[])
+            claim = SQL.claim_due(
+                lease_ids=[new_lease()],
+                effect_ids=["ef_1"],
+                instance_id="test",
+                lease_duration=60.0,
+                exclude=[],
+            )
             plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + claim.sql, *claim.args)
         text = str(plan)
         assert "hubd_allocations_due_idx" in text
@@ -859,6 +865,40 @@ class TestLedger:
         await age_row(db, fence.allocation_id, 1)
         claimed = await store.claim_due(lease_ids=[new_lease()], lease_duration=LEASE_SECONDS)
         assert [c.open_effects for c in claimed] == [True]
+
+    async def test_a_claim_to_destroy_writes_the_destroy_intent(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """Claiming a releasing row with a bound sidecar writes the destroy's intent under the
+        new lease; giving the lease back settles it as never called."""
+        fence = await drive_to(store, db, Status.PROVISIONING)
+        await store.release(fence.allocation_id)
+        await age_row(db, fence.allocation_id, LEASE_SECONDS + 1)
+        lease = new_lease()
+        (claimed,) = await store.claim_due(lease_ids=[lease], lease_duration=LEASE_SECONDS)
+        assert claimed.destroy_intent is not None
+        assert not claimed.open_effects
+        intents = [e for e in await ledger.history(fence.allocation_id) if e.kind == "destroy"]
+        assert [(e.effect_id, e.lease_id, str(e.phase), e.to_status) for e in intents] == [
+            (claimed.destroy_intent, lease, "intent", "releasing")
+        ]
+        assert await store.drop_lease(fence.allocation_id, lease)
+        settled = [e for e in await ledger.history(fence.allocation_id) if e.kind == "destroy"]
+        assert [(str(e.phase), e.error_code) for e in settled] == [
+            ("intent", None),
+            ("failed", "not_called"),
+        ]
+        again = await claim_one(store, fence.allocation_id)
+        assert again.lease_id != lease
+
+    async def test_a_claim_that_calls_nothing_writes_no_intent(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """Claiming a pending row, or a releasing one with nothing bound, writes no intent."""
+        allocation = await store.request(provisioner_id="fake")
+        (claimed,) = await store.claim_due(lease_ids=[new_lease()], lease_duration=60)
+        assert claimed.destroy_intent is None
+        assert [e.kind for e in await ledger.history(allocation.id)] == ["request"]
 
     async def test_ledger_is_append_only(self, store: AllocationStore, db: Database) -> None:
         """The schema refuses updates and deletes of ledger rows."""

@@ -89,6 +89,8 @@ class ClaimRun:
     log: FilteringBoundLogger
     open_effects: bool = True
     """An earlier lease may have left a plugin call with no outcome to settle."""
+    destroy_intent: str | None = None
+    """The effect id of the destroy intent the claim statement wrote, if it wrote one."""
     lost: LeaseLost | None = None
     task: asyncio.Task[None] | None = None
 
@@ -256,6 +258,17 @@ class ClaimRun:
         """The intent row of a ``kind`` call to be made in ``status``, for the write that makes
         the call due to carry."""
         return EffectRow(effect_id=new_effect_id(), kind=kind, phase=Phase.INTENT, status=status)
+
+    def claimed_intent(self) -> EffectRow | None:
+        """The destroy intent the claim statement wrote, if any."""
+        if self.destroy_intent is None:
+            return None
+        return EffectRow(
+            effect_id=self.destroy_intent,
+            kind="destroy",
+            phase=Phase.INTENT,
+            status=self.allocation.status,
+        )
 
     async def record_intent(self, intent: EffectRow) -> None:
         """Write ``intent`` on its own, for a call no transition of this claim makes due."""

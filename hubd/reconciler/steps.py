@@ -29,6 +29,7 @@ from hubd.reconciler.decisions import (
     after_on_ready,
     connect_window,
     deadline_passed,
+    not_called,
     seconds_until,
     step_for,
     unless_connected,
@@ -74,7 +75,9 @@ async def reconcile(run: ClaimRun) -> None:
         unavailable = provisioner_unavailable(a, problem)
         if isinstance(unavailable, Retry):
             run.log.warning("provisioner_unavailable_retrying", problem=problem)
-        await run.apply(unavailable)
+        # The destroy the claim statement made due is not called: its intent is settled so.
+        intent = run.claimed_intent()
+        await run.apply(unavailable, () if intent is None else (not_called(intent, problem),))
         return
     provisioner = s.provisioners[a.provisioner_id]
 
@@ -267,8 +270,10 @@ async def _destroy_current(run: ClaimRun, provisioner: Provisioner) -> Effects |
         external_ref=a.external_ref,
         ownership=run.ownership(),
     )
-    intent = run.intend("destroy", a.status)
-    await run.record_intent(intent)
+    intent = run.claimed_intent()
+    if intent is None:
+        intent = run.intend("destroy", a.status)
+        await run.record_intent(intent)
     outcome, record = await run.call_plugin(
         intent, functools.partial(provisioner.destroy, request), check_destroy_result
     )

@@ -23,6 +23,7 @@ from hubd.store.values import (
     Failure,
     bounded_message,
     new_allocation_id,
+    new_effect_id,
     validate_allocation_id,
     validate_label,
     validate_provisioner_id,
@@ -148,6 +149,8 @@ class AllocationStore(SweepQueries):
             "claim",
             SQL.claim_due(
                 lease_ids=list(lease_ids),
+                effect_ids=[new_effect_id() for _ in lease_ids],
+                instance_id=self.instance_id,
                 lease_duration=float(lease_duration),
                 exclude=sorted(set(exclude)),
             ),
@@ -157,6 +160,7 @@ class AllocationStore(SweepQueries):
                 allocation=Allocation.from_row(row),
                 lease_id=row["lease_id"],
                 open_effects=row["open_effects"],
+                destroy_intent=row["destroy_effect_id"],
             )
             for row in rows
         ]
@@ -198,7 +202,10 @@ class AllocationStore(SweepQueries):
     async def drop_lease(self, allocation_id: str, lease_id: str) -> bool:
         """Give a lease back unchanged otherwise; ``False`` when it was no longer ours."""
         row = await self._db.fetchrow(
-            "drop lease", SQL.drop_lease(allocation_id=allocation_id, lease_id=lease_id)
+            "drop lease",
+            SQL.drop_lease(
+                allocation_id=allocation_id, lease_id=lease_id, instance_id=self.instance_id
+            ),
         )
         return row is not None
 

@@ -204,3 +204,6 @@ class Claimed:
     lease_id: str
     open_effects: bool
     """An earlier lease left a plugin call of this generation's history with no outcome."""
+    destroy_intent: str | None = None
+    """The effect id of the destroy intent the claim statement wrote (its step destroys the
+    bound sidecar), or ``None``."""

@@ -60,6 +60,11 @@ SELECT updated.* FROM updated, woken;
 -- Lease up to one due active row per lease id in :lease_ids, oldest first, skipping rows not
 -- in :exclude and rows another claimer has locked: one statement fills every free
 -- claim slot. Each row gets the lease id at its position. Served by hubd_allocations_due_idx.
+-- A claimed row whose step is to destroy its bound sidecar (replacing, releasing) gets the
+-- destroy's intent here, under the new lease, with the effect id at its position in
+-- :effect_ids (destroy_effect_id): the claim is the write that makes the call due. A claim
+-- that ends without calling settles it (a failed row, see drop_lease and the provisioner
+-- check); one that stops leaves it open, and the next owner records it ambiguous.
 WITH due AS (
     SELECT id, row_number() OVER (ORDER BY next_attempt_at, id) AS slot
     FROM (
@@ -73,26 +78,38 @@ WITH due AS (
         LIMIT cardinality(:lease_ids::text[])
         FOR UPDATE SKIP LOCKED
     ) AS locked
+), claimed AS (
+    UPDATE hubd_allocations AS a SET
+        lease_id = leases.lease_id,
+        lease_expires_at = now() + make_interval(secs => :lease_duration),
+        updated_at = now()
+    FROM due
+    JOIN unnest(:lease_ids::text[], :effect_ids::text[]) WITH ORDINALITY
+        AS leases (lease_id, effect_id, slot) ON leases.slot = due.slot
+    WHERE a.id = due.id
+    RETURNING a.*,
+        CASE WHEN a.status IN ('replacing', 'releasing') AND a.sidecar_id IS NOT NULL
+             THEN leases.effect_id END AS destroy_effect_id,
+        -- Whether an earlier lease left a plugin call with no outcome (only a status that calls
+        -- plugins can have one): the claim settles those first, and skips the statement
+        -- otherwise. Exact: no other lease can write an intent while this one is live, and
+        -- this statement's own intents are not in its snapshot.
+        a.status IN ('provisioning', 'replacing', 'releasing') AND EXISTS (
+            SELECT 1 FROM hubd_allocation_ledger AS i
+            WHERE i.allocation_id = a.id AND i.effect_id IS NOT NULL AND i.phase = 'intent'
+              AND NOT EXISTS (
+                  SELECT 1 FROM hubd_allocation_ledger AS o
+                  WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id
+                    AND o.phase <> 'intent')
+        ) AS open_effects
+), intents AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id,
+        effect_id, kind, from_status, to_status, phase)
+    SELECT id, generation, lease_id, :instance_id, destroy_effect_id, 'destroy', status, status,
+        'intent'
+    FROM claimed WHERE destroy_effect_id IS NOT NULL
 )
-UPDATE hubd_allocations AS a SET
-    lease_id = leases.lease_id,
-    lease_expires_at = now() + make_interval(secs => :lease_duration),
-    updated_at = now()
-FROM due
-JOIN unnest(:lease_ids::text[]) WITH ORDINALITY AS leases (lease_id, slot) ON leases.slot = due.slot
-WHERE a.id = due.id
-RETURNING a.*,
-    -- Whether an earlier lease left a plugin call with no outcome (only a status that calls
-    -- plugins can have one): the claim settles those first, and skips the statement otherwise.
-    -- Exact: no other lease can write an intent while this one is live.
-    a.status IN ('provisioning', 'replacing', 'releasing') AND EXISTS (
-        SELECT 1 FROM hubd_allocation_ledger AS i
-        WHERE i.allocation_id = a.id AND i.effect_id IS NOT NULL AND i.phase = 'intent'
-          AND NOT EXISTS (
-              SELECT 1 FROM hubd_allocation_ledger AS o
-              WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id
-                AND o.phase <> 'intent')
-    ) AS open_effects;
+SELECT * FROM claimed;
 
 -- name: renew_leases
 -- Extend, in one statement, every lease in the pairs (:allocation_ids, :lease_ids) that is still held
@@ -113,12 +130,23 @@ WHERE a.id = held.id AND a.lease_expires_at > clock_timestamp()
 RETURNING a.id;
 
 -- name: drop_lease
--- Give a lease back without any other change, so the row is claimable at once: a claim that
--- found local work still running on its allocation must not hold the row for a whole lease.
-UPDATE hubd_allocations
-SET lease_id = NULL, lease_expires_at = NULL
-WHERE id = :allocation_id AND lease_id = :lease_id
-RETURNING id;
+-- Give a live lease back without any other change, so the row is claimable at once: a claim that
+-- found local work still running on its allocation must not hold the row for a whole lease. The
+-- intents its claim statement wrote are settled as never called (:instance_id the hub).
+WITH dropped AS (
+    UPDATE hubd_allocations
+    SET lease_id = NULL, lease_expires_at = NULL
+    WHERE id = :allocation_id AND lease_id = :lease_id AND lease_expires_at > clock_timestamp()
+    RETURNING id
+), settled AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id,
+        effect_id, kind, from_status, to_status, phase, error_code, message)
+    SELECT i.allocation_id, i.generation, i.lease_id, :instance_id, i.effect_id, i.kind,
+        i.from_status, i.to_status, 'failed', 'not_called', 'the claim gave its lease back first'
+    FROM hubd_allocation_ledger AS i JOIN dropped ON i.allocation_id = dropped.id
+    WHERE i.lease_id = :lease_id AND i.effect_id IS NOT NULL AND i.phase = 'intent'
+)
+SELECT id FROM dropped;
 
 -- name: bind_initial_sidecar
 -- pending → provisioning: bind the provisioner if unbound (:api_version, :binding_fingerprint)
