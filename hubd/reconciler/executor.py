@@ -93,17 +93,9 @@ def statement(
                 clear_initialization=write.clear_initialization,
                 effects=effects,
             )
-        case Park():
-            return store.park(
-                fence,
-                mode=write.mode,
-                delay=write.delay,
-                failure=write.failure,
-                connection_seq=write.connection_seq,
-                ready_within=write.ready_within,
-                effects=effects,
-            )
-        case AcceptAndPark(park=park):
+        case Park() | AcceptAndPark():
+            accept = write if isinstance(write, AcceptAndPark) else None
+            park = write.park if isinstance(write, AcceptAndPark) else write
             return store.park(
                 fence,
                 mode=park.mode,
@@ -111,8 +103,8 @@ def statement(
                 failure=park.failure,
                 connection_seq=park.connection_seq,
                 ready_within=park.ready_within,
-                accept=True,
-                external_ref=write.external_ref,
+                accept=accept is not None,
+                external_ref=None if accept is None else accept.external_ref,
                 effects=effects,
             )
         case Abandon(release=True):

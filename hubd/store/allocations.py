@@ -35,8 +35,7 @@ __all__ = ["AllocationStore", "AttemptKind", "Claimed", "ParkMode"]
 SQL = load_queries("allocations.sql")
 
 Effects = Sequence[EffectRow]
-"""Ledger rows of the plugin call a transition brackets (see the ``:effects`` of
-``allocations.sql``)."""
+"""The rows of the plugin call a transition brackets (``:effects``)."""
 
 
 class AttemptKind(enum.StrEnum):
@@ -318,7 +317,8 @@ class AllocationStore(SweepQueries):
             "park",
             SQL.park,
             fence,
-            effects,
+            None,
+            effects=effects_json(effects, accepted=accept),
             accept=accept,
             external_ref=external_ref,
             mode=str(mode),

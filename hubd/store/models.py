@@ -159,15 +159,25 @@ class EffectRow:
         }
 
 
-def effects_json(effects: Sequence[EffectRow]) -> str:
+def effects_json(effects: Sequence[EffectRow], *, accepted: bool = False) -> str:
     """``effects`` as a transition's ``:effects``: intents after the transition's own row,
-    outcomes before it, each group in the order given."""
-    return json.dumps(
-        [
-            effect.as_json(index + 2 if effect.phase is Phase.INTENT else index - len(effects))
-            for index, effect in enumerate(effects)
-        ]
-    )
+    outcomes before it, each group in the order given. With ``accepted`` (a park that accepts
+    an ensure), the acceptance's own row follows the outcomes."""
+    rows = [
+        effect.as_json(index + 1 if effect.phase is Phase.INTENT else index - len(effects) - 1)
+        for index, effect in enumerate(effects)
+    ]
+    if accepted:
+        rows.append(
+            {
+                "place": -1,
+                "kind": "mark_allocated",
+                "from_status": str(Status.PROVISIONING),
+                "to_status": str(Status.ALLOCATED),
+                "phase": str(Phase.COMMITTED),
+            }
+        )
+    return json.dumps(rows)
 
 
 @attrs.frozen(kw_only=True)

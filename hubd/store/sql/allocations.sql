@@ -6,8 +6,8 @@
 -- proceeds, not at the moment its statement started.
 -- A transition that brackets a plugin call also writes the call's ledger rows (:effects, a JSON
 -- array; see EffectRow): the intent with the bind that makes the call due, the outcome with the
--- transition that follows from it. Each has a place: negative before the transition's own row,
--- positive after it; the rows get their seq in that order.
+-- transition that follows from it. hubd_ledger_rows (schema.sql) puts them in order around the
+-- transition's own row.
 
 -- name: insert_allocation
 -- A new request, due at once; the wake-up is delivered when the caller's transaction commits.
@@ -171,19 +171,8 @@ WITH updated AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'bind_sidecar' AS kind, 'pending' AS from_status,
-            status AS to_status, 'committed' AS phase, NULL AS error_code, NULL AS message,
-            NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'bind_sidecar', 'pending', status) AS r
 )
 SELECT * FROM updated;
 
@@ -205,20 +194,9 @@ WITH updated AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'bind_replacement_sidecar' AS kind,
-            'replacing' AS from_status,
-            status AS to_status, 'committed' AS phase, NULL AS error_code, NULL AS message,
-            NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'bind_replacement_sidecar', 'replacing',
+            status) AS r
 )
 SELECT * FROM updated;
 
@@ -234,20 +212,8 @@ WITH updated AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'mark_allocated' AS kind,
-            'provisioning' AS from_status,
-            status AS to_status, 'committed' AS phase, NULL AS error_code, NULL AS message,
-            NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'mark_allocated', 'provisioning', status) AS r
 )
 SELECT * FROM updated;
 
@@ -338,19 +304,9 @@ WITH updated AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'schedule_retry' AS kind, status AS from_status,
-            status AS to_status, 'committed' AS phase, :failure_code AS error_code,
-            :failure_message AS message, NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'schedule_retry', status, status,
+            :failure_code, :failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -368,8 +324,8 @@ SELECT * FROM updated;
 -- a record or clear that commits while this statement waits for the row lock moves the row's
 -- connection number past the one the look saw (live.seq), and then the row is not made ready.
 -- With :accept, a provisioning row becomes allocated first (ensure accepted, :external_ref), in
--- the same statement: acceptance, the ensure's outcome (:effects) and the park or ready commit
--- together.
+-- the same statement: acceptance, the ensure's outcome and the park or ready commit together
+-- (the caller puts the acceptance's own ledger row in :effects, after the outcome).
 WITH live AS (
     SELECT a.connection_seq AS seq,
            EXISTS (
@@ -424,27 +380,14 @@ WITH live AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'mark_allocated' AS kind,
-            'provisioning' AS from_status, status AS to_status, 'committed' AS phase,
-            NULL AS error_code, NULL AS message, NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated WHERE :accept::boolean
-        UNION ALL
-        SELECT updated.id, generation, 1,
+    SELECT updated.id, generation, :lease_id, :instance_id, r.*
+    FROM updated JOIN prior ON prior.id = updated.id,
+        hubd_ledger_rows(:effects::text::jsonb,
             CASE WHEN prior.ready_now THEN 'mark_ready'
                  WHEN :mode::text = 'await_connection'
                       AND connection_seq <> :connection_seq::bigint
                  THEN 'follow_up' ELSE 'park_' || :mode::text END,
-            status, status, 'committed', :failure_code, :failure_message, NULL, NULL
-        FROM updated JOIN prior ON prior.id = updated.id
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+            status, status, :failure_code, :failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -478,20 +421,9 @@ WITH updated AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'begin_replacement' AS kind,
-            :expected_status AS from_status,
-            status AS to_status, 'committed' AS phase, :failure_code AS error_code,
-            :failure_message AS message, NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'begin_replacement', :expected_status, status,
+            :failure_code, :failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -550,19 +482,9 @@ WITH updated AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'fail' AS kind, :expected_status AS from_status,
-            status AS to_status, 'committed' AS phase, :failure_code AS error_code,
-            :failure_message AS message, NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'fail', :expected_status, status,
+            :failure_code, :failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -592,19 +514,9 @@ WITH prior AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'mark_destroy_failed' AS kind, from_status,
-            status AS to_status, 'committed' AS phase, :failure_code AS error_code,
-            :failure_message AS message, NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'mark_destroy_failed', from_status, status,
+            :failure_code, :failure_message) AS r
 )
 SELECT updated.* FROM updated;
 
@@ -626,19 +538,8 @@ WITH updated AS (
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, kind, from_status, to_status, phase,
-        error_code, message, effect_id, duration_ms
-    FROM (
-        SELECT id, generation, 0 AS place, 'mark_released' AS kind, 'releasing' AS from_status,
-            status AS to_status, 'committed' AS phase, NULL AS error_code, NULL AS message,
-            NULL AS effect_id, NULL::float8 AS duration_ms
-        FROM updated
-        UNION ALL
-        SELECT id, generation, e.* FROM updated, jsonb_to_recordset(:effects::text::jsonb)
-            AS e (place int, kind text, from_status text, to_status text, phase text,
-                  error_code text, message text, effect_id text, duration_ms float8)
-    ) AS r
-    ORDER BY place
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'mark_released', 'releasing', status) AS r
 )
 SELECT * FROM updated;
 
