@@ -239,6 +239,13 @@ class DaemonProcess:
             await self._reader
         return code
 
+    def assert_running(self) -> None:
+        """Fail with the end of the log when the daemon has exited."""
+        assert self.process is not None
+        if self.process.returncode is not None:
+            tail = "\n".join(self.raw[-15:])
+            raise AssertionError(f"hubd exited {self.process.returncode}:\n{tail}")
+
     async def kill(self) -> None:
         if self.process is not None and self.process.returncode is None:
             self.process.kill()

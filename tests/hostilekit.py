@@ -8,23 +8,41 @@ would; the legitimate sidecars dial from 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
+import re
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
+from hubd.store import connect_database
 from tests.clikit import run_hubd_async
-from tests.daemonkit import DaemonProcess, http_get
+from tests.daemonkit import MARKER_VARIABLE, DaemonProcess, http_get, write_config
 from tests.polling import eventually
 from tests.wskit import CONNECT_PATH, SUBPROTOCOL, masked_frame
 
-__all__ = ["ATTACKS", "Measured", "measure", "open_fds", "rss_mib", "stolen_identity"]
+__all__ = [
+    "ATTACKS",
+    "HOLDER_ATTACKS",
+    "MUTE",
+    "STOLEN_ATTACKS",
+    "UNAUTHORIZED",
+    "Attacker",
+    "Measured",
+    "hostile_config",
+    "ledger_rows",
+    "measure",
+    "open_fds",
+    "rss_mib",
+    "sidecar_environment",
+    "unconnected_sidecar",
+]
 
 
 def rss_mib(pid: int) -> float:
@@ -38,9 +56,10 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def stolen_identity(marker: str, allocation_id: str) -> dict[str, str]:
-    """What any process of the same uid reads from a local sidecar's /proc/<pid>/environ."""
-    needle = f"HUBD_TEST_MARKER={marker}".encode()
+def sidecar_environment(marker: str, allocation_id: str) -> dict[str, str]:
+    """The environment the local provisioner gave ``allocation_id``'s sidecar process: what any
+    process of the same uid reads from its /proc/<pid>/environ."""
+    needle = f"{MARKER_VARIABLE}={marker}".encode()
     wanted = f"HUBD_ALLOCATION_ID={allocation_id}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -51,7 +70,69 @@ def stolen_identity(marker: str, allocation_id: str) -> dict[str, str]:
                 pairs = dict(item.decode().split("=", 1) for item in items if b"=" in item)
                 if "HUBD_TOKEN" in pairs:
                     return pairs
-    raise AssertionError("no sidecar to steal from")
+    raise AssertionError("no sidecar process of that allocation")
+
+
+MUTE: Final = "mute"
+"""A provisioner whose sidecar command only sleeps: its allocations wait for a sidecar that
+never dials by itself, so whoever holds the environment it was given connects first and is,
+for the hub, the allocation's genuine sidecar."""
+
+
+UNAUTHORIZED: Final = "401 unauthorized"
+"""The one answer to every authentication failure."""
+
+
+def hostile_config(path: Path, *, state_dir: Path, marker: str) -> Path:
+    """The test daemon's config (:func:`tests.daemonkit.write_config`) with the production
+    instance TTL, plus the :data:`MUTE` provisioner."""
+    mute = f"""
+[[provisioners]]
+id = "{MUTE}"
+plugin = "local"
+[provisioners.options]
+command = ["sleep", "3600"]
+grace = 2
+[provisioners.options.env]
+{MARKER_VARIABLE} = "{marker}"
+"""
+    config = write_config(path, state_dir=state_dir, marker=marker, extra=mute)
+    # The production instance TTL: readiness reports a heartbeat older than the TTL, and the
+    # test config's 5 s is shorter than the event-loop stalls a loaded 2-core machine shows
+    # while one process floods the daemon.
+    config.write_text(config.read_text().replace('ttl = "5s"', 'ttl = "20s"'))
+    return config
+
+
+async def ledger_rows(dsn: str, allocation_id: str) -> int:
+    """The allocation's ledger rows (it only ever grows)."""
+    db = await connect_database(dsn)
+    try:
+        async with db.pool.acquire() as conn:
+            count = await conn.fetchval(
+                "SELECT count(*) FROM hubd_allocation_ledger WHERE allocation_id = $1",
+                allocation_id,
+            )
+    finally:
+        await db.close()
+    return int(count)
+
+
+async def unconnected_sidecar(env: dict[str, str], marker: str) -> tuple[str, dict[str, str]]:
+    """A new allocation of the :data:`MUTE` provisioner, and the environment its sidecar was
+    given: the attacker that reads it connects first, as the real sidecar would have."""
+    outcome = await run_hubd_async("alloc", "request", "--provisioner", MUTE, env=env)
+    assert outcome.code == 0, outcome.err
+    allocation_id = outcome.out.strip()
+    found: dict[str, dict[str, str]] = {}
+
+    def started() -> bool:
+        with contextlib.suppress(AssertionError):
+            found["env"] = sidecar_environment(marker, allocation_id)
+        return "env" in found
+
+    await eventually(started, within=60, every=0.1, what="mute sidecar started")
+    return allocation_id, found["env"]
 
 
 async def _connect(port: int, source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -86,9 +167,9 @@ async def _quietly(coro: Awaitable[Any]) -> None:
         await coro
 
 
-async def header_flood(port: int, size: int, seconds: float, identity: dict[str, str]) -> int:
+async def header_flood(port: int, size: int, seconds: float, attacker: Attacker) -> int:
     """``size`` connections, each sending ~1 MiB of headers slowly and never finishing."""
-    del identity
+    del attacker
     pad = ("X-Pad: " + "a" * 8000 + "\r\n").encode()
     offered = 0
 
@@ -115,9 +196,9 @@ async def header_flood(port: int, size: int, seconds: float, identity: dict[str,
     return offered
 
 
-async def half_open(port: int, size: int, seconds: float, identity: dict[str, str]) -> int:
+async def half_open(port: int, size: int, seconds: float, attacker: Attacker) -> int:
     """``size`` connections that never send a byte."""
-    del identity
+    del attacker
 
     async def one(index: int) -> None:
         reader, writer = await _connect(port, _source(index % 200))
@@ -132,8 +213,9 @@ async def half_open(port: int, size: int, seconds: float, identity: dict[str, st
     return size
 
 
-async def bad_tokens(port: int, size: int, seconds: float, identity: dict[str, str]) -> int:
+async def bad_tokens(port: int, size: int, seconds: float, attacker: Attacker) -> int:
     """Well-formed handshakes with wrong tokens, ``size`` at a time, for ``seconds``."""
+    identity = attacker.identity
     headers = {
         "Authorization": "Bearer hubd_sc_" + "0" * 64,
         "Hubd-Allocation-Id": identity["HUBD_ALLOCATION_ID"],
@@ -164,76 +246,178 @@ async def bad_tokens(port: int, size: int, seconds: float, identity: dict[str, s
     return sent
 
 
-async def ping_flood(port: int, size: int, seconds: float, identity: dict[str, str]) -> int:
-    """One socket authenticated with a stolen token, pinging as fast as it can, never reading.
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One frame from the hub (servers do not mask): opcode and payload."""
+    head = await reader.readexactly(2)
+    length = head[1] & 0x7F
+    if length == 126:
+        length = int.from_bytes(await reader.readexactly(2), "big")
+    elif length == 127:
+        length = int.from_bytes(await reader.readexactly(8), "big")
+    return head[0] & 0x0F, await reader.readexactly(length)
 
-    It supersedes the real sidecar (4000) as the protocol allows; the point is what the hub
-    holds for it, and that the hub drops it."""
-    del size
+
+async def _open_as_sidecar(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    port: int,
+    identity: dict[str, str],
+    secret: str | None,
+    outcomes: collections.Counter[str],
+) -> str | None:
+    """The protocol v2 handshake as the reference sidecar does it: the welcome read and
+    acknowledged at once. Returns the welcome's reconnect secret, or ``None`` when refused
+    (``outcomes`` counts the status) or closed before the welcome."""
     headers = {
         "Authorization": f"Bearer {identity['HUBD_TOKEN']}",
         "Hubd-Allocation-Id": identity["HUBD_ALLOCATION_ID"],
         "Hubd-Sidecar-Id": identity["HUBD_SIDECAR_ID"],
         "Hubd-Generation": identity["HUBD_GENERATION"],
     }
+    if secret is not None:
+        headers["Hubd-Reconnect-Secret"] = secret
+    writer.write(_request(port, headers) + b"\r\n")
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if status != 101:
+            length = re.search(rb"(?i)\r\ncontent-length: *([0-9]+)", head)
+            reason = await reader.readexactly(int(length.group(1))) if length else b""
+            outcomes[f"{status} {reason.decode(errors='replace').strip()}"] += 1
+            if status in (429, 503) and not re.search(rb"(?i)\r\nretry-after: *[0-9]+", head):
+                outcomes[f"{status} without Retry-After"] += 1
+            return None
+        opcode, payload = await _read_frame(reader)
+    if opcode != 0x1:
+        outcomes["closed before welcome"] += 1
+        return None
+    welcome = json.loads(payload)
+    writer.write(masked_frame(0x1, b'{"type": "welcome_ack"}'))
+    await writer.drain()
+    outcomes["welcome"] += 1
+    return str(welcome["reconnect_secret"])
+
+
+async def ping_flood(port: int, size: int, seconds: float, attacker: Attacker) -> int:
+    """One sidecar socket pinging as fast as it can after its welcome, never reading again,
+    until the hub drops it or ``seconds`` pass.
+
+    As the allocation's first connector (``attacker.holder``) it is the genuine sidecar and
+    the hub must drop it for what it does; with a token copied from a sidecar that already
+    connected it gets the one 401 and nothing else."""
+    del size
+    outcomes = attacker.outcomes
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.bind(("127.0.0.9", 0))
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    reader, writer = await asyncio.open_connection(sock=sock)
+    # A small stream buffer: past 2 KiB unread the transport stops reading the socket, so what
+    # the hub writes after the welcome piles up on its side, as with a peer that never reads.
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
     sent = 0
     try:
-        writer.write(_request(port, headers) + b"\r\n")
-        async with asyncio.timeout(10):
-            await reader.readuntil(b"\r\n\r\n")
+        if await _open_as_sidecar(reader, writer, port, attacker.identity, None, outcomes) is None:
+            return sent
         burst = masked_frame(0x9, b"p" * 125) * 256
-        deadline = time.monotonic() + seconds
+        started = time.monotonic()
+        deadline = started + seconds
         while time.monotonic() < deadline:
+            if writer.transport.is_closing():
+                raise ConnectionResetError("closed by the hub")
             writer.write(burst)
             sent += 256
             async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
                 await writer.drain()
-    except (OSError, TimeoutError, asyncio.IncompleteReadError):
-        pass
+        outcomes["never dropped"] += 1
+    except (OSError, asyncio.IncompleteReadError):
+        if outcomes["welcome"]:
+            outcomes["dropped"] += 1
+            attacker.dropped_after = time.monotonic() - started
+    except TimeoutError:
+        outcomes["never dropped"] += 1
     finally:
         writer.close()
     return sent
 
 
-async def reconnect_loop(port: int, size: int, seconds: float, identity: dict[str, str]) -> int:
-    """A token holder reconnecting in a loop."""
+def _told_to_stop(outcomes: collections.Counter[str]) -> bool:
+    """Whether the hub answered with a status after which the protocol says a sidecar stops
+    (400, 401, 403, 409): an attacker holding the genuine identity gains nothing by going on,
+    and only loses it."""
+    return any(key[:3] in ("400", "401", "403", "409") for key in outcomes)
+
+
+async def reconnect_loop(port: int, size: int, seconds: float, attacker: Attacker) -> int:
+    """A sidecar reconnecting in a loop as fast as the hub answers, each time with the
+    reconnect secret of its latest welcome (acknowledged at once), ignoring ``Retry-After``.
+
+    After one accepted reconnect it takes over its own live socket (the hub closes the old one
+    with 4000), after the next it closes the live socket first, so the hub also sees it lost
+    and reconnected.
+    As the first connector each accepted reconnect is legitimate and only the per-allocation
+    bucket bounds them; with a copied token the first try gets 401. It stops where the protocol
+    says a sidecar stops."""
     del size
-    headers = {
-        "Authorization": f"Bearer {identity['HUBD_TOKEN']}",
-        "Hubd-Allocation-Id": identity["HUBD_ALLOCATION_ID"],
-        "Hubd-Sidecar-Id": identity["HUBD_SIDECAR_ID"],
-        "Hubd-Generation": identity["HUBD_GENERATION"],
-    }
-    request = _request(port, headers) + b"\r\n"
+    outcomes = attacker.outcomes
     deadline = time.monotonic() + seconds
+    secret: str | None = None
+    live: asyncio.StreamWriter | None = None
     tries = 0
-    while time.monotonic() < deadline:
-        tries += 1
-        with contextlib.suppress(OSError, TimeoutError, asyncio.IncompleteReadError):
-            reader, writer = await _connect(port, "127.0.0.10")
+    close_first = False
+    try:
+        while time.monotonic() < deadline and not _told_to_stop(outcomes):
+            tries += 1
+            if live is not None and close_first:
+                live.close()
+                live = None
             try:
-                writer.write(request)
-                async with asyncio.timeout(5):
-                    await reader.readuntil(b"\r\n\r\n")
-            finally:
-                writer.close()
+                reader, writer = await _connect(port, "127.0.0.10")
+                fresh = None
+                try:
+                    fresh = await _open_as_sidecar(
+                        reader, writer, port, attacker.identity, secret, outcomes
+                    )
+                finally:
+                    if fresh is None:
+                        writer.close()
+                if fresh is not None:
+                    secret = fresh
+                    close_first = not close_first
+                    if live is not None:
+                        live.close()
+                    live = writer
+            except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                outcomes[f"error {type(exc).__name__}"] += 1
+    finally:
+        if live is not None:
+            live.close()
     return tries
 
 
-Attack = Callable[[int, int, float, dict[str, str]], Awaitable[int]]
+Attack = Callable[[int, int, float, "Attacker"], Coroutine[Any, Any, int]]
 ATTACKS: dict[str, Attack] = {
     "header-flood": header_flood,
     "half-open": half_open,
     "bad-tokens": bad_tokens,
     "ping-flood": ping_flood,
     "reconnect-loop": reconnect_loop,
+    "ping-flood-stolen": ping_flood,
+    "reconnect-loop-stolen": reconnect_loop,
 }
+HOLDER_ATTACKS = frozenset({"ping-flood", "reconnect-loop"})
+"""Attacks made as the allocation's genuine sidecar: the attacker is its first connector."""
+STOLEN_ATTACKS = frozenset({"ping-flood-stolen", "reconnect-loop-stolen"})
+"""The same with a token copied from a sidecar that had already connected."""
+
+
+@attrs.define
+class Attacker:
+    """Whose identity an attack uses, and what the hub answered it."""
+
+    identity: dict[str, str] = attrs.field(repr=False)
+    outcomes: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    dropped_after: float | None = None
 
 
 @attrs.define
@@ -249,9 +433,20 @@ class Measured:
     readyz_worst: float = 0.0
     readyz_failures: int = 0
     readyz_problems: list[str] = attrs.field(factory=list)
+    readyz_separate: dict[str, Any] = attrs.field(factory=dict)
+    """/readyz as a process of its own saw it during the attack (the benchmark's prober)."""
     legit: list[float] = attrs.field(factory=list)
     legit_failures: int = 0
     log_lines: int = 0
+    outcomes: dict[str, int] = attrs.field(factory=dict)
+    dropped_after: float | None = None
+    ledger_growth: int | None = None
+    """Ledger rows the attacker's own allocation gained (holder attacks)."""
+
+
+Prober = Callable[[str], contextlib.AbstractAsyncContextManager[dict[str, Any]]]
+"""Given the /readyz URL, probes it for as long as the context lasts; the dict it yields is
+filled in when the context ends."""
 
 
 async def measure(
@@ -261,8 +456,9 @@ async def measure(
     size: int,
     seconds: float,
     env: dict[str, str],
-    identity: dict[str, str],
+    attacker: Attacker,
     legit_requests: int = 1,
+    separate_prober: Prober | None = None,
 ) -> Measured:
     """Run one attack against ``daemon`` while probing /readyz and making legitimate
     ``alloc request --wait`` calls; settle, then measure again."""
@@ -302,15 +498,20 @@ async def measure(
             else:
                 result.legit_failures += 1
 
-    prober = asyncio.create_task(probe())
-    started = time.monotonic()
-    attack = asyncio.create_task(ATTACKS[name](port, size, seconds, identity))
-    # Started with the attack: the CLI's own start-up takes longer than the attack's.
-    await legit()
-    result.offered = await attack
-    result.seconds = time.monotonic() - started
-    done.set()
-    await prober
+    separate = separate_prober or (lambda url: contextlib.nullcontext({}))
+    async with separate(daemon.admin_url + "/readyz") as seen:
+        prober = asyncio.create_task(probe())
+        started = time.monotonic()
+        attack = asyncio.create_task(ATTACKS[name](port, size, seconds, attacker))
+        # Started with the attack: the CLI's own start-up takes longer than the attack's.
+        await legit()
+        result.offered = await attack
+        result.seconds = time.monotonic() - started
+        done.set()
+        await prober
+    result.readyz_separate = seen
+    result.outcomes = dict(attacker.outcomes)
+    result.dropped_after = attacker.dropped_after
     # Settled: the descriptors the attack made the daemon hold are given back.
     with contextlib.suppress(AssertionError):
         await eventually(

@@ -18,6 +18,7 @@ from hubd.plugins.protocol import (
 )
 from hubd.reconciler.clock import Clock
 from hubd.reconciler.engine import Reconciler
+from hubd.reconciler.faults import FaultHook
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
 from hubd.server.sockets import new_connection_id
@@ -191,6 +192,7 @@ def make_reconciler(
     on_ready: Hook | None = None,
     on_initialization_recovery: Hook | None = None,
     clock: Clock | None = None,
+    faults: FaultHook | None = None,
 ) -> Reconciler:
     return Reconciler(
         store=AllocationStore(db, instance_id=instance_id),
@@ -203,6 +205,7 @@ def make_reconciler(
         on_ready=on_ready,
         on_initialization_recovery=on_initialization_recovery,
         clock=clock,
+        faults=faults,
     )
 
 

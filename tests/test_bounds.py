@@ -13,6 +13,8 @@ import json
 import structlog
 from websockets.exceptions import ConnectionClosed
 
+from hubd.config import Config, ServerConfig
+from hubd.daemon.running import Listening
 from hubd.server.limits import ListenerLimits
 from hubd.store import AllocationStore, Database
 from tests.polling import eventually
@@ -165,6 +167,14 @@ class TestHandshakeBounds:
                 assert refused.response.headers["Retry-After"] == "5"
             await eventually(lambda: hub.server.gate.sockets == 0)
             await legit_welcome(hub, second)
+
+    async def test_daemon_listener_takes_configured_cap(self, db: Database) -> None:
+        """``hubd run`` builds its listener with ``server.max_connections`` as the socket cap
+        (the open-file limit, raised to the hard limit at start, is far above these)."""
+        for cap in (1, 300):
+            config = Config(server=ServerConfig(max_connections=cap))
+            parts = Listening.build(config, db, "", "in_test", ready_on_connect=True)
+            assert parts.server.gate.max_connections == cap
 
     async def test_failing_source_refused(self, db: Database, store: AllocationStore) -> None:
         """An address that keeps failing handshakes is refused with 429 before its headers are

@@ -217,6 +217,22 @@ class TestValidation:
         with pytest.raises(ConfigError, match=r"^database\.pool_size: "):
             load(tmp_path, "[database]\npool_size = 0\n")
 
+    def test_max_connections_bounds(self, tmp_path: pathlib.Path) -> None:
+        """server.max_connections defaults to 4096 and takes 1 up to 2^20 (Linux's default
+        fs.nr_open), from the file or the environment; outside that the error names the key
+        and the bounds."""
+        assert load(tmp_path, "").server.max_connections == 4096
+        assert load(tmp_path, "[server]\nmax_connections = 1\n").server.max_connections == 1
+        config = load(tmp_path, "", HUBD_SERVER_MAX_CONNECTIONS="12000")
+        assert config.server.max_connections == 12000
+        for bad in ("0", "-5", str((1 << 20) + 1)):
+            with pytest.raises(
+                ConfigError, match=r"^server\.max_connections: must be between 1 and 1048576"
+            ):
+                load(tmp_path, f"[server]\nmax_connections = {bad}\n")
+        with pytest.raises(ConfigError, match=r"^server\.max_connections: must be an integer"):
+            load(tmp_path, '[server]\nmax_connections = "lots"\n')
+
     def test_heartbeat_must_be_shorter_than_ttl(self, tmp_path: pathlib.Path) -> None:
         """An instance heartbeat no more often than its TTL is rejected."""
         with pytest.raises(ConfigError, match=r"^instance\.heartbeat_interval: .*instance\.ttl"):

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,19 @@ def moved(before: str, after: str, name: str, **labels: str) -> float:
     return metric_total(after, name, **labels) - metric_total(before, name, **labels)
 
 
+async def scrape_until(daemon: DaemonProcess, holds: Callable[[str], bool]) -> str:
+    """Scrape /metrics until ``holds`` is true of the body; return that body."""
+    scraped = ""
+
+    async def check() -> bool:
+        nonlocal scraped
+        status, scraped = await http_get(daemon.admin_url + "/metrics")
+        return status == 200 and holds(scraped)
+
+    await poll_until(check, within=30, every=0.1)
+    return scraped
+
+
 class TestLifecycle:
     async def test_twenty_ready_then_released(
         self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
@@ -114,9 +128,9 @@ class TestLifecycle:
             ids = await request_many(20, env)
             await poll_until(lambda: all_ready(observer, ids), within=90, every=0.2)
             assert len(sidecar_pids(marker)) == 20
-            status, body = await http_get(daemon.admin_url + "/metrics")
-            assert status == 200
-            assert "hubd_connected_sidecars 20.0" in body
+            # The row reads ready when the connect's statement commits; the daemon counts the
+            # socket as it goes on to send the welcome.
+            body = await scrape_until(daemon, lambda b: "hubd_connected_sidecars 20.0" in b)
             # Every allocation was claimed and moved to allocated by this daemon.
             assert moved(before, body, "hubd_claims_total") >= 20
             assert moved(before, body, "hubd_transitions_total", to_status="allocated") >= 20
@@ -131,9 +145,16 @@ class TestLifecycle:
                 lambda: all_status(observer, ids, Status.RELEASED), within=90, every=0.2
             )
             await poll_until(lambda: _true(not sidecar_pids(marker)), within=30)
-            _, after = await http_get(daemon.admin_url + "/metrics")
+            # A sidecar's exit reaches the daemon as its socket closing, a moment later; a
+            # transition is counted just after its statement commits.
+            after = await scrape_until(
+                daemon,
+                lambda b: (
+                    moved(body, b, "hubd_connected_sidecars") == -20
+                    and moved(body, b, "hubd_transitions_total", to_status="released") >= 20
+                ),
+            )
             assert moved(body, after, "hubd_transitions_total", to_status="released") == 20
-            assert moved(body, after, "hubd_connected_sidecars") == -20
             await daemon.signal(signal.SIGTERM)
             assert await daemon.wait() == 0
         finally:

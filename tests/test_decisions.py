@@ -6,7 +6,7 @@ every field.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import attrs
 import pytest
@@ -33,13 +33,13 @@ from hubd.reconciler.decisions import (
     after_on_ready,
     await_connection,
     backoff,
+    connect_remaining,
     connect_window,
     deadline_passed,
     effect_phase,
     outcome_text,
     replacement_becomes_release,
     retry_delay,
-    seconds_until,
     step_for,
     unless_connected,
     wake_on_start,
@@ -344,12 +344,28 @@ class TestStatusSteps:
 
 
 class TestConnectWait:
-    def test_seconds_until(self) -> None:
-        """The time left is counted on the database clock from the row's own timestamp."""
-        deadline = T0 + timedelta(seconds=100)
-        assert seconds_until(deadline, db_anchor=T0, elapsed=30) == 70
-        assert seconds_until(deadline, db_anchor=T0, elapsed=130) == -30
-        assert seconds_until(None, db_anchor=T0, elapsed=0) == 0
+    def test_time_left_is_the_looks_own(self) -> None:
+        """The time left is the row's deadline as the readiness look saw it; a row with no
+        deadline (claimed while its sidecar was connected) gets a whole connect timeout, so
+        it is parked, never abandoned."""
+        looked = Readiness(connected=False, connection_seq=4, deadline_in=70.0)
+        assert connect_remaining(looked, connect_timeout=30) == 70
+        passed = Readiness(connected=False, connection_seq=4, deadline_in=-30.0)
+        assert connect_remaining(passed, connect_timeout=30) == -30
+        none = Readiness(connected=False, connection_seq=4, deadline_in=None)
+        assert connect_remaining(none, connect_timeout=30) == 30
+        window = connect_window(connect_remaining(none, connect_timeout=30), operation_timeout=5)
+        assert isinstance(
+            after_connect_window(
+                row(Status.ALLOCATED),
+                remaining=connect_remaining(none, connect_timeout=30),
+                window=window,
+                seen=none,
+                missed="no connect",
+                automatic_recovery=True,
+            ),
+            Park,
+        )
 
     @pytest.mark.parametrize(("remaining", "window"), [(100, 5), (3, 3), (0, 0), (-20, 0)])
     def test_window(self, remaining: float, window: float) -> None:

@@ -12,6 +12,7 @@ from hubd.errors import InitializationUncertain
 from hubd.plugins.protocol import Accepted, Destroyed, EnsureRequest, Rejected
 from hubd.reconciler.clock import ManualClock
 from hubd.reconciler.engine import HookContext, Reconciler, ReconcilerSettings
+from hubd.reconciler.faults import Boundary, Site
 from hubd.routing import Target
 from hubd.store import (
     Allocation,
@@ -391,6 +392,47 @@ class TestConnectDeadline:
             assert after.status is Status.RELEASING
             assert after.failure_message is not None
             assert after.failure_message.startswith("Automatic recovery is disabled:")
+
+    async def test_sidecar_lost_between_claim_and_look_gets_the_fresh_deadline(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A takeover makes a ready allocation due, and the claim reads it with no connect
+        deadline (a connected row has none). The sidecar drops just before the claim looks at
+        its record: the deadline the disconnect wrote counts, not the claimed copy's missing
+        one, so the allocation is parked at its generation until then, not given up."""
+
+        class DropBeforeTheLook:
+            armed: Target | None = None
+
+            async def at(self, site: Site) -> None:
+                if site.boundary is Boundary.BEFORE_READINESS and self.armed is not None:
+                    target, self.armed = self.armed, None
+                    assert await router.disconnect(target)
+
+        drop = DropBeforeTheLook()
+        reconciler = make_reconciler(db, router, provisioner, faults=drop)
+        ready = await to_ready(store, reconciler, router)
+        target = Target(ready.id, ready.generation)
+        await connect(reconciler, router, target)  # the sidecar's new socket takes over
+        assert (await store.get(ready.id)).connect_deadline is None
+        drop.armed = target
+        assert await reconciler.reconcile_next()
+        assert drop.armed is None
+        after = await store.get(ready.id)
+        assert after.status is Status.ALLOCATED
+        assert after.generation == ready.generation
+        assert not after.ready
+        assert after.lease_id is None
+        assert after.connect_deadline is not None
+        assert after.next_attempt_at == after.connect_deadline
+        kinds = [entry.kind for entry in await ledger.history(ready.id)]
+        assert kinds[-1] == "park_await_connection"
+        assert not [kind for kind in kinds if kind.startswith("begin_")]
 
 
 class TestHooks:

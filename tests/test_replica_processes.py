@@ -142,12 +142,17 @@ class TestDatabaseOutage:
                 pgdata=pgdata,
                 user=user,
             )
+            # A database outage is an expected condition: neither replica stops over it.
+            a.assert_running()
+            b.assert_running()
             db = await connect_database(dsn)
             store = AllocationStore(db, instance_id="observer")
             await poll_until(lambda: all_ready(store, ids), within=60, every=0.2)
             assert await generations(store, ids) == before
             blinks = await stays_put(store, ids, before, 4 * TTL)
             await poll_until(lambda: all_ready(store, ids), within=60, every=0.2)
+            a.assert_running()
+            b.assert_running()
             print(f"samples with an allocation not ready after the recovery: {blinks}")
             assert await abandoning_writes(dsn, ids, head) == []
             assert sidecar_pids(marker) == pids

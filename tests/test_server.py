@@ -27,6 +27,7 @@ from hubd.daemon.running import wake_listener
 from hubd.errors import DatabaseUnavailable
 from hubd.routing import SidecarNotConnected, Target
 from hubd.server import HandshakeRequest, SidecarServer, SocketRouter
+from hubd.server.connection import SidecarConnection
 from hubd.server.limits import ListenerLimits
 from hubd.sidecar.client import SidecarClient, SidecarConfigError, SidecarSettings
 from hubd.store import AllocationStore, Database, Failure, Status, connect_database
@@ -45,6 +46,7 @@ from hubd.tokens import (
 from tests.polling import eventually
 from tests.storekit import claim_one
 from tests.wskit import (
+    CONNECT_PATH,
     INSTANCE_ID,
     Hub,
     Sidecar,
@@ -112,6 +114,21 @@ class TestHandshake:
             assert row["sidecar_id"] == sidecar.sidecar_id
             assert await hub.router.is_ready(sidecar.target)
             await eventually(lambda: hub.events.connected == [sidecar.target])
+
+    async def test_handshake_headers_not_kept(self, hub: Hub, sidecar: Sidecar) -> None:
+        """Once the socket is open, the server keeps no header of its handshake: not the
+        token, not the reconnect secret (and not the memory they take per socket)."""
+        async with dial(hub.url, sidecar.headers()) as ws:
+            await welcome_of(ws)
+            (entry,) = hub.router._open_entries(sidecar.allocation_id)
+            held = entry.ws
+            assert isinstance(held, SidecarConnection)
+            assert held.request is not None
+            assert held.response is not None
+            assert held.request.path == CONNECT_PATH
+            assert held.response.status_code == 101
+            assert list(held.request.headers.raw_items()) == []
+            assert list(held.response.headers.raw_items()) == []
 
     async def test_provisioning_accepted(
         self, db: Database, store: AllocationStore, hub: Hub

@@ -10,7 +10,7 @@ import asyncpg
 import attrs
 import pytest
 
-from hubd.errors import AllocationNotFound, InvalidRequest
+from hubd.errors import AllocationNotFound, DatabaseUnavailable, InvalidRequest
 from hubd.routing import Target
 from hubd.store import (
     AllocationStore,
@@ -29,6 +29,7 @@ from hubd.store.counts import status_counts
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id
 from tests.pgtime import age_row, expire_lease
+from tests.polling import eventually
 from tests.storekit import LEASE_SECONDS, claim_one, drive_to, new_lease, token_hash
 
 Transition = Callable[[AllocationStore, Fence], Awaitable[Any]]
@@ -947,3 +948,43 @@ class TestLeasePool:
         finally:
             for conn in held:
                 await db.pool.release(conn)
+
+
+class TestBrokenConnections:
+    @pytest.mark.parametrize(
+        "error",
+        [
+            asyncpg.InternalClientError(
+                "cannot switch to state 12; another operation (2) is in progress"
+            ),
+            asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
+        ],
+        ids=["protocol-state-lost", "closed-mid-operation"],
+    )
+    async def test_a_driver_error_is_an_outage_and_the_connection_is_not_reused(
+        self, db: Database, error: Exception
+    ) -> None:
+        """When the driver loses a connection mid-protocol (the server's shutdown message
+        reaching an idle pooled connection just before its next query), the caller sees the
+        database as unavailable, the connection is closed rather than pooled again, and the
+        next statement runs on a sound one."""
+        backends = []
+
+        async def broken_statement() -> None:
+            async with db.connection("a statement") as conn:
+                backends.append(conn.get_server_pid())
+                raise error
+
+        with pytest.raises(DatabaseUnavailable):
+            await broken_statement()
+        (backend,) = backends
+
+        async def backend_gone() -> bool:
+            async with db.connection("look") as other:
+                alive = await other.fetchval(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", backend
+                )
+            return not alive
+
+        await eventually(backend_gone, within=10, what="the broken connection's backend gone")
+        assert await status_counts(db) == dict.fromkeys(Status, 0)

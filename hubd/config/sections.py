@@ -49,6 +49,9 @@ __all__ = [
     "provisioner_problem",
 ]
 
+MAX_CONNECTIONS_CEILING: Final = 1 << 20
+"""Linux's default ``fs.nr_open``: no process can hold more descriptors than this."""
+
 LogFormat = Literal["json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 OrphanMode = Literal["destroy", "dry-run", "off"]
@@ -190,9 +193,18 @@ class ServerConfig:
     tls_cert: str = _text("")
     tls_key: str = _text("")
     allowed_origins: tuple[str, ...] = _strings()
+    max_connections: int = _integer(4096)
+    """Sidecar sockets held at once, unfinished handshakes included; more are refused with 503
+    and ``Retry-After``. ``hubd run`` lowers it to fit the open-file limit (and says so)."""
 
     def __attrs_post_init__(self) -> None:
         _check_listen("server.listen", self.listen)
+        if not 1 <= self.max_connections <= MAX_CONNECTIONS_CEILING:
+            raise problem(
+                "server.max_connections",
+                f"must be between 1 and {MAX_CONNECTIONS_CEILING} (one descriptor each), "
+                f"not {self.max_connections}",
+            )
         if self.public_url:
             # One load-balanced address, or every replica's address separated by commas: the
             # reference sidecar moves to the next one whenever a connection fails.

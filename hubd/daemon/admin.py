@@ -2,12 +2,21 @@
 
 Deliberately tiny: GET only, one request per connection, bounded request size and time, so a
 misbehaving scraper cannot hold resources the daemon needs.
+
+It runs its own event loop on a thread of its own. A probe must answer while the daemon's loop
+is busy (a flood of handshakes, thousands of sockets to check), or a liveness check restarts a
+daemon that is merely working; on its own loop a probe waits for the interpreter's lock at most
+(a few milliseconds), never behind the daemon's queue of ready callbacks. ``/healthz`` and
+``/readyz`` read only state that is safe to read from another thread (flags and monotonic
+times); ``/metrics`` is rendered on the daemon's loop, where every value it reads is written.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import concurrent.futures
+import threading
+from collections.abc import Callable
 
 import structlog
 
@@ -17,6 +26,7 @@ log = structlog.get_logger(__name__)
 
 _MAX_REQUEST = 8192
 _READ_TIMEOUT = 5.0
+_RENDER_TIMEOUT = 10.0
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
@@ -26,28 +36,73 @@ class AdminServer:
         *,
         host: str,
         port: int,
-        readiness: Callable[[], Awaitable[str | None]],
+        readiness: Callable[[], str | None],
         metrics: Callable[[], bytes],
     ) -> None:
+        """``readiness`` is called on the admin thread: ``None`` when ready, else what is
+        missing. ``metrics`` is called on the loop that called :meth:`start`."""
         self._host = host
         self._port = port
         self._readiness = readiness
         self._metrics = metrics
-        self._server: asyncio.Server | None = None
+        self._owner: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._bound: int | None = None
 
     @property
     def port(self) -> int:
-        assert self._server is not None
-        return int(self._server.sockets[0].getsockname()[1])
+        assert self._bound is not None
+        return self._bound
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        """Bind and serve on the admin thread; a bind error is raised here."""
+        self._owner = asyncio.get_running_loop()
+        bound: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(bound,), name="hubd-admin", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._bound = await asyncio.wrap_future(bound)
+        except BaseException:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+            raise
         log.info("admin_listener_up", host=self._host, port=self.port)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        thread, loop = self._thread, self._loop
+        if thread is None:
+            return
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    def _run(self, bound: concurrent.futures.Future[int]) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            try:
+                server = loop.run_until_complete(
+                    asyncio.start_server(self._serve, self._host, self._port)
+                )
+            except BaseException as exc:  # noqa: BLE001 -- handed to start() to raise
+                bound.set_exception(exc)
+                return
+            self._loop = loop
+            bound.set_result(int(server.sockets[0].getsockname()[1]))
+            loop.run_forever()
+            server.close()
+            loop.run_until_complete(server.wait_closed())
+            # Requests still being answered end with the loop.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -83,10 +138,33 @@ class AdminServer:
         if path == "/healthz":
             return 200, "text/plain", b"ok\n"
         if path == "/readyz":
-            problem = await self._readiness()
+            problem = self._readiness()
             if problem is None:
                 return 200, "text/plain", b"ready\n"
             return 503, "text/plain", f"not ready: {problem}\n".encode()
         if path == "/metrics":
-            return 200, "text/plain; version=0.0.4; charset=utf-8", self._metrics()
+            body = await self._render()
+            if body is None:
+                return 503, "text/plain", b"metrics unavailable\n"
+            return 200, "text/plain; version=0.0.4; charset=utf-8", body
         return 404, "text/plain", b"not found\n"
+
+    async def _render(self) -> bytes | None:
+        """The metrics, rendered on the daemon's loop; ``None`` when it is gone or too busy."""
+        owner = self._owner
+        if owner is None or owner.is_closed():
+            return None
+
+        async def render() -> bytes:
+            return self._metrics()
+
+        try:
+            rendered = asyncio.run_coroutine_threadsafe(render(), owner)
+        except RuntimeError:  # the daemon's loop stopped
+            return None
+        try:
+            async with asyncio.timeout(_RENDER_TIMEOUT):
+                return await asyncio.wrap_future(rendered)
+        except TimeoutError:
+            rendered.cancel()
+            return None

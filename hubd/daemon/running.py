@@ -10,7 +10,7 @@ import contextlib
 import errno
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import attrs
 import structlog
@@ -128,7 +128,7 @@ class Listening:
             connect_timeout=rc.connect_timeout,
             event_timeout=rc.operation_timeout,
         )
-        limits = ListenerLimits()
+        limits = ListenerLimits(max_connections=config.server.max_connections)
         plan = plan_descriptors(
             raise_open_file_limit()[0],
             requested=limits.max_connections,
@@ -142,7 +142,8 @@ class Listening:
                 reserved=plan.reserved,
                 max_connections=plan.max_connections,
                 wanted=plan.requested,
-                hint="raise LimitNOFILE= (or ulimit -n) so every sidecar socket fits",
+                hint="raise LimitNOFILE= (or ulimit -n) so every sidecar socket fits, or lower "
+                "server.max_connections",
             )
         server = SidecarServer.from_config(
             config.server,
@@ -247,7 +248,7 @@ class Running:
         on_ready: Hook | None,
         on_wake: Callable[[], None],
         on_reconnected: Callable[[], None],
-        readiness: Callable[[], Awaitable[str | None]],
+        readiness: Callable[[], str | None],
     ) -> Running:
         rc, db, router = config.reconciler, parts.db, parts.router
         store = AllocationStore(db, instance_id=parts.instance_id)

@@ -223,13 +223,14 @@ class Daemon:
         await say_what_keeps_running(running.provisioners)
         log.info("hubd_stopped", seconds=round(time.monotonic() - began, 2))
 
-    async def _readiness(self) -> str | None:
+    def _readiness(self) -> str | None:
         """``None`` when ready; otherwise what is missing.
 
         Answered from state the daemon already holds (the heartbeat's last success, the
         listener's health), never by a query: a probe must answer at once even while a flood
         of handshakes or slow statements holds every connection, or a liveness check would
-        restart a daemon that is merely busy.
+        restart a daemon that is merely busy. Called on the admin listener's own thread, so
+        it reads only flags and monotonic times.
         """
         if self._stopping.requested.is_set():
             return "shutting down"

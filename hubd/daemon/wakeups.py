@@ -22,6 +22,7 @@ import structlog
 
 from hubd.backoff import Retries
 from hubd.daemon.cancellation import raise_if_cancelled
+from hubd.errors import StoreError
 from hubd.store.channels import (
     CHANNELS,
     CONNECTED_CHANNEL,
@@ -118,7 +119,13 @@ class NotificationListener:
                 self._on_wake()
                 self._on_reconnected()
                 await self._watch(lost)
-            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except (
+                OSError,
+                TimeoutError,
+                asyncpg.PostgresError,
+                asyncpg.InterfaceError,
+                asyncpg.InternalClientError,
+            ) as exc:
                 log.warning("wake_listener_connection_lost", error=str(exc))
             finally:
                 self.healthy = False
@@ -146,11 +153,11 @@ class NotificationListener:
         self._nonces[nonce] = arrived
         try:
             async with asyncio.timeout(self._selfcheck_timeout):
-                async with self._db.pool.acquire() as conn:
+                async with self._db.connection("wake self-check") as conn:
                     await conn.execute("SELECT pg_notify($1, $2)", SELFCHECK_CHANNEL, nonce)
                 await arrived
             return True
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        except (TimeoutError, StoreError):
             return False
         finally:
             del self._nonces[nonce]

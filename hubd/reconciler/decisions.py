@@ -49,7 +49,6 @@ its ceiling, used where no durable counter exists.
 from __future__ import annotations
 
 import enum
-from datetime import datetime, timedelta
 from typing import Final
 
 import attrs
@@ -89,6 +88,7 @@ __all__ = [
     "after_on_ready",
     "await_connection",
     "backoff",
+    "connect_remaining",
     "connect_window",
     "deadline_passed",
     "effect_phase",
@@ -96,7 +96,6 @@ __all__ = [
     "outcome_text",
     "replacement_becomes_release",
     "retry_delay",
-    "seconds_until",
     "step_for",
     "unless_connected",
     "wake_on_start",
@@ -337,13 +336,16 @@ def wake_on_start(allocation: Allocation) -> bool:
 # -- waiting for the sidecar's connect ---------------------------------------------------------
 
 
-def seconds_until(moment: datetime | None, *, db_anchor: datetime, elapsed: float) -> float:
-    """Seconds from now to ``moment`` on the database clock, estimated as ``elapsed`` local
-    seconds after ``db_anchor`` (a row's own timestamp: no local wall clock involved); 0 when
-    there is no moment."""
-    if moment is None:
-        return 0.0
-    return (moment - (db_anchor + timedelta(seconds=elapsed))).total_seconds()
+def connect_remaining(readiness: Readiness, *, connect_timeout: float) -> float:
+    """Seconds left for the sidecar to connect, as of the look that produced ``readiness``:
+    the row's deadline at that look, never the claimed copy's. A disconnect committed since the
+    claim read its row gave it a fresh deadline, and a row claimed while its sidecar was
+    connected had none at all. A row without one, whose sidecar holds no live record, has not
+    started its clock (the disconnect or the repair sweep that starts it is on its way): it
+    gets a whole ``connect_timeout``, so it is parked and never abandoned on a guess."""
+    if readiness.deadline_in is None:
+        return connect_timeout
+    return readiness.deadline_in
 
 
 def connect_window(remaining: float, operation_timeout: float) -> float:

@@ -27,10 +27,10 @@ from hubd.reconciler.decisions import (
     after_destroy,
     after_ensure,
     after_on_ready,
+    connect_remaining,
     connect_window,
     deadline_passed,
     not_called,
-    seconds_until,
     step_for,
     unless_connected,
 )
@@ -203,15 +203,11 @@ async def _wait_for_connect(run: ClaimRun, window: float) -> str | None:
 async def _wait_until_ready(run: ClaimRun, seen: Readiness | None = None) -> None:
     s, a = run.services, run.allocation
     automatic_recovery = s.settings.automatic_replacement_recovery
-    remaining = seconds_until(
-        a.connect_deadline,
-        db_anchor=run.db_anchor,
-        elapsed=s.clock.monotonic() - run.local_anchor,
-    )
     # A readiness look-up that fails is not evidence the sidecar missed its deadline: the
     # error propagates and the allocation is retried without giving up the generation.
     readiness = seen or await _readiness(run)
     if not readiness.connected:
+        remaining = connect_remaining(readiness, connect_timeout=s.settings.connect_timeout)
         window = connect_window(remaining, s.settings.operation_timeout)
         if window > 0:
             missed = await _wait_for_connect(run, window)

@@ -360,6 +360,7 @@ class SidecarServer:
         request, seen = connection.hubd_request, connection.hubd_secret
         # The request holds the raw token; nothing after authentication needs it.
         connection.hubd_request = connection.hubd_secret = None
+        connection.forget_handshake()
         if request is None:  # pragma: no cover -- process_request always sets it
             await connection.close(int(CloseCode.INTERNAL_ERROR), CloseCode.INTERNAL_ERROR.reason)
             return

@@ -81,6 +81,9 @@ class Readiness:
 
     connected: bool
     connection_seq: int
+    deadline_in: float | None = None
+    """Seconds from the look to the row's connect deadline as it then stood (``None``: the
+    row had none, as a connected one has not)."""
 
 
 @attrs.frozen
@@ -347,7 +350,11 @@ class ConnectionStore:
         )
         if row is None:
             return Readiness(connected=False, connection_seq=-1)
-        return Readiness(connected=bool(row["connected"]), connection_seq=row["connection_seq"])
+        return Readiness(
+            connected=bool(row["connected"]),
+            connection_seq=row["connection_seq"],
+            deadline_in=row["deadline_in"],
+        )
 
     async def is_connected(self, target: Target, ttl: float) -> bool:
         return (await self.readiness(target, ttl)).connected

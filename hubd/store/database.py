@@ -59,6 +59,17 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.CrashShutdownError,
     asyncpg.TooManyConnectionsError,
     asyncpg.InterfaceError,
+    # The driver lost track of the protocol: seen when the server's shutdown message reaches
+    # an idle pooled connection just before its next query.
+    asyncpg.InternalClientError,
+)
+
+# Errors after which a connection's protocol state cannot be trusted: it is closed rather than
+# returned to its pool, since no reset query on release would notice (see _keep_session).
+_BROKEN: tuple[type[BaseException], ...] = (
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    asyncpg.PostgresConnectionError,
 )
 
 
@@ -149,7 +160,11 @@ class Database:
                 yield conn
                 return
             async with self._pools[pool].acquire() as pooled:
-                yield pooled
+                try:
+                    yield pooled
+                except _BROKEN:
+                    pooled.terminate()
+                    raise
 
     async def fetchrow(
         self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None

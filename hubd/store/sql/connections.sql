@@ -274,8 +274,10 @@ SELECT allocation_id, generation FROM cleared;
 -- Whether :generation of :allocation_id has a current record on an instance whose heartbeat is
 -- within :ttl seconds, or on the asking :instance_id itself (it holds the socket, whatever its
 -- heartbeat says after an outage), and the connection number that answer belongs to (no row:
--- no allocation).
+-- no allocation). Also the seconds from now to the row's connect deadline as it stands with
+-- that answer (NULL: none): a disconnect since the claim read its row gave a fresh one.
 SELECT a.connection_seq,
+       extract(epoch FROM a.connect_deadline - now())::float8 AS deadline_in,
        EXISTS (
            SELECT 1 FROM hubd_sidecar_connections AS c
            LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
