@@ -35,7 +35,11 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     def claim() -> tuple[Any, ...]:
         # The dispatcher's statement, claiming for 16 free slots at once.
         bound = SQL.claim_due(
-            lease_ids=[uuid.uuid4().hex for _ in range(16)], lease_duration=60.0, exclude=[]
+            lease_ids=[uuid.uuid4().hex for _ in range(16)],
+            effect_ids=[uuid.uuid4().hex for _ in range(16)],
+            instance_id="bench",
+            lease_duration=60.0,
+            exclude=[],
         )
         return tuple(bound.args)
 
@@ -47,7 +51,9 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
         )
         return tuple(bound.args)
 
-    sample_claim = SQL.claim_due(lease_ids=["x"], lease_duration=60.0, exclude=[])
+    sample_claim = SQL.claim_due(
+        lease_ids=["x"], effect_ids=["x"], instance_id="bench", lease_duration=60.0, exclude=[]
+    )
     sample_renewal = SQL.renew_leases(allocation_ids=[], lease_ids=[], lease_duration=60.0)
     return {
         "claim": (sample_claim.sql, claim),

@@ -93,8 +93,10 @@ CREATE TRIGGER hubd_observe_versions AFTER INSERT OR UPDATE ON hubd_allocations
 """
 
 # A ledger row written under lease L must have been written while L was live: the allocation's
-# latest version written before the row carries L, granted until after the row. Rows that
-# settle a dead lease's open call carry that lease by design and are left out.
+# latest version written before the row carries L, granted until after the row, or the row was
+# written by the transaction that granted L (a claim statement writes the destroy's intent under
+# the lease it grants; the version is recorded at the end of that statement, after the row).
+# Rows that settle a dead lease's open call carry that lease by design and are left out.
 _STALE_WRITES = """
 SELECT l.seq, l.allocation_id, l.kind, l.lease_id
 FROM hubd_allocation_ledger AS l
@@ -105,6 +107,11 @@ LEFT JOIN LATERAL (
 ) AS before ON true
 WHERE l.lease_id IS NOT NULL AND l.error_code IS DISTINCT FROM 'outcome_unknown'
   AND (before.lease_id IS DISTINCT FROM l.lease_id OR before.lease_expires_at <= l.at)
+  AND NOT EXISTS (
+      SELECT 1 FROM hubd_observed_versions AS granted
+      WHERE granted.allocation_id = l.allocation_id AND granted.lease_id = l.lease_id
+        AND granted.txid % 4294967296 = l.xmin::text::bigint
+        AND granted.lease_expires_at > l.at)
 ORDER BY l.seq
 """
 

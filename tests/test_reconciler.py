@@ -1002,13 +1002,15 @@ class TestStalledSteps:
             await blocker.close()
         await poll_until(lambda: _not_busy(reconciler, allocation.id))
         kinds = [(e.kind, str(e.phase)) for e in await ledger.history(allocation.id)]
-        # The ensure's outcome could not be recorded (the row was locked) and was abandoned;
-        # the park already in flight when the claim gave up is the only later write.
+        # The acceptance (with the ensure's outcome and the park) was stuck behind the lock when
+        # the claim gave up; it settles as that one statement, and nothing is written after it.
         assert kinds == [
             ("request", "committed"),
             ("bind_sidecar", "committed"),
             ("ensure", "intent"),
-            ("park_retry_after_error", "committed"),
+            ("ensure", "committed"),
+            ("mark_allocated", "committed"),
+            ("park_await_connection", "committed"),
         ]
 
 

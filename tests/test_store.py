@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
+import attrs
 import pytest
 
 from hubd.errors import AllocationNotFound, DatabaseUnavailable, InvalidRequest
@@ -15,6 +16,7 @@ from hubd.store import (
     AllocationStore,
     AttemptKind,
     Database,
+    EffectRow,
     Failure,
     Fence,
     LedgerStore,
@@ -512,7 +514,13 @@ class TestClaims:
             await conn.execute("ANALYZE hubd_allocations")
             from hubd.store.allocations import SQL
 
-            claim = SQL.claim_due(lease_ids=[new_lease()], lease_duration=60.0, exclude=[])
+            claim = SQL.claim_due(
+                lease_ids=[new_lease()],
+                effect_ids=["ef_1"],
+                instance_id="test",
+                lease_duration=60.0,
+                exclude=[],
+            )
             plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + claim.sql, *claim.args)
         text = str(plan)
         assert "hubd_allocations_due_idx" in text
@@ -784,6 +792,114 @@ class TestLedger:
         assert [(e.effect_id, e.lease_id, e.kind) for e in ambiguous] == [
             ("ef_open", fence.lease_id, "ensure")
         ]
+
+    async def test_transitions_carry_a_plugin_calls_rows_in_order(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """A bind writes the ensure's intent after its own row; the acceptance writes the
+        outcome before its own rows, and parks in the same statement."""
+        allocation = await store.request(provisioner_id="fake")
+        fence = await claim_one(store, allocation.id)
+        intent = EffectRow(
+            effect_id=new_effect_id(), kind="ensure", phase=Phase.INTENT, status=Status.PROVISIONING
+        )
+        bound = await store.bind_initial_sidecar(
+            fence,
+            sidecar_id="sc_" + "a" * 32,
+            token_hash=token_hash(),
+            connect_timeout=120,
+            api_version="1",
+            binding_fingerprint="fp",
+            effects=[intent],
+        )
+        assert bound is not None
+        outcome = attrs.evolve(intent, phase=Phase.COMMITTED, duration_ms=1.5)
+        parked = await store.park(
+            fence,
+            mode=ParkMode.AWAIT_CONNECTION,
+            delay=30,
+            connection_seq=bound.connection_seq,
+            ready_within=20,
+            accept=True,
+            external_ref="ref-9",
+            effects=[outcome],
+        )
+        assert parked is not None
+        assert parked.status is Status.ALLOCATED
+        assert parked.external_ref == "ref-9"
+        assert parked.lease_id is None
+        assert parked.next_attempt_at == parked.connect_deadline
+        rows = [
+            (e.kind, str(e.phase), e.effect_id, e.lease_id)
+            for e in await ledger.history(allocation.id)
+        ]
+        assert rows == [
+            ("request", "committed", None, None),
+            ("bind_sidecar", "committed", None, fence.lease_id),
+            ("ensure", "intent", intent.effect_id, fence.lease_id),
+            ("ensure", "committed", intent.effect_id, fence.lease_id),
+            ("mark_allocated", "committed", None, fence.lease_id),
+            ("park_await_connection", "committed", None, fence.lease_id),
+        ]
+
+    async def test_an_outcome_is_written_only_with_its_transition(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """A transition whose fence no longer holds writes neither itself nor the plugin call's
+        outcome: the intent stays open for the next owner to settle."""
+        fence = await drive_to(store, db, Status.RELEASING)
+        intent = EffectRow(
+            effect_id=new_effect_id(), kind="destroy", phase=Phase.INTENT, status=Status.RELEASING
+        )
+        assert await ledger.record_effect(
+            fence,
+            effect_id=intent.effect_id,
+            kind=intent.kind,
+            phase=intent.phase,
+            status=intent.status,
+        )
+        before = await ledger.history(fence.allocation_id)
+        await expire_lease(db, fence.allocation_id)
+        outcome = attrs.evolve(intent, phase=Phase.COMMITTED)
+        assert await store.mark_released(fence, effects=[outcome]) is None
+        assert await ledger.history(fence.allocation_id) == before
+        await age_row(db, fence.allocation_id, 1)
+        claimed = await store.claim_due(lease_ids=[new_lease()], lease_duration=LEASE_SECONDS)
+        assert [c.open_effects for c in claimed] == [True]
+
+    async def test_a_claim_to_destroy_writes_the_destroy_intent(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """Claiming a releasing row with a bound sidecar writes the destroy's intent under the
+        new lease; giving the lease back settles it as never called."""
+        fence = await drive_to(store, db, Status.PROVISIONING)
+        await store.release(fence.allocation_id)
+        await age_row(db, fence.allocation_id, LEASE_SECONDS + 1)
+        lease = new_lease()
+        (claimed,) = await store.claim_due(lease_ids=[lease], lease_duration=LEASE_SECONDS)
+        assert claimed.destroy_intent is not None
+        assert not claimed.open_effects
+        intents = [e for e in await ledger.history(fence.allocation_id) if e.kind == "destroy"]
+        assert [(e.effect_id, e.lease_id, str(e.phase), e.to_status) for e in intents] == [
+            (claimed.destroy_intent, lease, "intent", "releasing")
+        ]
+        assert await store.drop_lease(fence.allocation_id, lease)
+        settled = [e for e in await ledger.history(fence.allocation_id) if e.kind == "destroy"]
+        assert [(str(e.phase), e.error_code) for e in settled] == [
+            ("intent", None),
+            ("failed", "not_called"),
+        ]
+        again = await claim_one(store, fence.allocation_id)
+        assert again.lease_id != lease
+
+    async def test_a_claim_that_calls_nothing_writes_no_intent(
+        self, store: AllocationStore, db: Database, ledger: LedgerStore
+    ) -> None:
+        """Claiming a pending row, or a releasing one with nothing bound, writes no intent."""
+        allocation = await store.request(provisioner_id="fake")
+        (claimed,) = await store.claim_due(lease_ids=[new_lease()], lease_duration=60)
+        assert claimed.destroy_intent is None
+        assert [e.kind for e in await ledger.history(allocation.id)] == ["request"]
 
     async def test_ledger_is_append_only(self, store: AllocationStore, db: Database) -> None:
         """The schema refuses updates and deletes of ledger rows."""

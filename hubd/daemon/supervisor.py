@@ -29,6 +29,10 @@ __all__ = ["Supervisor"]
 
 log = structlog.get_logger(__name__)
 
+GATHER_SECONDS = 0.05
+"""How long the dispatcher, under a backlog, waits for more claim slots to free before its
+next claim statement (see ``Supervisor._gather_slots``)."""
+
 
 class _Stop(Exception):
     """Raised inside the TaskGroup to end it on purpose (a signal arrived)."""
@@ -101,6 +105,7 @@ class Supervisor:
         retries = Retries.doubling(0.5, poll)
         while not stopping.is_set():
             raise_if_cancelled()
+            asked = reconciler.free_capacity
             try:
                 claimed = await reconciler.claim_batch()
                 retries.reset()
@@ -125,6 +130,23 @@ class Supervisor:
             if (claimed == 0 or reconciler.free_capacity == 0) and not stopping.is_set():
                 # Nothing more is due, or every slot is taken: a claim that ends wakes us.
                 await self.waker.wait(poll)
+            if 0 < asked == claimed:
+                await self._gather_slots(reconciler)
+
+    async def _gather_slots(self, reconciler: Reconciler) -> None:
+        """After a batch that filled every slot it asked for (more rows may be due), wait a
+        moment for a quarter of the slots to be free, so the next claim statement leases
+        several rows rather than one per claim that ends. Bounded by ``GATHER_SECONDS``, a
+        cool-down in the manner of River's fetch cool-down: at most that much latency, and
+        only while a backlog lasts."""
+        wanted = max(1, reconciler.settings.max_concurrent_claims // 4)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + GATHER_SECONDS
+        while reconciler.free_capacity < wanted and not self.stopping.requested.is_set():
+            left = until - loop.time()
+            if left <= 0:
+                return
+            await self.waker.wait(left)
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -3,7 +3,9 @@
 A :class:`ClaimRun` lives from the claim to its final write; :mod:`hubd.reconciler.steps` drives
 it. Every external operation it runs (store calls, plugin calls bracketed in the ledger, hooks,
 waits for a connect) runs under a time limit and the claim's cancellation, plugin calls and
-hooks after re-checking the lease. Its writes are values decided in
+hooks only while the local lease deadline holds. A plugin call's ledger rows ride on the
+fenced transitions around it: its intent on the write that makes it due, its outcome on the
+write decided from it. Its writes are values decided in
 :mod:`hubd.reconciler.decisions`, carried out by :func:`hubd.reconciler.executor.apply`.
 
 A claim that cannot prove it still owns the lease stops at once and writes nothing more: the
@@ -39,10 +41,10 @@ from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings
 from hubd.reconciler.work import LocalWork
 from hubd.reconciler.writes import Write
 from hubd.routing import Router, Target
-from hubd.store.allocations import AllocationStore
+from hubd.store.allocations import AllocationStore, Effects
 from hubd.store.connections import ConnectionStore
 from hubd.store.ledger import LedgerStore, new_effect_id
-from hubd.store.models import Allocation, Fence, Phase
+from hubd.store.models import Allocation, EffectRow, Fence, Phase, Status
 
 __all__ = ["ClaimRun", "ClaimServices"]
 
@@ -87,6 +89,8 @@ class ClaimRun:
     log: FilteringBoundLogger
     open_effects: bool = True
     """An earlier lease may have left a plugin call with no outcome to settle."""
+    destroy_intent: str | None = None
+    """The effect id of the destroy intent the claim statement wrote, if it wrote one."""
     lost: LeaseLost | None = None
     task: asyncio.Task[None] | None = None
 
@@ -208,8 +212,8 @@ class ClaimRun:
         await self.queue_step(step)
         return written
 
-    async def apply(self, write: Write) -> None:
-        await executor.apply(self, write)
+    async def apply(self, write: Write, effects: Effects = ()) -> None:
+        await executor.apply(self, write, effects)
 
     async def boundary(self, boundary: Boundary, step: str) -> None:
         """A boundary between durable steps: where an injected fault may land."""
@@ -249,24 +253,50 @@ class ClaimRun:
         )
         return await self.op(call(context), what, limit)
 
-    async def call_plugin(
-        self,
-        kind: str,
-        call: Callable[[], Coroutine[Any, Any, object]],
-        check: Callable[[object], R],
-    ) -> R | Raised | TimedOut:
-        """One plugin call, bracketed in the ledger by its intent and its outcome."""
-        s = self.services
-        effect_id = new_effect_id()
-        status = self.allocation.status
+    @staticmethod
+    def intend(kind: str, status: Status) -> EffectRow:
+        """The intent row of a ``kind`` call to be made in ``status``, for the write that makes
+        the call due to carry."""
+        return EffectRow(effect_id=new_effect_id(), kind=kind, phase=Phase.INTENT, status=status)
+
+    def claimed_intent(self) -> EffectRow | None:
+        """The destroy intent the claim statement wrote, if any."""
+        if self.destroy_intent is None:
+            return None
+        return EffectRow(
+            effect_id=self.destroy_intent,
+            kind="destroy",
+            phase=Phase.INTENT,
+            status=self.allocation.status,
+        )
+
+    async def record_intent(self, intent: EffectRow) -> None:
+        """Write ``intent`` on its own, for a call no transition of this claim makes due."""
         recorded = await self.op(
-            s.ledger.record_effect(
-                self.fence, effect_id=effect_id, kind=kind, phase=Phase.INTENT, status=status
+            self.services.ledger.record_effect(
+                self.fence,
+                effect_id=intent.effect_id,
+                kind=intent.kind,
+                phase=intent.phase,
+                status=intent.status,
             ),
             "record intent",
         )
         if not recorded:
-            raise LeaseLost(f"{kind} intent: the fence matched nothing")
+            raise LeaseLost(f"{intent.kind} intent: the fence matched nothing")
+
+    async def call_plugin(
+        self,
+        intent: EffectRow,
+        call: Callable[[], Coroutine[Any, Any, object]],
+        check: Callable[[object], R],
+    ) -> tuple[R | Raised | TimedOut, EffectRow]:
+        """One plugin call whose ``intent`` is already in the ledger: its outcome, and the
+        outcome's ledger row for the write decided from it to carry. Nothing is written here:
+        a claim that stops before that write leaves the intent open, and the next owner
+        records the call as ambiguous."""
+        s, kind = self.services, intent.kind
+        status = self.allocation.status
         await self.boundary(Boundary.BEFORE_PLUGIN, kind)
         started = s.clock.monotonic()
         outcome: R | Raised | TimedOut
@@ -296,25 +326,18 @@ class ClaimRun:
             self.allocation.provisioner_id, kind, duration_ms / 1000, type(outcome).__name__
         )
         code, message = outcome_text(kind, outcome)
-        recorded = await self.op(
-            s.ledger.record_effect(
-                self.fence,
-                effect_id=effect_id,
-                kind=kind,
-                phase=effect_phase(outcome),
-                status=status,
-                error_code=code,
-                message=message,
-                duration_ms=duration_ms,
-            ),
-            "record outcome",
-        )
-        if not recorded:
-            raise LeaseLost(f"{kind} outcome: the fence matched nothing")
         self.log.info(
             f"{kind}_finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1)
         )
-        return outcome
+        return outcome, EffectRow(
+            effect_id=intent.effect_id,
+            kind=kind,
+            phase=effect_phase(outcome),
+            status=status,
+            error_code=code,
+            message=message,
+            duration_ms=duration_ms,
+        )
 
     def _log_plugin_exception(self, kind: str) -> None:
         """A plugin's exception, with its traceback, for the plugin's author: at warning the

@@ -65,7 +65,7 @@ from hubd.reconciler.writes import (
 )
 from hubd.store.allocations import AttemptKind, ParkMode
 from hubd.store.connections import Readiness
-from hubd.store.models import Allocation, Phase, Status
+from hubd.store.models import Allocation, EffectRow, Phase, Status
 from hubd.store.values import Failure
 
 __all__ = [
@@ -92,6 +92,7 @@ __all__ = [
     "connect_window",
     "deadline_passed",
     "effect_phase",
+    "not_called",
     "outcome_text",
     "replacement_becomes_release",
     "retry_delay",
@@ -150,6 +151,13 @@ def effect_phase(outcome: PluginOutcome) -> Phase:
     if isinstance(outcome, TimedOut):
         return Phase.AMBIGUOUS
     return Phase.FAILED
+
+
+def not_called(intent: EffectRow, problem: str) -> EffectRow:
+    """The outcome row of an ``intent`` whose call is not made because of ``problem``."""
+    return attrs.evolve(
+        intent, phase=Phase.FAILED, error_code="not_called", message=f"not called: {problem}"
+    )
 
 
 def outcome_text(kind: str, outcome: PluginOutcome) -> tuple[str | None, str | None]:

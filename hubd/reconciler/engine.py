@@ -272,6 +272,7 @@ class Reconciler:
             local_anchor=self._clock.monotonic(),
             log=bound,
             open_effects=claimed.open_effects,
+            destroy_intent=claimed.destroy_intent,
         )
         self._active[aid] = claim
         self._renewer.register(lease)

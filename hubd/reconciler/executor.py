@@ -5,9 +5,13 @@ and runs it on the path its kind calls for, then tells the router and the log wh
 
 - a write the claim goes on from (bind, mark allocated, begin initialization) or that ends the
   allocation (fail, destroy failed, released) must match its fence, or the claim is lost;
-- a write that ends the claim (retry, park, mark ready, abandon) runs in the allocation's
-  queue (architecture §3), after connection events queued before it. An abandon whose guard
-  no longer holds writes its ``otherwise`` instead.
+- a write that ends the claim (retry, park, accept and park, mark ready, abandon) runs in the
+  allocation's queue (architecture §3), after connection events queued before it. An abandon
+  whose guard no longer holds writes its ``otherwise`` instead.
+
+A write that brackets a plugin call carries the call's ledger rows (``effects``: the intent
+with the bind that makes the call due, the outcome with the write decided from it) into the
+same statement, so the evidence commits with the transition or not at all.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from hubd.reconciler.faults import Boundary
 from hubd.reconciler.writes import (
     Abandon,
+    AcceptAndPark,
     BeginInitialization,
     BindInitial,
     BindReplacement,
@@ -31,7 +36,7 @@ from hubd.reconciler.writes import (
     Retry,
     Write,
 )
-from hubd.store.allocations import AllocationStore
+from hubd.store.allocations import AllocationStore, Effects
 from hubd.store.models import Allocation, Fence
 
 if TYPE_CHECKING:
@@ -42,8 +47,17 @@ __all__ = ["apply", "statement"]
 Statement = Coroutine[Any, Any, Allocation | None]
 
 
-def statement(store: AllocationStore, fence: Fence, write: Write) -> Statement:
-    """The fenced statement that carries ``write`` out (not yet awaited)."""
+def statement(
+    store: AllocationStore, fence: Fence, write: Write, effects: Effects = ()
+) -> Statement:
+    """The fenced statement that carries ``write`` out, with ``effects`` (not yet awaited)."""
+    if effects and (
+        isinstance(write, BeginInitialization | MarkReady)
+        or (isinstance(write, Abandon) and write.release)
+    ):
+        # No plugin call's outcome leads to these (a release is never decided from an ensure,
+        # which runs in provisioning); their statements take no effects.
+        raise ValueError(f"{type(write).__name__} brackets no plugin call")
     match write:
         case BindInitial():
             return store.bind_initial_sidecar(
@@ -53,6 +67,7 @@ def statement(store: AllocationStore, fence: Fence, write: Write) -> Statement:
                 connect_timeout=write.connect_timeout,
                 api_version=write.api_version,
                 binding_fingerprint=write.binding_fingerprint,
+                effects=effects,
             )
         case BindReplacement():
             return store.bind_replacement_sidecar(
@@ -60,9 +75,10 @@ def statement(store: AllocationStore, fence: Fence, write: Write) -> Statement:
                 sidecar_id=write.sidecar_id,
                 token_hash=write.token_hash,
                 connect_timeout=write.connect_timeout,
+                effects=effects,
             )
         case MarkAllocated():
-            return store.mark_allocated(fence, external_ref=write.external_ref)
+            return store.mark_allocated(fence, external_ref=write.external_ref, effects=effects)
         case BeginInitialization():
             return store.begin_initialization(fence)
         case MarkReady():
@@ -75,15 +91,21 @@ def statement(store: AllocationStore, fence: Fence, write: Write) -> Statement:
                 attempt=write.attempt_kind,
                 failure=write.failure,
                 clear_initialization=write.clear_initialization,
+                effects=effects,
             )
-        case Park():
+        case Park() | AcceptAndPark():
+            accept = write if isinstance(write, AcceptAndPark) else None
+            park = write.park if isinstance(write, AcceptAndPark) else write
             return store.park(
                 fence,
-                mode=write.mode,
-                delay=write.delay,
-                failure=write.failure,
-                connection_seq=write.connection_seq,
-                ready_within=write.ready_within,
+                mode=park.mode,
+                delay=park.delay,
+                failure=park.failure,
+                connection_seq=park.connection_seq,
+                ready_within=park.ready_within,
+                accept=accept is not None,
+                external_ref=None if accept is None else accept.external_ref,
+                effects=effects,
             )
         case Abandon(release=True):
             return store.begin_unrecoverable_release(
@@ -95,16 +117,17 @@ def statement(store: AllocationStore, fence: Fence, write: Write) -> Statement:
                 expected_status=write.expected,
                 delay=write.delay,
                 failure=write.failure,
+                effects=effects,
                 **_abandon_guard(write),
             )
         case FailNow():
             return store.fail_without_infrastructure(
-                fence, expected_status=write.expected, failure=write.failure
+                fence, expected_status=write.expected, failure=write.failure, effects=effects
             )
         case MarkDestroyFailed():
-            return store.mark_destroy_failed(fence, failure=write.failure)
+            return store.mark_destroy_failed(fence, failure=write.failure, effects=effects)
         case MarkReleased():
-            return store.mark_released(fence)
+            return store.mark_released(fence, effects=effects)
 
 
 class _AbandonGuard(TypedDict):
@@ -133,25 +156,26 @@ _WHAT: dict[type[Write], str] = {
 }
 
 
-async def apply(run: ClaimRun, write: Write) -> None:
-    """Carry ``write`` out for ``run``. Raises :class:`~hubd.errors.LeaseLost` when a write the
-    claim goes on from matches nothing; a final write that matches nothing ends the claim."""
+async def apply(run: ClaimRun, write: Write, effects: Effects = ()) -> None:
+    """Carry ``write`` out for ``run``, with the ledger rows ``effects``. Raises
+    :class:`~hubd.errors.LeaseLost` when a write the claim goes on from matches nothing; a final
+    write that matches nothing ends the claim."""
     await run.boundary(Boundary.BEFORE_WRITE, type(write).__name__)
-    await _carry_out(run, write)
+    await _carry_out(run, write, effects)
     await run.boundary(Boundary.AFTER_WRITE, type(write).__name__)
 
 
-async def _carry_out(run: ClaimRun, write: Write) -> None:
+async def _carry_out(run: ClaimRun, write: Write, effects: Effects) -> None:
     store, fence = run.services.store, run.fence
     if isinstance(write, Abandon):
-        await _abandon(run, write)
+        await _abandon(run, write, effects)
         return
-    if isinstance(write, Retry | Park | MarkReady):
-        written = await run.finish(functools.partial(statement, store, fence, write))
+    if isinstance(write, Retry | Park | AcceptAndPark | MarkReady):
+        written = await run.finish(functools.partial(statement, store, fence, write, effects))
         if written is not None:
             _report_final(run, write, written)
         return
-    done = await run.write(statement(store, fence, write), _WHAT[type(write)])
+    done = await run.write(statement(store, fence, write, effects), _WHAT[type(write)])
     router = run.services.router
     if isinstance(write, BindInitial | BindReplacement):
         router.fence(done.id, done.generation)
@@ -166,7 +190,11 @@ async def _carry_out(run: ClaimRun, write: Write) -> None:
         run.log.info("released")
 
 
-def _report_final(run: ClaimRun, write: Retry | Park | MarkReady, written: Allocation) -> None:
+def _report_final(
+    run: ClaimRun, write: Retry | Park | AcceptAndPark | MarkReady, written: Allocation
+) -> None:
+    if isinstance(write, AcceptAndPark):
+        write = write.park
     if isinstance(write, MarkReady):
         if written.connection_ready:
             run.log.info("ready")
@@ -178,13 +206,13 @@ def _report_final(run: ClaimRun, write: Retry | Park | MarkReady, written: Alloc
         run.log.info("a connection event arrived while the claim looked; due now")
 
 
-async def _abandon(run: ClaimRun, write: Abandon) -> None:
+async def _abandon(run: ClaimRun, write: Abandon, effects: Effects) -> None:
     s, fence, status = run.services, run.fence, run.allocation.status
     guard_failed = False
 
     async def step() -> None:
         nonlocal guard_failed
-        updated = await statement(s.store, fence, write)
+        updated = await statement(s.store, fence, write, effects)
         if updated is None:
             # The guard no longer holds, or the lease was lost (then ``otherwise`` matches
             # nothing either).
@@ -200,4 +228,5 @@ async def _abandon(run: ClaimRun, write: Abandon) -> None:
     if guard_failed and write.otherwise is not None:
         # The initialization completed (or its marker changed hands), or a connection was
         # recorded, since this claim looked: retry the ordinary path at once.
-        await apply(run, write.otherwise)
+        # A guard that failed wrote nothing, so the call's rows go with ``otherwise``.
+        await apply(run, write.otherwise, effects)

@@ -30,6 +30,7 @@ from hubd.reconciler.decisions import (
     connect_remaining,
     connect_window,
     deadline_passed,
+    not_called,
     step_for,
     unless_connected,
 )
@@ -37,6 +38,7 @@ from hubd.reconciler.eligibility import provisioner_problem, provisioner_unavail
 from hubd.reconciler.faults import Boundary
 from hubd.reconciler.settings import hook_call
 from hubd.reconciler.writes import (
+    AcceptAndPark,
     BeginInitialization,
     BindInitial,
     BindReplacement,
@@ -45,8 +47,9 @@ from hubd.reconciler.writes import (
     MarkReleased,
     Retry,
 )
+from hubd.store.allocations import Effects
 from hubd.store.connections import Readiness
-from hubd.store.models import Status
+from hubd.store.models import EffectRow, Status
 from hubd.tokens import hash_token
 
 __all__ = ["reconcile"]
@@ -72,7 +75,9 @@ async def reconcile(run: ClaimRun) -> None:
         unavailable = provisioner_unavailable(a, problem)
         if isinstance(unavailable, Retry):
             run.log.warning("provisioner_unavailable_retrying", problem=problem)
-        await run.apply(unavailable)
+        # The destroy the claim statement made due is not called: its intent is settled so.
+        intent = run.claimed_intent()
+        await run.apply(unavailable, () if intent is None else (not_called(intent, problem),))
         return
     provisioner = s.provisioners[a.provisioner_id]
 
@@ -85,13 +90,21 @@ async def reconcile(run: ClaimRun) -> None:
     elif step is Step.WAIT_UNTIL_READY:
         await _wait_until_ready(run)
     elif step is Step.DESTROY_THEN_REBIND:
-        if await _destroy_current(run, provisioner):
-            await _bind_and_ensure(run, provisioner, replacement=True)
-    elif step is Step.DESTROY_THEN_RELEASE and await _destroy_current(run, provisioner):
-        await run.apply(MarkReleased())
+        destroyed = await _destroy_current(run, provisioner)
+        if destroyed is not None:
+            await _bind_and_ensure(run, provisioner, replacement=True, effects=destroyed)
+    elif step is Step.DESTROY_THEN_RELEASE:
+        destroyed = await _destroy_current(run, provisioner)
+        if destroyed is not None:
+            await run.apply(MarkReleased(), destroyed)
 
 
-async def _bind_and_ensure(run: ClaimRun, provisioner: Provisioner, *, replacement: bool) -> None:
+async def _bind_and_ensure(
+    run: ClaimRun, provisioner: Provisioner, *, replacement: bool, effects: Effects = ()
+) -> None:
+    """Bind a new identity and call ensure. The bind carries the ensure's intent (and
+    ``effects``, the outcome of the destroy before it): from this commit on, the status
+    ``provisioning`` and the open intent say that an ensure may be under way."""
     s = run.services
     token = s.create_token()
     bind: BindInitial | BindReplacement
@@ -109,11 +122,14 @@ async def _bind_and_ensure(run: ClaimRun, provisioner: Provisioner, *, replaceme
             api_version=provisioner.api_version,
             binding_fingerprint=provisioner.binding_fingerprint,
         )
-    await run.apply(bind)
-    await _accept_ensure(run, provisioner, token)
+    intent = run.intend("ensure", Status.PROVISIONING)
+    await run.apply(bind, (*effects, intent))
+    await _accept_ensure(run, provisioner, token, intent)
 
 
-async def _accept_ensure(run: ClaimRun, provisioner: Provisioner, token: str) -> None:
+async def _accept_ensure(
+    run: ClaimRun, provisioner: Provisioner, token: str, intent: EffectRow
+) -> None:
     s, a = run.services, run.allocation
     assert a.sidecar_id is not None
     request = EnsureRequest(
@@ -127,27 +143,29 @@ async def _accept_ensure(run: ClaimRun, provisioner: Provisioner, token: str) ->
         hub_ws_url=s.hub_ws_url,
         ownership=run.ownership(),
     )
-    outcome = await run.call_plugin(
-        "ensure", functools.partial(provisioner.ensure, request), check_ensure_result
+    outcome, record = await run.call_plugin(
+        intent, functools.partial(provisioner.ensure, request), check_ensure_result
     )
     accepted = after_ensure(
         outcome, a, automatic_recovery=s.settings.automatic_replacement_recovery
     )
-    await run.apply(accepted)
-    if not isinstance(accepted, MarkAllocated):
-        return
-    # Acceptance and readiness are separate durable steps. Rather than hold a claim slot
-    # for the whole connect timeout, park until the connect deadline; the sidecar's
-    # connect (recorded on any replica) wakes the allocation, or makes it ready itself, and
-    # one recorded since the look makes the park itself fall through to "due now". With no
-    # hook to run, the look is part of the park's own statement.
+    # Rather than hold a claim slot for the whole connect timeout, park until the connect
+    # deadline; the sidecar's connect (recorded on any replica) wakes the allocation, or
+    # makes it ready itself, and one recorded since the look makes the park itself fall
+    # through to "due now". With no hook to run, the acceptance, the ensure's outcome, the
+    # look and the park (or ready) are one statement.
     park_or_ready = after_acceptance(
         run.allocation,
         has_on_ready=s.on_ready is not None,
         instance_ttl=s.settings.instance_ttl,
     )
-    if park_or_ready is not None:
-        await run.apply(park_or_ready)
+    if isinstance(accepted, MarkAllocated) and park_or_ready is not None:
+        await run.apply(
+            AcceptAndPark(external_ref=accepted.external_ref, park=park_or_ready), (record,)
+        )
+        return
+    await run.apply(accepted, (record,))
+    if not isinstance(accepted, MarkAllocated):
         return
     readiness = await _readiness(run)
     park = unless_connected(readiness)
@@ -235,11 +253,12 @@ async def _wait_until_ready(run: ClaimRun, seen: Readiness | None = None) -> Non
     await run.apply(MarkReady(readiness.connection_seq))
 
 
-async def _destroy_current(run: ClaimRun, provisioner: Provisioner) -> bool:
-    """Destroy the bound sidecar; ``True`` when it is gone and the claim may go on."""
+async def _destroy_current(run: ClaimRun, provisioner: Provisioner) -> Effects | None:
+    """Destroy the bound sidecar. When it is gone and the claim may go on: the destroy's
+    outcome row, for the next write to carry; ``None`` when the claim stops here."""
     a = run.allocation
     if a.sidecar_id is None:
-        return True
+        return ()
     request = DestroyRequest(
         allocation_id=a.id,
         generation=a.generation,
@@ -247,11 +266,15 @@ async def _destroy_current(run: ClaimRun, provisioner: Provisioner) -> bool:
         external_ref=a.external_ref,
         ownership=run.ownership(),
     )
-    outcome = await run.call_plugin(
-        "destroy", functools.partial(provisioner.destroy, request), check_destroy_result
+    intent = run.claimed_intent()
+    if intent is None:
+        intent = run.intend("destroy", a.status)
+        await run.record_intent(intent)
+    outcome, record = await run.call_plugin(
+        intent, functools.partial(provisioner.destroy, request), check_destroy_result
     )
     destroyed = after_destroy(outcome, a)
     if isinstance(destroyed, Proceed):
-        return True
-    await run.apply(destroyed)
-    return False
+        return (record,)
+    await run.apply(destroyed, (record,))
+    return None

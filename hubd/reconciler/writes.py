@@ -15,6 +15,7 @@ from hubd.store.values import Failure
 
 __all__ = [
     "Abandon",
+    "AcceptAndPark",
     "BeginInitialization",
     "BindInitial",
     "BindReplacement",
@@ -99,6 +100,15 @@ class Park:
 
 
 @attrs.frozen(kw_only=True)
+class AcceptAndPark:
+    """provisioning → allocated (ensure accepted, ``external_ref``) and ``park`` in the same
+    statement: no claim is held between the acceptance and the park (or ready)."""
+
+    external_ref: str | None
+    park: Park
+
+
+@attrs.frozen(kw_only=True)
 class Abandon:
     """Give the current sidecar up under a new generation: replace it, or release it for good
     (``release``) when automatic recovery is off for an allocated sidecar."""
@@ -143,6 +153,7 @@ Write = (
     | MarkReady
     | Retry
     | Park
+    | AcceptAndPark
     | Abandon
     | FailNow
     | MarkDestroyFailed

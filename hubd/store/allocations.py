@@ -7,22 +7,23 @@ expected). ``None`` means the claim is lost: the caller stops and writes nothing
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
 
 from hubd.errors import AllocationNotFound
 from hubd.store.database import Database, Pool
-from hubd.store.models import Allocation, Claimed, Fence, Status
+from hubd.store.models import Allocation, Claimed, EffectRow, Fence, Status, effects_json
 from hubd.store.queries import Bound, Statement, load_queries
+from hubd.store.sweeps import SweepQueries
 from hubd.store.values import (
     Failure,
     bounded_message,
     new_allocation_id,
+    new_effect_id,
     validate_allocation_id,
     validate_label,
     validate_provisioner_id,
@@ -32,6 +33,9 @@ from hubd.store.values import (
 __all__ = ["AllocationStore", "AttemptKind", "Claimed", "ParkMode"]
 
 SQL = load_queries("allocations.sql")
+
+Effects = Sequence[EffectRow]
+"""The rows of the plugin call a transition brackets (``:effects``)."""
 
 
 class AttemptKind(enum.StrEnum):
@@ -46,7 +50,7 @@ class ParkMode(enum.StrEnum):
     RETRY_AFTER_ERROR = "retry_after_error"
 
 
-class AllocationStore:
+class AllocationStore(SweepQueries):
     """The statements on ``hubd_allocations``, for one hub instance."""
 
     def __init__(self, db: Database, *, instance_id: str) -> None:
@@ -144,6 +148,8 @@ class AllocationStore:
             "claim",
             SQL.claim_due(
                 lease_ids=list(lease_ids),
+                effect_ids=[new_effect_id() for _ in lease_ids],
+                instance_id=self.instance_id,
                 lease_duration=float(lease_duration),
                 exclude=sorted(set(exclude)),
             ),
@@ -153,6 +159,7 @@ class AllocationStore:
                 allocation=Allocation.from_row(row),
                 lease_id=row["lease_id"],
                 open_effects=row["open_effects"],
+                destroy_intent=row["destroy_effect_id"],
             )
             for row in rows
         ]
@@ -194,7 +201,10 @@ class AllocationStore:
     async def drop_lease(self, allocation_id: str, lease_id: str) -> bool:
         """Give a lease back unchanged otherwise; ``False`` when it was no longer ours."""
         row = await self._db.fetchrow(
-            "drop lease", SQL.drop_lease(allocation_id=allocation_id, lease_id=lease_id)
+            "drop lease",
+            SQL.drop_lease(
+                allocation_id=allocation_id, lease_id=lease_id, instance_id=self.instance_id
+            ),
         )
         return row is not None
 
@@ -209,11 +219,13 @@ class AllocationStore:
         connect_timeout: float,
         api_version: str,
         binding_fingerprint: str,
+        effects: Effects = (),
     ) -> Allocation | None:
         return await self._fenced(
             "bind sidecar",
             SQL.bind_initial_sidecar,
             fence,
+            effects,
             sidecar_id=sidecar_id,
             token_hash=token_hash,
             connect_timeout=float(connect_timeout),
@@ -222,20 +234,29 @@ class AllocationStore:
         )
 
     async def bind_replacement_sidecar(
-        self, fence: Fence, *, sidecar_id: str, token_hash: bytes, connect_timeout: float
+        self,
+        fence: Fence,
+        *,
+        sidecar_id: str,
+        token_hash: bytes,
+        connect_timeout: float,
+        effects: Effects = (),
     ) -> Allocation | None:
         return await self._fenced(
             "bind replacement sidecar",
             SQL.bind_replacement_sidecar,
             fence,
+            effects,
             sidecar_id=sidecar_id,
             token_hash=token_hash,
             connect_timeout=float(connect_timeout),
         )
 
-    async def mark_allocated(self, fence: Fence, *, external_ref: str | None) -> Allocation | None:
+    async def mark_allocated(
+        self, fence: Fence, *, external_ref: str | None, effects: Effects = ()
+    ) -> Allocation | None:
         return await self._fenced(
-            "mark allocated", SQL.mark_allocated, fence, external_ref=external_ref
+            "mark allocated", SQL.mark_allocated, fence, effects, external_ref=external_ref
         )
 
     async def begin_initialization(self, fence: Fence) -> Allocation | None:
@@ -260,11 +281,13 @@ class AllocationStore:
         attempt: AttemptKind | None = None,
         failure: Failure | None = None,
         clear_initialization: bool = False,
+        effects: Effects = (),
     ) -> Allocation | None:
         return await self._fenced(
             "schedule retry",
             SQL.schedule_retry,
             fence,
+            effects,
             expected_status=str(expected_status),
             delay=float(delay),
             attempt=str(attempt) if attempt else None,
@@ -282,14 +305,22 @@ class AllocationStore:
         failure: Failure | None = None,
         connection_seq: int | None = None,
         ready_within: float | None = None,
+        accept: bool = False,
+        external_ref: str | None = None,
+        effects: Effects = (),
     ) -> Allocation | None:
         """Drop the lease until later. Awaiting a connection, the row is due at once instead if
         its connection number is no longer ``connection_seq``; with ``ready_within`` (an
-        instance TTL), it becomes ready instead if its sidecar already holds a live record."""
+        instance TTL), it becomes ready instead if its sidecar already holds a live record.
+        With ``accept``, a provisioning row becomes allocated (``external_ref``) first."""
         return await self._fenced(
             "park",
             SQL.park,
             fence,
+            None,
+            effects=effects_json(effects, accepted=accept),
+            accept=accept,
+            external_ref=external_ref,
             mode=str(mode),
             delay=float(delay),
             failure_code=failure.code if failure else None,
@@ -308,11 +339,13 @@ class AllocationStore:
         only_if_initialization_incomplete: bool = False,
         expected_initialization_lease_id: str | None = None,
         expected_connection_seq: int | None = None,
+        effects: Effects = (),
     ) -> Allocation | None:
         return await self._fenced(
             "begin replacement",
             SQL.begin_replacement,
             fence,
+            effects,
             expected_status=str(expected_status),
             delay=float(delay),
             failure_code=failure.code,
@@ -343,28 +376,32 @@ class AllocationStore:
         )
 
     async def fail_without_infrastructure(
-        self, fence: Fence, *, expected_status: Status, failure: Failure
+        self, fence: Fence, *, expected_status: Status, failure: Failure, effects: Effects = ()
     ) -> Allocation | None:
         return await self._fenced(
             "fail",
             SQL.fail_without_infrastructure,
             fence,
+            effects,
             expected_status=str(expected_status),
             failure_code=failure.code,
             failure_message=failure.message,
         )
 
-    async def mark_destroy_failed(self, fence: Fence, *, failure: Failure) -> Allocation | None:
+    async def mark_destroy_failed(
+        self, fence: Fence, *, failure: Failure, effects: Effects = ()
+    ) -> Allocation | None:
         return await self._fenced(
             "mark destroy failed",
             SQL.mark_destroy_failed,
             fence,
+            effects,
             failure_code=failure.code,
             failure_message=failure.message,
         )
 
-    async def mark_released(self, fence: Fence) -> Allocation | None:
-        return await self._fenced("mark released", SQL.mark_released, fence)
+    async def mark_released(self, fence: Fence, *, effects: Effects = ()) -> Allocation | None:
+        return await self._fenced("mark released", SQL.mark_released, fence, effects)
 
     # -- connection events and repair (not claim-owned) ------------------------------------------
 
@@ -389,50 +426,19 @@ class AllocationStore:
             )
         )
 
-    # -- orphan collection ---------------------------------------------------------------------
-
-    async def sidecar_owners(
-        self, sidecars: Sequence[tuple[str, str | None]]
-    ) -> dict[str, tuple[bool, bool]]:
-        """For each (sidecar id, allocation id it names): (current sidecar of an active
-        allocation, allocation known here)."""
-        rows = await self._db.fetch(
-            "look up sidecar owners",
-            SQL.sidecar_owners(
-                sidecar_ids=[sidecar for sidecar, _ in sidecars],
-                allocation_ids=[allocation or "" for _, allocation in sidecars],
-            ),
-        )
-        return {row["sidecar_id"]: (row["current"], row["known"]) for row in rows}
-
-    @contextlib.asynccontextmanager
-    async def sweep_lock(self, name: str) -> AsyncIterator[asyncpg.Connection | None]:
-        """Hold the cluster-wide sweep lock ``name`` for the block: yields the connection that
-        holds it (closed means lost), or ``None`` when another replica holds it."""
-        what = "orphan sweep lock"
-        async with self._db.connection(what) as conn:
-            if not await self._db.fetchval(what, SQL.try_sweep_lock(lock_name=name), conn=conn):
-                yield None
-                return
-            try:
-                yield conn
-            finally:
-                if not conn.is_closed():
-                    try:
-                        await self._db.fetchval(
-                            what, SQL.release_sweep_lock(lock_name=name), conn=conn
-                        )
-                    except BaseException:
-                        # Pooled connections are not reset on release: one that may still hold
-                        # the lock must not go back to the pool. Closing it releases the lock.
-                        conn.terminate()
-                        raise
-
     # -- plumbing ---------------------------------------------------------------------------------
 
     async def _fenced(
-        self, what: str, statement: Statement, fence: Fence, /, **params: object
+        self,
+        what: str,
+        statement: Statement,
+        fence: Fence,
+        effects: Effects | None = None,
+        /,
+        **params: object,
     ) -> Allocation | None:
+        if effects is not None:
+            params["effects"] = effects_json(effects)
         return await self._transition(
             what,
             statement(**fence.parameters(self.instance_id), **params),

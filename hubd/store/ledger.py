@@ -1,26 +1,28 @@
 """LedgerStore: plugin-call effects and the history of an allocation.
 
 A plugin call is bracketed by an ``intent`` row before it and a ``committed``, ``failed`` or
-``ambiguous`` row after it, sharing one effect id. Both are fenced like every claim-owned write:
-a claim that lost its lease leaves its intent open, and the next owner settles it as ambiguous.
+``ambiguous`` row after it, sharing one effect id. Both are fenced like every claim-owned write,
+and both normally ride on the transitions around the call (architecture §6; ``:effects`` in
+``allocations.sql``); :meth:`LedgerStore.record_effect` writes one phase on its own, for a call
+no transition makes due. A claim that lost its lease leaves its intent open, and the next owner
+settles it as ambiguous.
 """
 
 from __future__ import annotations
 
-import secrets
-
 from hubd.store.database import Database
 from hubd.store.models import Fence, LedgerEntry, Phase, Status
 from hubd.store.queries import load_queries
-from hubd.store.values import bounded_code, bounded_message, validate_allocation_id
+from hubd.store.values import (
+    bounded_code,
+    bounded_message,
+    new_effect_id,
+    validate_allocation_id,
+)
 
 __all__ = ["LedgerStore", "new_effect_id"]
 
 SQL = load_queries("ledger.sql")
-
-
-def new_effect_id() -> str:
-    return f"ef_{secrets.token_hex(8)}"
 
 
 class LedgerStore:

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import attrs
 
+from hubd.store.values import bounded_code, bounded_message
+
 __all__ = [
     "ACTIVE_STATUSES",
     "TERMINAL_STATUSES",
     "Allocation",
+    "EffectRow",
     "Fence",
     "LedgerEntry",
     "Phase",
     "Status",
+    "effects_json",
 ]
 
 
@@ -125,6 +129,58 @@ class Fence:
 
 
 @attrs.frozen(kw_only=True)
+class EffectRow:
+    """One phase of a plugin call, written by the fenced transition that brackets it: an
+    ``intent`` after the transition that makes the call due (the bind before ``ensure``), an
+    outcome before the transition that follows from it. ``status`` is the status the call ran in.
+    """
+
+    effect_id: str
+    kind: str
+    phase: Phase
+    status: Status
+    error_code: str | None = None
+    message: str | None = None
+    duration_ms: float | None = None
+
+    def as_json(self, place: int) -> dict[str, object]:
+        """The row as the statements' ``:effects`` take it; ``place`` orders it against the
+        transition's own row (0): negative before it, positive after."""
+        return {
+            "place": place,
+            "kind": self.kind,
+            "from_status": str(self.status),
+            "to_status": str(self.status),
+            "phase": str(self.phase),
+            "error_code": None if self.error_code is None else bounded_code(self.error_code),
+            "message": None if self.message is None else bounded_message(self.message),
+            "effect_id": self.effect_id,
+            "duration_ms": self.duration_ms,
+        }
+
+
+def effects_json(effects: Sequence[EffectRow], *, accepted: bool = False) -> str:
+    """``effects`` as a transition's ``:effects``: intents after the transition's own row,
+    outcomes before it, each group in the order given. With ``accepted`` (a park that accepts
+    an ensure), the acceptance's own row follows the outcomes."""
+    rows = [
+        effect.as_json(index + 1 if effect.phase is Phase.INTENT else index - len(effects) - 1)
+        for index, effect in enumerate(effects)
+    ]
+    if accepted:
+        rows.append(
+            {
+                "place": -1,
+                "kind": "mark_allocated",
+                "from_status": str(Status.PROVISIONING),
+                "to_status": str(Status.ALLOCATED),
+                "phase": str(Phase.COMMITTED),
+            }
+        )
+    return json.dumps(rows)
+
+
+@attrs.frozen(kw_only=True)
 class LedgerEntry:
     """One row of the append-only allocation ledger."""
 
@@ -158,3 +214,6 @@ class Claimed:
     lease_id: str
     open_effects: bool
     """An earlier lease left a plugin call of this generation's history with no outcome."""
+    destroy_intent: str | None = None
+    """The effect id of the destroy intent the claim statement wrote (its step destroys the
+    bound sidecar), or ``None``."""

@@ -22,6 +22,7 @@ __all__ = [
     "bounded_code",
     "bounded_message",
     "new_allocation_id",
+    "new_effect_id",
     "spec_depth_ok",
     "validate_allocation_id",
     "validate_label",
@@ -46,6 +47,11 @@ _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _UNPRINTABLE_LABEL: Final = re.compile(
     r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
 )
+
+
+def new_effect_id() -> str:
+    """The id that ties a plugin call's intent to its outcome in the ledger."""
+    return f"ef_{secrets.token_hex(8)}"
 
 
 def new_allocation_id() -> str:

@@ -4,6 +4,10 @@
 -- live by the database clock; :instance_id is the hub written to the ledger. The fence reads
 -- clock_timestamp(), not now(): a write that waited on a row lock is re-checked at the moment it
 -- proceeds, not at the moment its statement started.
+-- A transition that brackets a plugin call also writes the call's ledger rows (:effects, a JSON
+-- array; see EffectRow): the intent with the bind that makes the call due, the outcome with the
+-- transition that follows from it. hubd_ledger_rows (schema.sql) puts them in order around the
+-- transition's own row.
 
 -- name: insert_allocation
 -- A new request, due at once; the wake-up is delivered when the caller's transaction commits.
@@ -56,6 +60,11 @@ SELECT updated.* FROM updated, woken;
 -- Lease up to one due active row per lease id in :lease_ids, oldest first, skipping rows not
 -- in :exclude and rows another claimer has locked: one statement fills every free
 -- claim slot. Each row gets the lease id at its position. Served by hubd_allocations_due_idx.
+-- A claimed row whose step is to destroy its bound sidecar (replacing, releasing) gets the
+-- destroy's intent here, under the new lease, with the effect id at its position in
+-- :effect_ids (destroy_effect_id): the claim is the write that makes the call due. A claim
+-- that ends without calling settles it (a failed row, see drop_lease and the provisioner
+-- check); one that stops leaves it open, and the next owner records it ambiguous.
 WITH due AS (
     SELECT id, row_number() OVER (ORDER BY next_attempt_at, id) AS slot
     FROM (
@@ -69,26 +78,38 @@ WITH due AS (
         LIMIT cardinality(:lease_ids::text[])
         FOR UPDATE SKIP LOCKED
     ) AS locked
+), claimed AS (
+    UPDATE hubd_allocations AS a SET
+        lease_id = leases.lease_id,
+        lease_expires_at = now() + make_interval(secs => :lease_duration),
+        updated_at = now()
+    FROM due
+    JOIN unnest(:lease_ids::text[], :effect_ids::text[]) WITH ORDINALITY
+        AS leases (lease_id, effect_id, slot) ON leases.slot = due.slot
+    WHERE a.id = due.id
+    RETURNING a.*,
+        CASE WHEN a.status IN ('replacing', 'releasing') AND a.sidecar_id IS NOT NULL
+             THEN leases.effect_id END AS destroy_effect_id,
+        -- Whether an earlier lease left a plugin call with no outcome (only a status that calls
+        -- plugins can have one): the claim settles those first, and skips the statement
+        -- otherwise. Exact: no other lease can write an intent while this one is live, and
+        -- this statement's own intents are not in its snapshot.
+        a.status IN ('provisioning', 'replacing', 'releasing') AND EXISTS (
+            SELECT 1 FROM hubd_allocation_ledger AS i
+            WHERE i.allocation_id = a.id AND i.effect_id IS NOT NULL AND i.phase = 'intent'
+              AND NOT EXISTS (
+                  SELECT 1 FROM hubd_allocation_ledger AS o
+                  WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id
+                    AND o.phase <> 'intent')
+        ) AS open_effects
+), intents AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id,
+        effect_id, kind, from_status, to_status, phase)
+    SELECT id, generation, lease_id, :instance_id, destroy_effect_id, 'destroy', status, status,
+        'intent'
+    FROM claimed WHERE destroy_effect_id IS NOT NULL
 )
-UPDATE hubd_allocations AS a SET
-    lease_id = leases.lease_id,
-    lease_expires_at = now() + make_interval(secs => :lease_duration),
-    updated_at = now()
-FROM due
-JOIN unnest(:lease_ids::text[]) WITH ORDINALITY AS leases (lease_id, slot) ON leases.slot = due.slot
-WHERE a.id = due.id
-RETURNING a.*,
-    -- Whether an earlier lease left a plugin call with no outcome (only a status that calls
-    -- plugins can have one): the claim settles those first, and skips the statement otherwise.
-    -- Exact: no other lease can write an intent while this one is live.
-    a.status IN ('provisioning', 'replacing', 'releasing') AND EXISTS (
-        SELECT 1 FROM hubd_allocation_ledger AS i
-        WHERE i.allocation_id = a.id AND i.effect_id IS NOT NULL AND i.phase = 'intent'
-          AND NOT EXISTS (
-              SELECT 1 FROM hubd_allocation_ledger AS o
-              WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id
-                AND o.phase <> 'intent')
-    ) AS open_effects;
+SELECT * FROM claimed;
 
 -- name: renew_leases
 -- Extend, in one statement, every lease in the pairs (:allocation_ids, :lease_ids) that is still held
@@ -109,12 +130,23 @@ WHERE a.id = held.id AND a.lease_expires_at > clock_timestamp()
 RETURNING a.id;
 
 -- name: drop_lease
--- Give a lease back without any other change, so the row is claimable at once: a claim that
--- found local work still running on its allocation must not hold the row for a whole lease.
-UPDATE hubd_allocations
-SET lease_id = NULL, lease_expires_at = NULL
-WHERE id = :allocation_id AND lease_id = :lease_id
-RETURNING id;
+-- Give a live lease back without any other change, so the row is claimable at once: a claim that
+-- found local work still running on its allocation must not hold the row for a whole lease. The
+-- intents its claim statement wrote are settled as never called (:instance_id the hub).
+WITH dropped AS (
+    UPDATE hubd_allocations
+    SET lease_id = NULL, lease_expires_at = NULL
+    WHERE id = :allocation_id AND lease_id = :lease_id AND lease_expires_at > clock_timestamp()
+    RETURNING id
+), settled AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id,
+        effect_id, kind, from_status, to_status, phase, error_code, message)
+    SELECT i.allocation_id, i.generation, i.lease_id, :instance_id, i.effect_id, i.kind,
+        i.from_status, i.to_status, 'failed', 'not_called', 'the claim gave its lease back first'
+    FROM hubd_allocation_ledger AS i JOIN dropped ON i.allocation_id = dropped.id
+    WHERE i.lease_id = :lease_id AND i.effect_id IS NOT NULL AND i.phase = 'intent'
+)
+SELECT id FROM dropped;
 
 -- name: bind_initial_sidecar
 -- pending → provisioning: bind the provisioner if unbound (:api_version, :binding_fingerprint)
@@ -137,10 +169,10 @@ WITH updated AS (
       AND status = 'pending'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :lease_id, :instance_id, 'bind_sidecar', 'pending', status, 'committed'
-    FROM updated
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'bind_sidecar', 'pending', status) AS r
 )
 SELECT * FROM updated;
 
@@ -160,11 +192,11 @@ WITH updated AS (
       AND status = 'replacing'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :lease_id, :instance_id, 'bind_replacement_sidecar', 'replacing', status,
-        'committed'
-    FROM updated
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'bind_replacement_sidecar', 'replacing',
+            status) AS r
 )
 SELECT * FROM updated;
 
@@ -178,11 +210,10 @@ WITH updated AS (
       AND status = 'provisioning'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :lease_id, :instance_id, 'mark_allocated', 'provisioning', status,
-        'committed'
-    FROM updated
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'mark_allocated', 'provisioning', status) AS r
 )
 SELECT * FROM updated;
 
@@ -272,10 +303,10 @@ WITH updated AS (
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id, 'schedule_retry', status, status, 'committed',
-        :failure_code, :failure_message
-    FROM updated
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'schedule_retry', status, status,
+            :failure_code, :failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -292,6 +323,9 @@ SELECT * FROM updated;
 -- look at the record and the write are one statement. The look reads this statement's snapshot;
 -- a record or clear that commits while this statement waits for the row lock moves the row's
 -- connection number past the one the look saw (live.seq), and then the row is not made ready.
+-- With :accept, a provisioning row becomes allocated first (ensure accepted, :external_ref), in
+-- the same statement: acceptance, the ensure's outcome and the park or ready commit together
+-- (the caller puts the acceptance's own ledger row in :effects, after the outcome).
 WITH live AS (
     SELECT a.connection_seq AS seq,
            EXISTS (
@@ -308,15 +342,19 @@ WITH live AS (
     -- Under the row lock, the row as it now stands: a write committed since the snapshot is
     -- seen here, and its connection number then differs from live.seq.
     SELECT a.id,
-           (live.connected IS TRUE AND a.connection_seq = live.seq AND a.status = 'allocated'
+           (live.connected IS TRUE AND a.connection_seq = live.seq
+            AND (a.status = 'allocated' OR :accept::boolean)
             AND a.initialization_lease_id IS NULL) AS ready_now
     FROM hubd_allocations AS a LEFT JOIN live ON true
     WHERE a.id = :allocation_id AND a.lease_id = :lease_id AND a.generation = :generation
       AND a.lease_expires_at > clock_timestamp()
       AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+      AND (NOT :accept::boolean OR a.status = 'provisioning')
     FOR UPDATE OF a
 ), updated AS (
     UPDATE hubd_allocations AS a SET
+        status = CASE WHEN :accept::boolean THEN 'allocated' ELSE a.status END,
+        external_ref = CASE WHEN :accept::boolean THEN :external_ref ELSE a.external_ref END,
         connection_ready = a.connection_ready OR prior.ready_now,
         next_attempt_at = CASE
             WHEN prior.ready_now THEN NULL
@@ -341,13 +379,15 @@ WITH live AS (
     RETURNING a.*
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT updated.id, generation, :lease_id, :instance_id,
-        CASE WHEN prior.ready_now THEN 'mark_ready'
-             WHEN :mode::text = 'await_connection' AND connection_seq <> :connection_seq::bigint
-             THEN 'follow_up' ELSE 'park_' || :mode::text END,
-        status, status, 'committed', :failure_code, :failure_message
-    FROM updated JOIN prior ON prior.id = updated.id
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT updated.id, generation, :lease_id, :instance_id, r.*
+    FROM updated JOIN prior ON prior.id = updated.id,
+        hubd_ledger_rows(:effects::text::jsonb,
+            CASE WHEN prior.ready_now THEN 'mark_ready'
+                 WHEN :mode::text = 'await_connection'
+                      AND connection_seq <> :connection_seq::bigint
+                 THEN 'follow_up' ELSE 'park_' || :mode::text END,
+            status, status, :failure_code, :failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -380,10 +420,10 @@ WITH updated AS (
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id, 'begin_replacement', :expected_status, status,
-        'committed', :failure_code, :failure_message
-    FROM updated
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'begin_replacement', :expected_status, status,
+            :failure_code, :failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -441,10 +481,10 @@ WITH updated AS (
     RETURNING *
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id, 'fail', :expected_status, status, 'committed',
-        :failure_code, :failure_message
-    FROM updated
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'fail', :expected_status, status,
+            :failure_code, :failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -473,10 +513,10 @@ WITH prior AS (
     RETURNING a.*, prior.status AS from_status
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message)
-    SELECT id, generation, :lease_id, :instance_id, 'mark_destroy_failed', from_status, status,
-        'committed', :failure_code, :failure_message
-    FROM updated
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'mark_destroy_failed', from_status, status,
+            :failure_code, :failure_message) AS r
 )
 SELECT updated.* FROM updated;
 
@@ -496,11 +536,10 @@ WITH updated AS (
       AND status = 'releasing'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, lease_id, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :lease_id, :instance_id, 'mark_released', 'releasing', status,
-        'committed'
-    FROM updated
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+        hubd_ledger_rows(:effects::text::jsonb, 'mark_released', 'releasing', status) AS r
 )
 SELECT * FROM updated;
 
