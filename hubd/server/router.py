@@ -263,7 +263,6 @@ class SocketRouter:
                 self._close(other, CloseCode.SUPERSEDED)
             else:
                 self._close(other, CloseCode.FENCED)
-        entry.log.info("sidecar_connected")
         return entry
 
     async def open(self, entry: SocketEntry, *, welcome: str, rotation: Rotation) -> bool:
@@ -295,8 +294,9 @@ class SocketRouter:
             entry.recorded = True
             entry.seq = record.seq
             entry.secret_hash = rotation.secret_hash
-            if record.ready:
-                entry.log.info("sidecar_ready_on_connect")
+            # One line per connect, written once the record says how it went: a storm of
+            # reconnects logs a line per socket, not one per step.
+            entry.log.info("sidecar_connected", seq=record.seq, ready=record.ready)
             # The record replaced whatever the superseded socket had written: nothing left to
             # clean up for it, and no chain of old sockets kept alive by a flapping sidecar.
             entry.superseded = None
