@@ -9,7 +9,7 @@ heartbeat expired (or whose row is gone) count as disconnected.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Final
 
 import attrs
@@ -221,14 +221,20 @@ class ConnectionStore:
         Raises :class:`~hubd.errors.DatabaseUnavailable` (or another ``StoreError``) when that
         cannot be known; callers must not read a failure as absence.
         """
+        return (await self.identities([allocation_id])).get(allocation_id)
+
+    async def identities(self, allocation_ids: Collection[str]) -> dict[str, SidecarIdentity]:
+        """The current identity of each allocation of ``allocation_ids`` that exists, in one
+        statement; raises as :meth:`identity` does, for all of them."""
         # On the identity pool: handshakes are caused by whoever reaches the listener, and must
         # never queue ahead of claims and renewals.
-        row = await self._db.fetchrow(
-            "look up sidecar identity",
-            SQL.identity(allocation_id=allocation_id),
+        rows = await self._db.fetch(
+            "look up sidecar identities",
+            SQL.identities(allocation_ids=list(allocation_ids)),
             pool=Pool.IDENTITY,
         )
-        return SidecarIdentity.from_row(row) if row is not None else None
+        found = (SidecarIdentity.from_row(row) for row in rows)
+        return {identity.allocation_id: identity for identity in found}
 
     async def acknowledge_secret(self, target: Target, sidecar_id: str, secret_hash: bytes) -> bool:
         """The sidecar holds the secret of its welcome: the credential that opened its
