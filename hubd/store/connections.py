@@ -19,7 +19,7 @@ from hubd.store import secrets
 from hubd.store.database import Database, Pool
 from hubd.store.models import Status
 from hubd.store.queries import Bound, Statement, load_queries
-from hubd.store.secrets import Rotation, SecretState
+from hubd.store.secrets import Acknowledgement, Rotation, SecretState
 
 __all__ = [
     "CONNECTED_CHANNEL",
@@ -236,10 +236,14 @@ class ConnectionStore:
         found = (SidecarIdentity.from_row(row) for row in rows)
         return {identity.allocation_id: identity for identity in found}
 
-    async def acknowledge_secret(self, target: Target, sidecar_id: str, secret_hash: bytes) -> bool:
-        """The sidecar holds the secret of its welcome: the credential that opened its
-        connection is no longer accepted. ``False`` when a newer rotation made this moot."""
-        return await secrets.acknowledge(self._db, target, sidecar_id, secret_hash)
+    async def acknowledge_secrets(
+        self, acknowledgements: Collection[Acknowledgement]
+    ) -> dict[Acknowledgement, bool]:
+        """The sidecars hold the secrets of their welcomes: the credentials that opened their
+        connections are no longer accepted. ``True`` for each that took effect (absent: a newer
+        rotation made it moot)."""
+        done = await secrets.acknowledge(self._db, acknowledgements)
+        return dict.fromkeys(done, True)
 
     async def record(
         self,

@@ -1,6 +1,7 @@
-"""Batched identity look-ups: handshakes that arrive while a look-up statement runs share the
-next one. Real PostgreSQL; a statement is held up by a table lock another session takes, so
-which requests share a statement is decided by the test, not by timing."""
+"""Batched statements: identity look-ups (and welcome acknowledgements) that arrive while a
+statement runs share the next one. Real PostgreSQL; a statement is held up by a table lock
+another session takes, so which requests share a statement is decided by the test, not by
+timing."""
 
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ import asyncpg
 import pytest
 
 from hubd.errors import BatchFull, DatabaseUnavailable
+from hubd.routing import Target
 from hubd.server.batching import Batcher
+from hubd.server.sockets import new_connection_id
 from hubd.store import AllocationStore, Database, connect_database
-from hubd.store.connections import ConnectionStore, SidecarIdentity
+from hubd.store.connections import ConnectionStore, RecordOutcome, SidecarIdentity
+from hubd.store.secrets import Acknowledgement, Rotation
+from hubd.tokens import hash_token, new_reconnect_secret
 from tests.polling import eventually
 from tests.wskit import (
     Sidecar,
     dial,
     rejection,
     running_hub,
+    secret_acknowledged,
     sidecar_in,
     take_away,
     welcome_of,
@@ -29,12 +35,12 @@ from tests.wskit import (
 
 
 @asynccontextmanager
-async def allocations_locked(database_url: str) -> AsyncIterator[None]:
-    """Every statement reading hubd_allocations waits until the block ends."""
+async def table_locked(database_url: str, table: str = "hubd_allocations") -> AsyncIterator[None]:
+    """Every statement reading ``table`` waits until the block ends."""
     conn = await asyncpg.connect(database_url)
     try:
         async with conn.transaction():
-            await conn.execute("LOCK TABLE hubd_allocations IN ACCESS EXCLUSIVE MODE")
+            await conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
             yield
     finally:
         await conn.close()
@@ -81,7 +87,7 @@ class TestBatcher:
         counted = Counted(connections)
         batcher = Batcher(counted, name="test-lookups", timeout=30)
         keys = [s.allocation_id for s in sidecars] + ["al_unknown", sidecars[1].allocation_id]
-        async with allocations_locked(database_url):
+        async with table_locked(database_url):
             first = asyncio.create_task(batcher.request(keys[0]))
             await eventually(lambda: len(counted.calls) == 1)
             rest = [asyncio.create_task(batcher.request(key)) for key in keys[1:]]
@@ -106,7 +112,7 @@ class TestBatcher:
         running, cancelled_running, queued, cancelled_queued = await several(store, db, 4)
         counted = Counted(ConnectionStore(db, instance_id="in_test"))
         batcher = Batcher(counted, name="test-lookups", timeout=30)
-        async with allocations_locked(database_url):
+        async with table_locked(database_url):
             first = asyncio.create_task(batcher.request(running.allocation_id))
             gone = asyncio.create_task(batcher.request(cancelled_running.allocation_id))
             await eventually(lambda: len(counted.calls) == 1)
@@ -158,7 +164,7 @@ class TestBatcher:
         first, second, third = await several(store, db, 3)
         counted = Counted(ConnectionStore(db, instance_id="in_test"))
         batcher = Batcher(counted, name="test-lookups", timeout=30, max_waiting=1)
-        async with allocations_locked(database_url):
+        async with table_locked(database_url):
             running = asyncio.create_task(batcher.request(first.allocation_id))
             await eventually(lambda: len(counted.calls) == 1)
             waiting = asyncio.create_task(batcher.request(second.allocation_id))
@@ -179,7 +185,7 @@ class TestBatcher:
             name="test-lookups",
             timeout=0.2,
         )
-        async with allocations_locked(database_url):
+        async with table_locked(database_url):
             with pytest.raises(TimeoutError):
                 await batcher.request(sidecar.allocation_id)
         assert await batcher.request(sidecar.allocation_id) is not None
@@ -210,7 +216,7 @@ class TestBatchedHandshakes:
                     assert welcome["allocation_id"] == sidecar.allocation_id
                     return 101
 
-            async with allocations_locked(database_url):
+            async with table_locked(database_url):
                 tasks = [asyncio.create_task(handshake(s)) for s in sidecars]
                 # However many made the first statement, the rest wait for the second.
                 await eventually(lambda: lookups.running + lookups.waiting == len(sidecars))
@@ -237,3 +243,73 @@ class TestBatchedHandshakes:
                 assert refused.response.headers["Retry-After"] == "3"
         finally:
             await spare.close()
+
+
+async def rotated(connections: ConnectionStore, sidecar: Sidecar) -> bytes:
+    """Record a v2 connection of ``sidecar``: its generation gets a fresh, unacknowledged
+    secret, whose digest is returned."""
+    secret_hash = hash_token(new_reconnect_secret())
+    rotation = Rotation(seen_hash=None, secret_hash=secret_hash, presented_hash=None)
+    record = await connections.record(
+        new_connection_id(), sidecar.target, sidecar.sidecar_id, rotation=rotation
+    )
+    assert record.outcome is RecordOutcome.RECORDED
+    return secret_hash
+
+
+class TestAcknowledgements:
+    async def test_each_acknowledgement_of_a_statement_is_guarded_on_its_own(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """Several acknowledgements in one statement: each takes effect exactly when it would
+        alone (the current secret of the current identity, not yet acknowledged); a stale
+        secret or another generation's acknowledgement changes nothing."""
+        good, stale, other_generation, also_good = await several(store, db, 4)
+        connections = ConnectionStore(db, instance_id="in_test")
+        hashes = [await rotated(connections, each) for each in (good, stale, other_generation)]
+        also_hash = await rotated(connections, also_good)
+        acks = [
+            Acknowledgement(good.target, good.sidecar_id, hashes[0]),
+            Acknowledgement(stale.target, stale.sidecar_id, hash_token(new_reconnect_secret())),
+            Acknowledgement(
+                Target(other_generation.allocation_id, other_generation.generation + 1),
+                other_generation.sidecar_id,
+                hashes[2],
+            ),
+            Acknowledgement(also_good.target, also_good.sidecar_id, also_hash),
+        ]
+        assert await connections.acknowledge_secrets(acks) == {acks[0]: True, acks[3]: True}
+        assert await secret_acknowledged(db, good.allocation_id)
+        assert await secret_acknowledged(db, also_good.allocation_id)
+        assert not await secret_acknowledged(db, stale.allocation_id)
+        assert not await secret_acknowledged(db, other_generation.allocation_id)
+        # Acknowledged already: nothing to do again.
+        assert await connections.acknowledge_secrets(acks[:1]) == {}
+
+    async def test_acknowledgements_arriving_meanwhile_share_the_next_statement(
+        self, db: Database, store: AllocationStore, database_url: str
+    ) -> None:
+        """Acknowledgements made while one statement runs go together in the next; each
+        waiter learns whether its own took effect."""
+        sidecars = await several(store, db, 4)
+        connections = ConnectionStore(db, instance_id="in_test")
+        acks = [
+            Acknowledgement(each.target, each.sidecar_id, await rotated(connections, each))
+            for each in sidecars
+        ]
+        calls: list[int] = []
+
+        async def counted(keys: list[Acknowledgement]) -> Mapping[Acknowledgement, bool]:
+            calls.append(len(keys))
+            return await connections.acknowledge_secrets(keys)
+
+        batcher = Batcher(counted, name="test-acknowledgements", timeout=30)
+        async with table_locked(database_url, "hubd_sidecar_secrets"):
+            first = asyncio.create_task(batcher.request(acks[0]))
+            await eventually(lambda: len(calls) == 1)
+            rest = [asyncio.create_task(batcher.request(ack)) for ack in acks[1:]]
+            await eventually(lambda: batcher.waiting == len(rest))
+        assert [await first, *[await task for task in rest]] == [True] * len(acks)
+        assert calls == [1, len(acks) - 1]
+        for each in sidecars:
+            assert await secret_acknowledged(db, each.allocation_id)
