@@ -5,7 +5,8 @@ once. Each statement costs a round trip whatever it carries, so one statement fo
 that arrived meanwhile costs little more than one for a single key. No timer decides when a
 batch goes: the first request finds nothing running and goes at once (no added latency at low
 load), and whatever arrives while its statement runs waits for the next one, which starts as
-soon as the first is done.
+soon as the first is done. With ``concurrency`` above one, that many statements may run at
+once (as many as the pool has connections): requests queue only while all of them run.
 
 Each request keeps its own bounds: at most ``max_waiting`` wait at once (a request beyond that
 raises :class:`~hubd.errors.BatchFull` at once, the listener answers 503), and a request that
@@ -39,6 +40,7 @@ class Batcher(Generic[K, V]):
         timeout: float,
         max_batch: int = 64,
         max_waiting: int = 256,
+        concurrency: int = 1,
     ) -> None:
         """``timeout`` bounds each request (its wait and its statement together), and each
         statement: past it, no request is left waiting for the answer."""
@@ -47,11 +49,12 @@ class Batcher(Generic[K, V]):
         self._timeout = timeout
         self._max_batch = max_batch
         self._max_waiting = max_waiting
+        self._concurrency = concurrency
         # Waiting requests by key, in arrival order; a key asked twice is asked once.
         self._waiting: dict[K, list[asyncio.Future[V | None]]] = {}
         self._count = 0
         self._running = 0
-        self._runner: asyncio.Task[None] | None = None
+        self._runners: set[asyncio.Task[None]] = set()
         self.batches = 0
         """Statements run so far (each carries one or more keys)."""
 
@@ -62,7 +65,7 @@ class Batcher(Generic[K, V]):
 
     @property
     def running(self) -> int:
-        """Requests the running statement carries (left ones included)."""
+        """Requests the running statements carry (left ones included)."""
         return self._running
 
     async def request(self, key: K) -> V | None:
@@ -77,9 +80,11 @@ class Batcher(Generic[K, V]):
         future: asyncio.Future[V | None] = loop.create_future()
         self._waiting.setdefault(key, []).append(future)
         self._count += 1
-        if self._runner is None:
-            # Owned here and awaited by close(); it ends on its own once nobody waits.
-            self._runner = loop.create_task(self._drain(), name=self._name)
+        if len(self._runners) < self._concurrency:
+            # Owned here and awaited by close(); each ends on its own once nobody waits.
+            runner = loop.create_task(self._drain(), name=self._name)
+            self._runners.add(runner)
+            runner.add_done_callback(self._runners.discard)
         try:
             async with asyncio.timeout(self._timeout):
                 return await future
@@ -89,12 +94,12 @@ class Batcher(Generic[K, V]):
             self._forget(key, future)
 
     async def close(self) -> None:
-        """Cancel the running statement, if any, and every waiting request."""
-        runner = self._runner
-        if runner is not None:
+        """Cancel the running statements, if any, and every waiting request."""
+        runners = list(self._runners)
+        for runner in runners:
             runner.cancel()
-            # A cancelled runner has nothing else to report.
-            await asyncio.gather(runner, return_exceptions=True)
+        # A cancelled runner has nothing else to report.
+        await asyncio.gather(*runners, return_exceptions=True)
         for futures in self._waiting.values():
             for future in futures:
                 future.cancel()
@@ -116,29 +121,28 @@ class Batcher(Generic[K, V]):
         return batch
 
     async def _drain(self) -> None:
-        try:
-            while self._waiting:
-                batch = self._take()
-                self.batches += 1
-                self._running = sum(len(futures) for futures in batch.values())
-                try:
-                    async with asyncio.timeout(self._timeout):
-                        answers = await self._run(list(batch))
-                except Exception as exc:  # noqa: BLE001 -- handed to each waiter to raise
-                    for futures in batch.values():
-                        for future in futures:
-                            if not future.done():
-                                future.set_exception(exc)
-                    continue
-                except asyncio.CancelledError:
-                    for futures in batch.values():
-                        for future in futures:
-                            future.cancel()
-                    raise
-                for key, futures in batch.items():
+        while self._waiting:
+            batch = self._take()
+            self.batches += 1
+            carried = sum(len(futures) for futures in batch.values())
+            self._running += carried
+            try:
+                async with asyncio.timeout(self._timeout):
+                    answers = await self._run(list(batch))
+            except Exception as exc:  # noqa: BLE001 -- handed to each waiter to raise
+                for futures in batch.values():
                     for future in futures:
                         if not future.done():
-                            future.set_result(answers.get(key))
-        finally:
-            self._running = 0
-            self._runner = None
+                            future.set_exception(exc)
+                continue
+            except asyncio.CancelledError:
+                for futures in batch.values():
+                    for future in futures:
+                        future.cancel()
+                raise
+            finally:
+                self._running -= carried
+            for key, futures in batch.items():
+                for future in futures:
+                    if not future.done():
+                        future.set_result(answers.get(key))

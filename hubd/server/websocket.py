@@ -7,11 +7,9 @@ unfinished handshakes are admitted by a :class:`~hubd.server.limits.SourceGate` 
 accepted, every byte before the upgrade goes through a
 :class:`~hubd.server.limits.HeaderScanner`, a socket whose peer stops reading is aborted once
 its write buffer is full or has stalled for a few seconds, and ping/pong frames spend the same
-budget as messages. Identity look-ups are batched (:mod:`hubd.server.batching`): one statement
-at a time on the store they are given (the daemon gives them a pool of their own), carrying
-every look-up that arrived while the previous one ran; at most ``max_waiting_lookups`` wait,
-and a source address or an allocation that keeps failing or reconnecting is refused with 429
-and ``Retry-After``.
+budget as messages. Identity look-ups are batched (:mod:`hubd.server.batching`, on a pool of
+their own). A source address or an allocation that keeps failing or reconnecting is refused
+with 429 and ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -91,8 +89,8 @@ class SidecarServer:
         max_message_size: int = MAX_MESSAGE_SIZE,
         limits: ListenerLimits | None = None,
         max_connections: int | None = None,
-        max_lookup_batch: int = 64,
         max_waiting_lookups: int = 256,
+        lookup_concurrency: int = 2,
         lookup_timeout: float = 5.0,
         retry_after: int = 5,
         message_rate: float = 20.0,
@@ -122,13 +120,13 @@ class SidecarServer:
         # A flood is one line per kind every few seconds, with the count of the lines it
         # stands for, never a line per refused socket.
         self._sampler = Sampler()
-        # One budget for the queue and the query: a peer never waits longer than the timeout.
+        # One budget for queue and query; statements at once: the identity pool's connections.
         self.lookups: Batcher[str, SidecarIdentity] = Batcher(
             connections.identities,
             name="identity-lookups",
             timeout=lookup_timeout,
-            max_batch=max_lookup_batch,
             max_waiting=max_waiting_lookups,
+            concurrency=lookup_concurrency,
         )
         self._retry_after = retry_after
         self._message_rate = message_rate
