@@ -124,6 +124,23 @@ class TestBatcher:
         assert [a.allocation_id if a else None for a in answers] == keys
         assert counted.calls == [[keys[0]], [keys[1]], keys[2:]]
 
+    async def test_a_request_right_after_an_answer_gets_its_own(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """A waiter that asks again as soon as it has its answer (before the statement's
+        runner is fully gone) starts a statement of its own instead of waiting for nobody."""
+        sidecars = await several(store, db, 3)
+        batcher = Batcher(
+            ConnectionStore(db, instance_id="in_test").identities,
+            name="test-lookups",
+            timeout=5,
+        )
+        for sidecar in sidecars:
+            answer = await batcher.request(sidecar.allocation_id)
+            assert answer is not None
+            assert answer.allocation_id == sidecar.allocation_id
+        assert batcher.batches == len(sidecars)
+
     async def test_a_cancelled_waiter_leaves_the_others_their_answers(
         self, db: Database, store: AllocationStore, database_url: str
     ) -> None:

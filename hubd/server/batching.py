@@ -82,9 +82,7 @@ class Batcher(Generic[K, V]):
         self._count += 1
         if len(self._runners) < self._concurrency:
             # Owned here and awaited by close(); each ends on its own once nobody waits.
-            runner = loop.create_task(self._drain(), name=self._name)
-            self._runners.add(runner)
-            runner.add_done_callback(self._runners.discard)
+            self._runners.add(loop.create_task(self._drain(), name=self._name))
         try:
             async with asyncio.timeout(self._timeout):
                 return await future
@@ -98,8 +96,10 @@ class Batcher(Generic[K, V]):
         runners = list(self._runners)
         for runner in runners:
             runner.cancel()
-        # A cancelled runner has nothing else to report.
+        # A cancelled runner has nothing else to report; one cancelled before it started
+        # never reached its own clean-up.
         await asyncio.gather(*runners, return_exceptions=True)
+        self._runners.difference_update(runners)
         for futures in self._waiting.values():
             for future in futures:
                 future.cancel()
@@ -121,6 +121,16 @@ class Batcher(Generic[K, V]):
         return batch
 
     async def _drain(self) -> None:
+        try:
+            await self._run_batches()
+        finally:
+            # Here, not in a done callback: between the last look at the queue and this line
+            # nothing else runs, so a request never finds a runner that will take nothing more.
+            current = asyncio.current_task()
+            if current is not None:
+                self._runners.discard(current)
+
+    async def _run_batches(self) -> None:
         while self._waiting:
             batch = self._take()
             self.batches += 1
