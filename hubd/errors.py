@@ -13,6 +13,7 @@
      ├── LeaseLost                        a claim no longer owns its allocation
      ├── SidecarNotConnected              no sidecar connect came within a wait
      ├── OperationTimeout (TimeoutError)  an external operation outlived operation_timeout
+     ├── BatchFull (TimeoutError)         too many requests wait for a batched statement
      ├── PluginError                      a provisioner plugin misbehaved
      │    └── PluginLoadError             a plugin cannot be loaded or is misconfigured
      └── InitializationUncertain          an on-ready hook may have left work behind
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "AllocationNotFound",
+    "BatchFull",
     "ConfigError",
     "DatabaseUnavailable",
     "EmbeddedPostgresError",
@@ -85,6 +87,10 @@ class SidecarNotConnected(HubdError):
 
 class OperationTimeout(HubdError, TimeoutError):
     """An external operation did not finish within operation_timeout."""
+
+
+class BatchFull(HubdError, TimeoutError):
+    """Too many requests wait for a batched statement: this one would not be answered in time."""
 
 
 class PluginError(HubdError):

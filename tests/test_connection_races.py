@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import asyncpg
+import structlog
 
 from hubd.routing import Target
 from hubd.store import AllocationStore, Database, Fence, LedgerStore, ParkMode, Status
@@ -16,7 +17,7 @@ from hubd.store.connections import SQL as CONNECTION_SQL
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from tests.polling import eventually
-from tests.wskit import Sidecar, record_row, sidecar_in
+from tests.wskit import Sidecar, dial, record_row, running_hub, sidecar_in, welcome_of
 
 
 @asynccontextmanager
@@ -175,6 +176,29 @@ class TestReadyOnConnect:
         history = await LedgerStore(db, instance_id="in_a").history(sidecar.allocation_id)
         assert history[-1].kind == "mark_ready"
         assert history[-1].instance_id == "in_a"
+
+    async def test_a_connect_made_ready_logs_one_line(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """A connect that its record statement makes ready is one ``sidecar_connected`` line
+        saying so, with the socket's identity; a connect that only wakes its allocation says
+        ``ready`` false on the same line."""
+        sidecar, _ = await parked(store, db)
+        waking, _ = await sidecar_in(store, db)
+        with structlog.testing.capture_logs() as logs:
+            async with running_hub(db, ready_on_connect=True) as hub:
+                for each in (sidecar, waking):
+                    async with dial(hub.url, each.headers()) as ws:
+                        await welcome_of(ws)
+                await eventually(lambda: len(hub.events.disconnected) == 2)
+        connected = [entry for entry in logs if entry["event"] == "sidecar_connected"]
+        assert [(entry["allocation_id"], entry["ready"]) for entry in connected] == [
+            (sidecar.allocation_id, True),
+            (waking.allocation_id, False),
+        ]
+        for entry in connected:
+            assert {"generation", "sidecar_id", "connection_id", "remote", "seq"} <= set(entry)
+        assert not [entry for entry in logs if entry["event"] == "sidecar_ready_on_connect"]
 
     async def test_connect_with_a_hook_or_under_a_live_lease_only_wakes(
         self, db: Database, store: AllocationStore

@@ -612,7 +612,8 @@ class TestWaitReady:
             assert record.outcome is RecordOutcome.RECORDED
             await waiting
             assert await router.is_ready(sidecar.target)
-            # The same notice wakes the claim loops: the allocation may be ready to mark.
+            # The record's own hubd_wake wakes the claim loops: it did not make the allocation
+            # ready, so a claim may have to.
             await eventually(lambda: len(wakes) > woken_at_start)
         finally:
             listening.cancel()
@@ -620,6 +621,55 @@ class TestWaitReady:
                 await listening
         assert router.waiter_count == 0
         assert not listener.healthy
+
+    async def test_a_connect_made_ready_wakes_no_claim(
+        self, db: Database, store: AllocationStore, database_url: str
+    ) -> None:
+        """A connect whose record made the allocation ready reaches the listener as a
+        connect, not as a wake-up: no claim runs for it. Notifications arrive in the order
+        they were sent, so a wake sent after the record is the first one heard."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with db.pool.acquire() as conn:
+            # Parked waiting for its sidecar: no lease, so the connect makes it ready.
+            await conn.execute(
+                "UPDATE hubd_allocations SET lease_id = NULL, lease_expires_at = NULL "
+                "WHERE id = $1",
+                sidecar.allocation_id,
+            )
+        await InstanceStore(db).register(INSTANCE_ID, "here", 1, None)
+        router = SocketRouter(ConnectionStore(db, instance_id=INSTANCE_ID))
+        wakes: list[int] = []
+        connected: list[None] = []
+        listener = wake_listener(
+            dsn=database_url,
+            db=db,
+            router=router,
+            metrics=Metrics(),
+            on_wake=lambda: wakes.append(len(connected)),
+            on_reconnected=lambda: None,
+            poll_interval=5.0,
+        )
+        listening = asyncio.create_task(listener.run(), name="wake-listener")
+        try:
+            async with asyncio.timeout(30):
+                await listener.up.wait()
+            woken_at_start = len(wakes)
+            waiting = asyncio.create_task(router.wait_ready(sidecar.target, 30))
+            await eventually(lambda: router.waiter_count == 1)
+            direct = ConnectionStore(db, instance_id="in_peer", ready_on_connect=True)
+            record = await direct.record("cn_peer", sidecar.target, sidecar.sidecar_id)
+            assert record.ready
+            await waiting
+            connected.append(None)
+            async with db.pool.acquire() as conn:
+                await conn.execute("SELECT pg_notify('hubd_wake', 'after')")
+            await eventually(lambda: len(wakes) > woken_at_start)
+            # The first wake heard since the record is the one sent after it.
+            assert wakes[woken_at_start] == 1
+        finally:
+            listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listening
 
     async def test_timeout(self, hub: Hub, sidecar: Sidecar) -> None:
         """wait_ready raises SidecarNotConnected when nothing connects in time, leaking no

@@ -137,6 +137,7 @@ async def running_hub(
     port: int = 0,
     router_options: Mapping[str, Any] | None = None,
     instance_id: str = INSTANCE_ID,
+    ready_on_connect: bool = False,
     **server_options: Any,
 ) -> AsyncIterator[Hub]:
     """A hub on 127.0.0.1 whose instance row is registered (readiness needs a live instance).
@@ -145,7 +146,9 @@ async def running_hub(
     connection records, so a test can take either away.
     """
     await InstanceStore(db).register(instance_id, "localhost", 1, None)
-    connections = ConnectionStore(records_db or db, instance_id=instance_id)
+    connections = ConnectionStore(
+        records_db or db, instance_id=instance_id, ready_on_connect=ready_on_connect
+    )
     events = RecordingEvents()
     router = SocketRouter(connections, events=events, **(router_options or {}))
     lookups = ConnectionStore(lookup_db or db, instance_id=instance_id)

@@ -88,8 +88,10 @@ class NotificationListener:
         if channel == WAKE_CHANNEL:
             self._on_wake()
         elif channel == CONNECTED_CHANNEL:
+            # No wake: the statement that wrote the record sent ``hubd_wake`` itself whenever a
+            # claim has something to do (it did not make the allocation ready). A storm of
+            # reconnects must not cost a claim each.
             self._on_connected(payload)
-            self._on_wake()
         elif channel == SOCKETS_CHANNEL:
             self._on_sockets(payload)
         elif channel == SELFCHECK_CHANNEL:

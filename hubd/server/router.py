@@ -42,6 +42,7 @@ import structlog
 from hubd.errors import DatabaseUnavailable, StoreError
 from hubd.redaction import describe_error
 from hubd.routing import Arrivals, ConnectionEvents, Target, not_connected
+from hubd.server.batching import Batcher
 from hubd.server.handshake import CloseCode, HandshakeRequest
 from hubd.server.sockets import (
     REFUSED_RECORD_CLOSES,
@@ -49,6 +50,7 @@ from hubd.server.sockets import (
     SidecarSocket,
     SocketEntry,
     TrackedTasks,
+    acknowledge_secret,
     clear_record,
     new_connection_id,
 )
@@ -59,7 +61,7 @@ from hubd.store.connections import (
     SocketControl,
 )
 from hubd.store.models import Status
-from hubd.store.secrets import Rotation
+from hubd.store.secrets import Acknowledgement, Rotation
 
 __all__ = ["SocketRouter"]
 
@@ -89,6 +91,14 @@ class SocketRouter:
         self._arrivals = Arrivals()
         self._serial = KeyedFifo()
         self._tasks = TrackedTasks()
+        # A reconnect storm acknowledges a welcome per socket: those that arrive while one
+        # statement runs go in the next. The cap bounds memory only (see acknowledge_secret).
+        self._acknowledgements: Batcher[Acknowledgement, bool] = Batcher(
+            connections.acknowledge_secrets,
+            name="secret-acknowledgements",
+            timeout=event_timeout,
+            max_waiting=16384,
+        )
         self._closing = False
         self.remote_closes = 0
         """Sockets closed because another replica's write said they no longer belong."""
@@ -263,7 +273,6 @@ class SocketRouter:
                 self._close(other, CloseCode.SUPERSEDED)
             else:
                 self._close(other, CloseCode.FENCED)
-        entry.log.info("sidecar_connected")
         return entry
 
     async def open(self, entry: SocketEntry, *, welcome: str, rotation: Rotation) -> bool:
@@ -295,8 +304,9 @@ class SocketRouter:
             entry.recorded = True
             entry.seq = record.seq
             entry.secret_hash = rotation.secret_hash
-            if record.ready:
-                entry.log.info("sidecar_ready_on_connect")
+            # One line per connect, written once the record says how it went: a storm of
+            # reconnects logs a line per socket, not one per step.
+            entry.log.info("sidecar_connected", seq=record.seq, ready=record.ready)
             # The record replaced whatever the superseded socket had written: nothing left to
             # clean up for it, and no chain of old sockets kept alive by a flapping sidecar.
             entry.superseded = None
@@ -319,18 +329,9 @@ class SocketRouter:
         if secret_hash is None or entry.closed_by_hub is not None:
             return
         self._tasks.spawn(
-            self._acknowledge(entry, secret_hash), name=f"acknowledge-{entry.connection_id}"
+            acknowledge_secret(self._acknowledgements, entry, secret_hash),
+            name=f"acknowledge-{entry.connection_id}",
         )
-
-    async def _acknowledge(self, entry: SocketEntry, secret_hash: bytes) -> None:
-        try:
-            async with asyncio.timeout(self._event_timeout):
-                await self._connections.acknowledge_secret(
-                    entry.target, entry.sidecar_id, secret_hash
-                )
-        except (StoreError, TimeoutError) as exc:
-            # The previous credential stays valid a while longer; nothing else depends on it.
-            entry.log.warning("secret_not_acknowledged", error=describe_error(exc))
 
     async def unregister(self, entry: SocketEntry) -> None:
         """The socket's handler is done: forget it, clear its record, report the disconnect."""
@@ -379,6 +380,7 @@ class SocketRouter:
                 self._close(entry, code)
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._acknowledgements.close()
 
     # -- introspection --------------------------------------------------------------------------
 

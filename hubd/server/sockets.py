@@ -15,8 +15,10 @@ from hubd.backoff import Retries
 from hubd.errors import StoreError
 from hubd.redaction import describe_error
 from hubd.routing import Target
+from hubd.server.batching import Batcher
 from hubd.server.handshake import CloseCode
 from hubd.store.connections import ConnectionStore, RecordOutcome
+from hubd.store.secrets import Acknowledgement
 
 __all__ = [
     "REFUSED_RECORD_CLOSES",
@@ -24,6 +26,7 @@ __all__ = [
     "SidecarSocket",
     "SocketEntry",
     "TrackedTasks",
+    "acknowledge_secret",
     "clear_record",
     "new_connection_id",
 ]
@@ -169,3 +172,15 @@ async def clear_record(
                 return None
             log.warning("connection_clear_retry", error=describe_error(exc))
         await asyncio.sleep(delay)
+
+
+async def acknowledge_secret(
+    acknowledgements: Batcher[Acknowledgement, bool], entry: SocketEntry, secret_hash: bytes
+) -> None:
+    """Acknowledge the secret of ``entry``'s welcome (in the next batched statement); a failure
+    is logged, not raised."""
+    try:
+        await acknowledgements.request(Acknowledgement(entry.target, entry.sidecar_id, secret_hash))
+    except (StoreError, TimeoutError) as exc:
+        # The previous credential stays valid a while longer; nothing else depends on it.
+        entry.log.warning("secret_not_acknowledged", error=describe_error(exc))

@@ -7,9 +7,9 @@ unfinished handshakes are admitted by a :class:`~hubd.server.limits.SourceGate` 
 accepted, every byte before the upgrade goes through a
 :class:`~hubd.server.limits.HeaderScanner`, a socket whose peer stops reading is aborted once
 its write buffer is full or has stalled for a few seconds, and ping/pong frames spend the same
-budget as messages. Identity look-ups run at most ``max_concurrent_lookups`` at once on the
-store they are given (the daemon gives them a pool of their own), and a source address or an
-allocation that keeps failing or reconnecting is refused with 429 and ``Retry-After``.
+budget as messages. Identity look-ups are batched (:mod:`hubd.server.batching`, on a pool of
+their own). A source address or an allocation that keeps failing or reconnecting is refused
+with 429 and ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from hubd.config import ServerConfig
 from hubd.errors import StoreError
 from hubd.logs import Sampler
 from hubd.redaction import describe_error, scrub
+from hubd.server.batching import Batcher
 from hubd.server.connection import SidecarConnection, drain, remote_of
 from hubd.server.handshake import (
     SUBPROTOCOLS,
@@ -88,7 +89,8 @@ class SidecarServer:
         max_message_size: int = MAX_MESSAGE_SIZE,
         limits: ListenerLimits | None = None,
         max_connections: int | None = None,
-        max_concurrent_lookups: int = 8,
+        max_waiting_lookups: int = 256,
+        lookup_concurrency: int = 2,
         lookup_timeout: float = 5.0,
         retry_after: int = 5,
         message_rate: float = 20.0,
@@ -99,7 +101,6 @@ class SidecarServer:
         """``max_connections`` overrides ``limits.max_connections`` (the daemon lowers it to
         fit the descriptor limit)."""
         self._router = router
-        self._connections = connections
         self._host = host
         self._requested_port = port
         self._ssl = ssl_context
@@ -119,8 +120,14 @@ class SidecarServer:
         # A flood is one line per kind every few seconds, with the count of the lines it
         # stands for, never a line per refused socket.
         self._sampler = Sampler()
-        self._lookups = asyncio.Semaphore(max_concurrent_lookups)
-        self._lookup_timeout = lookup_timeout
+        # One budget for queue and query; statements at once: the identity pool's connections.
+        self.lookups: Batcher[str, SidecarIdentity] = Batcher(
+            connections.identities,
+            name="identity-lookups",
+            timeout=lookup_timeout,
+            max_waiting=max_waiting_lookups,
+            concurrency=lookup_concurrency,
+        )
         self._retry_after = retry_after
         self._message_rate = message_rate
         self._message_burst = message_burst
@@ -196,6 +203,7 @@ class SidecarServer:
         server.close(close_connections=False)
         await self._router.close_all(CloseCode.GOING_AWAY)
         await server.wait_closed()
+        await self.lookups.close()
         self._server = None
         log.info("sidecar_listener_stopped")
 
@@ -255,7 +263,7 @@ class SidecarServer:
         if rejection is not None:
             return self._reject(connection, rejection, parsed)
         try:
-            identity = await self._lookup(parsed.allocation_id)
+            identity = await self.lookups.request(parsed.allocation_id)
         except (StoreError, TimeoutError) as exc:
             log.warning(
                 "sidecar_identity_unknown",
@@ -280,11 +288,6 @@ class SidecarServer:
         connection.hubd_request = parsed
         connection.hubd_secret = identity.secret if identity is not None else None
         return None
-
-    async def _lookup(self, allocation_id: str) -> SidecarIdentity | None:
-        # One budget for the queue and the query: a peer never waits longer than this.
-        async with asyncio.timeout(self._lookup_timeout), self._lookups:
-            return await self._connections.identity(allocation_id)
 
     def _reject(
         self,

@@ -9,7 +9,7 @@ heartbeat expired (or whose row is gone) count as disconnected.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Final
 
 import attrs
@@ -19,7 +19,7 @@ from hubd.store import secrets
 from hubd.store.database import Database, Pool
 from hubd.store.models import Status
 from hubd.store.queries import Bound, Statement, load_queries
-from hubd.store.secrets import Rotation, SecretState
+from hubd.store.secrets import Acknowledgement, Rotation, SecretState
 
 __all__ = [
     "CONNECTED_CHANNEL",
@@ -221,19 +221,29 @@ class ConnectionStore:
         Raises :class:`~hubd.errors.DatabaseUnavailable` (or another ``StoreError``) when that
         cannot be known; callers must not read a failure as absence.
         """
+        return (await self.identities([allocation_id])).get(allocation_id)
+
+    async def identities(self, allocation_ids: Collection[str]) -> dict[str, SidecarIdentity]:
+        """The current identity of each allocation of ``allocation_ids`` that exists, in one
+        statement; raises as :meth:`identity` does, for all of them."""
         # On the identity pool: handshakes are caused by whoever reaches the listener, and must
         # never queue ahead of claims and renewals.
-        row = await self._db.fetchrow(
-            "look up sidecar identity",
-            SQL.identity(allocation_id=allocation_id),
+        rows = await self._db.fetch(
+            "look up sidecar identities",
+            SQL.identities(allocation_ids=list(allocation_ids)),
             pool=Pool.IDENTITY,
         )
-        return SidecarIdentity.from_row(row) if row is not None else None
+        found = (SidecarIdentity.from_row(row) for row in rows)
+        return {identity.allocation_id: identity for identity in found}
 
-    async def acknowledge_secret(self, target: Target, sidecar_id: str, secret_hash: bytes) -> bool:
-        """The sidecar holds the secret of its welcome: the credential that opened its
-        connection is no longer accepted. ``False`` when a newer rotation made this moot."""
-        return await secrets.acknowledge(self._db, target, sidecar_id, secret_hash)
+    async def acknowledge_secrets(
+        self, acknowledgements: Collection[Acknowledgement]
+    ) -> dict[Acknowledgement, bool]:
+        """The sidecars hold the secrets of their welcomes: the credentials that opened their
+        connections are no longer accepted. ``True`` for each that took effect (absent: a newer
+        rotation made it moot)."""
+        done = await secrets.acknowledge(self._db, acknowledgements)
+        return dict.fromkeys(done, True)
 
     async def record(
         self,

@@ -13,7 +13,7 @@ keep them out of ``repr``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import attrs
@@ -22,7 +22,7 @@ from hubd.routing import Target
 from hubd.store.database import Database, Pool
 from hubd.store.queries import load_queries
 
-__all__ = ["Rotation", "SecretState", "acknowledge"]
+__all__ = ["Acknowledgement", "Rotation", "SecretState", "acknowledge"]
 
 SQL = load_queries("secrets.sql")
 
@@ -68,21 +68,35 @@ class Rotation:
     presented_hash: bytes | None = attrs.field(repr=False)
 
 
-def _identity(target: Target, sidecar_id: str) -> dict[str, object]:
-    """The identity a secret belongs to, as both statements name it."""
-    return {
-        "allocation_id": target.allocation_id,
-        "generation": target.generation,
-        "sidecar_id": sidecar_id,
-    }
+@attrs.frozen
+class Acknowledgement:
+    """A sidecar's word that it holds the secret of its welcome (``secret_hash``'s)."""
+
+    target: Target
+    sidecar_id: str
+    secret_hash: bytes = attrs.field(repr=False)
 
 
-async def acknowledge(db: Database, target: Target, sidecar_id: str, secret_hash: bytes) -> bool:
-    """The sidecar confirmed it holds ``secret_hash``'s secret: what authenticated its
-    connection stops being accepted. ``False`` when a newer rotation made this moot."""
-    done = await db.fetchval(
-        "acknowledge reconnect secret",
-        SQL.acknowledge_secret(**_identity(target, sidecar_id), secret_hash=secret_hash),
+async def acknowledge(
+    db: Database, acknowledgements: Collection[Acknowledgement]
+) -> set[Acknowledgement]:
+    """Each sidecar confirmed it holds its secret: what authenticated its connection stops
+    being accepted. Returns those that took effect (not: a newer rotation made them moot)."""
+    rows = await db.fetch(
+        "acknowledge reconnect secrets",
+        SQL.acknowledge_secrets(
+            allocation_ids=[each.target.allocation_id for each in acknowledgements],
+            generations=[each.target.generation for each in acknowledgements],
+            sidecar_ids=[each.sidecar_id for each in acknowledgements],
+            secret_hashes=[each.secret_hash for each in acknowledgements],
+        ),
         pool=Pool.SOCKETS,
     )
-    return done is not None
+    return {
+        Acknowledgement(
+            Target(row["allocation_id"], row["generation"]),
+            row["sidecar_id"],
+            bytes(row["secret_hash"]),
+        )
+        for row in rows
+    }

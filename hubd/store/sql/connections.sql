@@ -6,16 +6,18 @@
 -- number (see park and mark_connection_ready in allocations.sql); updating the allocation row
 -- also takes its row lock, so a record and a clear of one allocation never interleave.
 
--- name: identity
--- What a handshake is checked against: the allocation's status, generation and current identity,
--- and that identity's reconnect secret (all NULL when it has none: a row of an older generation
--- or sidecar is no secret of this one).
+-- name: identities
+-- What handshakes are checked against, for every allocation in :allocation_ids at once (the
+-- look-ups that arrived while the previous statement ran): each allocation's status, generation
+-- and current identity, and that identity's reconnect secret (all NULL when it has none: a row
+-- of an older generation or sidecar is no secret of this one). No row for an id: no such
+-- allocation.
 SELECT a.id, a.status, a.generation, a.sidecar_id, a.token_hash,
        s.secret_hash, s.previous_hash, s.acknowledged
-FROM hubd_allocations AS a
+FROM unnest(:allocation_ids::text[]) AS wanted (id)
+JOIN hubd_allocations AS a ON a.id = wanted.id
 LEFT JOIN hubd_sidecar_secrets AS s
-       ON s.allocation_id = a.id AND s.generation = a.generation AND s.sidecar_id = a.sidecar_id
-WHERE a.id = :allocation_id;
+       ON s.allocation_id = a.id AND s.generation = a.generation AND s.sidecar_id = a.sidecar_id;
 
 -- name: record
 -- Connection :connection_id of :allocation_id at :generation, sidecar :sidecar_id on instance
