@@ -74,7 +74,10 @@ class TestSourceGate:
         gate.opened("b")
         total = gate.admit("c", 0.0)
         assert total is not None
-        assert (total.status, total.reason) == (503, "too many handshakes")
+        # A slot is evictable within the eviction age: the refused socket is told to come
+        # back then, not after the general Retry-After.
+        assert (total.status, total.reason, total.retry_after) == (503, "too many handshakes", 1)
+        assert LIMITS.retry_after > 1
         gate.handshake_over("a")
         assert gate.admit("c", 0.0) is None
         assert gate.sources == 2

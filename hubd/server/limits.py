@@ -28,6 +28,7 @@ has a cap, and the caps multiply out to a bound on memory and descriptors:
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 import attrs
@@ -223,7 +224,11 @@ class SourceGate:
         if self.sockets >= self.max_connections:
             return Rejection(status=503, reason="too many connections", retry_after=retry)
         if self.handshakes >= self.limits.max_handshakes:
-            return Rejection(status=503, reason="too many handshakes", retry_after=retry)
+            # Every slot was taken less than the eviction age ago (an older one would have
+            # been evicted for this socket): one is evictable by then, so come back then
+            # rather than after the general Retry-After.
+            soon = max(1, math.ceil(self.limits.handshake_eviction_age))
+            return Rejection(status=503, reason="too many handshakes", retry_after=soon)
         if self._per_source.get(source, 0) >= self.limits.max_handshakes_per_source:
             return Rejection(
                 status=429, reason="too many handshakes from this address", retry_after=retry
