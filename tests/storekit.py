@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Iterable
 
 from hubd.store import Allocation, AllocationStore, Database, Failure, Fence, Status
 from tests.pgtime import age_row
@@ -19,10 +20,21 @@ def token_hash() -> bytes:
     return hashlib.sha256(secrets.token_bytes(16)).digest()
 
 
+async def claim_next(
+    store: AllocationStore, *, lease_id: str, lease_duration: float, exclude: Iterable[str] = ()
+) -> Allocation | None:
+    """Lease the oldest due active allocation whose id is not in ``exclude`` (one slot of the
+    dispatcher's batch claim)."""
+    claimed = await store.claim_due(
+        lease_ids=[lease_id], lease_duration=lease_duration, exclude=exclude
+    )
+    return claimed[0].allocation if claimed else None
+
+
 async def claim_one(store: AllocationStore, allocation_id: str) -> Fence:
     """Claim exactly ``allocation_id`` (it must be due) and return its fence."""
     lease = new_lease()
-    claimed = await store.claim_next(lease_id=lease, lease_duration=LEASE_SECONDS)
+    claimed = await claim_next(store, lease_id=lease, lease_duration=LEASE_SECONDS)
     assert claimed is not None, "expected a due allocation"
     assert claimed.id == allocation_id, "another allocation was due first"
     return Fence(allocation_id=claimed.id, lease_id=lease, generation=claimed.generation)

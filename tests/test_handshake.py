@@ -20,7 +20,7 @@ from hubd.server.handshake import (
     unavailable,
 )
 from hubd.server.limits import TokenBucket
-from hubd.server.websocket import is_loopback_host
+from hubd.server.wire import is_loopback_host
 from hubd.store.connections import (
     ConnectedNotice,
     SidecarIdentity,

@@ -14,7 +14,7 @@ from hubd.reconciler.clock import ManualClock
 from hubd.reconciler.lease import LeaseKeeper, LeaseRenewer
 from hubd.store import AllocationStore, Database
 from tests.reconcilerkit import poll_until
-from tests.storekit import new_lease
+from tests.storekit import claim_next, new_lease
 
 LEASE = 30.0
 T = TypeVar("T")
@@ -82,7 +82,7 @@ async def expiry(db: Database, allocation_id: str) -> float:
 async def claim(store: AllocationStore) -> tuple[str, str]:
     allocation = await store.request(provisioner_id="fake")
     lease = new_lease()
-    assert await store.claim_next(lease_id=lease, lease_duration=LEASE) is not None
+    assert await claim_next(store, lease_id=lease, lease_duration=LEASE) is not None
     return allocation.id, lease
 
 

@@ -30,7 +30,7 @@ from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id
 from tests.pgtime import age_row, expire_lease
 from tests.polling import eventually
-from tests.storekit import LEASE_SECONDS, claim_one, drive_to, new_lease, token_hash
+from tests.storekit import LEASE_SECONDS, claim_next, claim_one, drive_to, new_lease, token_hash
 
 Transition = Callable[[AllocationStore, Fence], Awaitable[Any]]
 FAIL = Failure("boom", "it broke")
@@ -212,7 +212,7 @@ class TestRequestAndRelease:
         try:
             async with conn.transaction():
                 allocation = await store.request(provisioner_id="fake", conn=conn)
-                assert await store.claim_next(lease_id=new_lease(), lease_duration=60) is None
+                assert await claim_next(store, lease_id=new_lease(), lease_duration=60) is None
             fence = await claim_one(store, allocation.id)
             assert fence.allocation_id == allocation.id
         finally:
@@ -435,7 +435,7 @@ class TestClaims:
         await age_row(db, first.id, 10)
         order = []
         for _ in range(3):
-            claimed = await store.claim_next(lease_id=new_lease(), lease_duration=60)
+            claimed = await claim_next(store, lease_id=new_lease(), lease_duration=60)
             assert claimed is not None
             order.append(claimed.id)
         assert order == [third.id, first.id, second.id]
@@ -443,13 +443,13 @@ class TestClaims:
         other = await store.request(provisioner_id="fake")
         excluded = await store.request(provisioner_id="fake")
         await age_row(db, excluded.id, 5)
-        claimed = await store.claim_next(
-            lease_id=new_lease(), lease_duration=60, exclude=[excluded.id]
+        claimed = await claim_next(
+            store, lease_id=new_lease(), lease_duration=60, exclude=[excluded.id]
         )
         assert claimed is not None
         assert claimed.id == other.id
         assert (
-            await store.claim_next(lease_id=new_lease(), lease_duration=60, exclude=[excluded.id])
+            await claim_next(store, lease_id=new_lease(), lease_duration=60, exclude=[excluded.id])
             is None
         )
 
@@ -457,7 +457,7 @@ class TestClaims:
         """A row scheduled in the future, or leased, is not claimable until then."""
         fence = await drive_to(store, db, Status.ALLOCATED)
         await store.park(fence, mode=ParkMode.AWAIT_CONNECTION, delay=30)
-        assert await store.claim_next(lease_id=new_lease(), lease_duration=60) is None
+        assert await claim_next(store, lease_id=new_lease(), lease_duration=60) is None
         await age_row(db, fence.allocation_id, 121)
         assert (await claim_one(store, fence.allocation_id)).generation == fence.generation
 
@@ -468,7 +468,7 @@ class TestClaims:
         lease and the old lease's writes are refused."""
         allocation = await store.request(provisioner_id="fake")
         first = await claim_one(store, allocation.id)
-        assert await store.claim_next(lease_id=new_lease(), lease_duration=60) is None
+        assert await claim_next(store, lease_id=new_lease(), lease_duration=60) is None
         await expire_lease(db, allocation.id)
         assert not await store.renew_lease(allocation.id, first.lease_id, 60)
         second = await claim_one(store, allocation.id)
@@ -578,7 +578,7 @@ class TestClaims:
         async def claimer() -> None:
             while True:
                 lease = new_lease()
-                claimed = await store.claim_next(lease_id=lease, lease_duration=60)
+                claimed = await claim_next(store, lease_id=lease, lease_duration=60)
                 if claimed is None:
                     return
                 claims.append((claimed.id, lease))

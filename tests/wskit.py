@@ -17,7 +17,7 @@ from websockets.typing import Subprotocol
 
 from hubd.routing import Target
 from hubd.server import CONNECT_PATH, SUBPROTOCOL, SidecarServer, SocketRouter
-from hubd.server.websocket import WireLogger
+from hubd.server.wire import WireLogger
 from hubd.store import AllocationStore, Database, Fence, Status
 from hubd.store.connections import ConnectionStore
 from hubd.store.database import init_connection

@@ -16,7 +16,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hubd.server.websocket import ServerStats
+from hubd.server.wire import ServerStats
 
 # Every counter would also export a `_created` twin (its creation time) that no dashboard uses
 # and every scrape pays for.

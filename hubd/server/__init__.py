@@ -3,7 +3,8 @@
 from hubd.server.handshake import CONNECT_PATH, SUBPROTOCOL, CloseCode, HandshakeRequest, Rejection
 from hubd.server.router import SocketRouter
 from hubd.server.sockets import SocketEntry
-from hubd.server.websocket import ServerStats, SidecarServer
+from hubd.server.websocket import SidecarServer
+from hubd.server.wire import ServerStats
 
 __all__ = [
     "CONNECT_PATH",

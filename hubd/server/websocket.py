@@ -54,14 +54,7 @@ from hubd.store.connections import ConnectionStore, SidecarIdentity
 from hubd.store.secrets import Rotation
 from hubd.tokens import hash_token, new_reconnect_secret
 
-__all__ = [
-    "MAX_MESSAGE_SIZE",
-    "ServerStats",
-    "SidecarServer",
-    "WireLogger",
-    "is_loopback_host",
-    "tls_context",
-]
+__all__ = ["MAX_MESSAGE_SIZE", "SidecarServer"]
 
 
 log = structlog.get_logger(__name__)

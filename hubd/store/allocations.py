@@ -164,15 +164,6 @@ class AllocationStore(SweepQueries):
             for row in rows
         ]
 
-    async def claim_next(
-        self, *, lease_id: str, lease_duration: float, exclude: Iterable[str] = ()
-    ) -> Allocation | None:
-        """Lease the oldest due active allocation whose id is not in ``exclude``."""
-        claimed = await self.claim_due(
-            lease_ids=[lease_id], lease_duration=lease_duration, exclude=exclude
-        )
-        return claimed[0].allocation if claimed else None
-
     async def renew_leases(
         self, leases: Iterable[tuple[str, str]], lease_duration: float
     ) -> frozenset[str]:
