@@ -18,6 +18,8 @@ from typing import Any
 
 import asyncpg
 
+from hubd.store.database import SESSION_SETTINGS
+
 __all__ = ["ACTIVE_ROWS", "periodic_statements", "statement_costs"]
 
 ACTIVE_ROWS = 1_000
@@ -98,7 +100,8 @@ async def _time(
 async def statement_costs(dsn: str, *, small: int, large: int, reps: int) -> dict[str, Any]:
     """Milliseconds per statement at ``small`` and ``large`` terminal rows, and the ratios."""
     statements = periodic_statements()
-    conn = await asyncpg.connect(dsn)
+    # The daemon's own session settings, so a statement is planned as the daemon plans it.
+    conn = await asyncpg.connect(dsn, server_settings=SESSION_SETTINGS)
     try:
         await conn.execute(
             """

@@ -988,3 +988,21 @@ class TestBrokenConnections:
 
         await eventually(backend_gone, within=10, what="the broken connection's backend gone")
         assert await status_counts(db) == dict.fromkeys(Status, 0)
+
+
+async def test_a_statement_is_planned_once_per_connection(db: Database) -> None:
+    """The daemon's connections keep one generic plan per prepared statement: PostgreSQL's
+    default would plan these parameterised statements afresh on every execution, and planning
+    cost more than running them."""
+    from hubd.store.allocations import SQL
+
+    async with db.connection("plans") as conn:
+        for _ in range(8):
+            await db.fetchrow("get", SQL.get_allocation(allocation_id="al_missing"), conn=conn)
+        plans = await conn.fetchrow(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
+            SQL.get_allocation(allocation_id="al_missing").sql,
+        )
+    assert plans is not None
+    assert plans["custom_plans"] == 0
+    assert plans["generic_plans"] == 8
