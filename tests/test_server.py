@@ -451,12 +451,16 @@ class TestRouter:
             assert again.ready
 
     async def test_fence(self, db: Database, hub: Hub, sidecar: Sidecar) -> None:
-        """fence() closes sockets of older generations with 4002, and only those; the record
-        is cleared and no disconnect is reported."""
+        """fence() closes sockets of older generations with 4002, and only those; no
+        disconnect is reported, and the record is gone with the transition that fenced it."""
         async with dial(hub.url, sidecar.headers()) as ws:
             await welcome_of(ws)
             hub.router.fence(sidecar.allocation_id, sidecar.generation)
             await assert_alive(ws)
+            await db.pool.execute(
+                "UPDATE hubd_allocations SET generation = generation + 1 WHERE id = $1",
+                sidecar.allocation_id,
+            )
             hub.router.fence(sidecar.allocation_id, sidecar.generation + 1)
             assert await close_code_of(ws) == 4002
         await eventually(
@@ -466,9 +470,16 @@ class TestRouter:
         assert hub.events.disconnected == []
 
     async def test_retire(self, db: Database, hub: Hub, sidecar: Sidecar) -> None:
-        """retire() closes every socket of the allocation with 4001, reporting no disconnect."""
+        """retire() closes every socket of the allocation with 4001, reporting no disconnect;
+        the record is gone with the transition that retired it."""
         async with dial(hub.url, sidecar.headers()) as ws:
             await welcome_of(ws)
+            await db.pool.execute(
+                "UPDATE hubd_allocations SET status = 'released', next_attempt_at = NULL,"
+                " connection_ready = false, lease_id = NULL, lease_expires_at = NULL"
+                " WHERE id = $1",
+                sidecar.allocation_id,
+            )
             hub.router.retire(sidecar.allocation_id, sidecar.generation)
             assert await close_code_of(ws) == 4001
         await eventually(
@@ -732,14 +743,37 @@ class TestConnectionStore:
             await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)
         ).outcome is RecordOutcome.RETIRED
 
-    async def test_clear_only_current(self, db: Database, sidecar: Sidecar) -> None:
-        """clear() forgets a record only while it is still the connection's own."""
+    async def test_retiring_transition_removes_the_record(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """The transition that makes an allocation terminal deletes its connection record in
+        its own transaction, so the retired socket's close has nothing left to clear."""
+        sidecar, fence = await sidecar_in(store, db, Status.RELEASING)
+        # Written directly: a releasing allocation no longer accepts a record from a handshake.
+        await db.pool.execute(
+            "INSERT INTO hubd_sidecar_connections"
+            " (connection_id, allocation_id, generation, sidecar_id, instance_id)"
+            " VALUES ('cn_a', $1, $2, $3, $4)",
+            sidecar.allocation_id,
+            sidecar.target.generation,
+            sidecar.sidecar_id,
+            INSTANCE_ID,
+        )
+        assert await store.mark_released(fence) is not None
+        assert await records_of(db, sidecar.allocation_id) == []
+
+    async def test_fencing_transition_removes_the_older_record(
+        self, db: Database, sidecar: Sidecar
+    ) -> None:
+        """A move to a newer generation deletes the older generation's record with it."""
         connections = ConnectionStore(db, instance_id=INSTANCE_ID)
-        await connections.record("cn_old", sidecar.target, sidecar.sidecar_id)
-        await connections.record("cn_new", sidecar.target, sidecar.sidecar_id)
-        assert not await connections.clear(sidecar.allocation_id, "cn_old")
-        assert await connections.clear(sidecar.allocation_id, "cn_new")
-        assert not await connections.clear(sidecar.allocation_id, "cn_new")
+        await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)
+        assert await records_of(db, sidecar.allocation_id) == ["cn_a"]
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET generation = generation + 1 WHERE id = $1",
+            sidecar.allocation_id,
+        )
+        assert await records_of(db, sidecar.allocation_id) == []
 
     async def test_instance_liveness(self, db: Database, store: AllocationStore) -> None:
         """Records count only while their instance heartbeats (for every instance but the one
@@ -1039,3 +1073,11 @@ class TestSecrets:
         everything = "\n".join([*texts, repr(logs), caplog.text])
         for fragment in CANARY_FRAGMENTS:
             assert fragment not in everything
+
+
+async def records_of(db: Database, allocation_id: str) -> list[str]:
+    rows = await db.pool.fetch(
+        "SELECT connection_id FROM hubd_sidecar_connections WHERE allocation_id = $1",
+        allocation_id,
+    )
+    return [row["connection_id"] for row in rows]

@@ -67,6 +67,14 @@ __all__ = ["SocketRouter"]
 
 log = structlog.get_logger(__name__)
 
+# Closes that leave no record to clear: a superseded socket's record was overwritten by its
+# successor's, and the transition that fenced or retired a socket deleted the record itself
+# (hubd_socket_control), so such a close costs no statement; at shutdown the instance's records
+# are settled at once.
+_NOTHING_TO_CLEAR = frozenset(
+    {CloseCode.GOING_AWAY, CloseCode.SUPERSEDED, CloseCode.FENCED, CloseCode.RETIRED}
+)
+
 
 class SocketRouter:
     """Live sockets of this instance, their durable records, and readiness waits."""
@@ -343,13 +351,9 @@ class SocketRouter:
                 del self._sockets[entry.target.allocation_id]
         code = entry.closed_by_hub
         entry.log.info("sidecar_disconnected", closed_by_hub=int(code) if code else None)
-        if self._closing or code is CloseCode.GOING_AWAY or code is CloseCode.SUPERSEDED:
+        if self._closing or code in _NOTHING_TO_CLEAR:
             return
         async with self._serial.hold(entry.target.allocation_id):
-            if code in (CloseCode.FENCED, CloseCode.RETIRED):
-                if entry.recorded:
-                    await self._clear(entry, entry, lost=False)
-                return
             cleared: bool | None = False
             if entry.recorded:
                 cleared = await self._clear(entry, entry)
@@ -418,16 +422,12 @@ class SocketRouter:
             entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}"
         )
 
-    async def _clear(
-        self, entry: SocketEntry, holder: SocketEntry, *, lost: bool = True
-    ) -> bool | None:
-        """Clear ``holder``'s record (and, with ``lost``, mark the sidecar lost in the same
-        statement), retrying a failing database within the clear budget; ``None`` when it could
-        not be cleared."""
+    async def _clear(self, entry: SocketEntry, holder: SocketEntry) -> bool | None:
+        """Clear ``holder``'s record and mark the sidecar lost in the same statement, retrying a
+        failing database within the clear budget; ``None`` when it could not be cleared."""
         return await clear_record(
             self._connections,
             holder,
-            lost=lost,
             connect_timeout=self._connect_timeout,
             attempt_timeout=self._event_timeout,
             budget=self._clear_budget,

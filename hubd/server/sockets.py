@@ -140,14 +140,13 @@ async def clear_record(
     connections: ConnectionStore,
     holder: SocketEntry,
     *,
-    lost: bool,
     connect_timeout: float,
     attempt_timeout: float,
     budget: float,
     log: Any,
 ) -> bool | None:
-    """Clear ``holder``'s connection record (and, with ``lost``, mark the sidecar lost in the
-    same statement), retrying a failing database for up to ``budget`` seconds. Whether the
+    """Clear ``holder``'s connection record and mark the sidecar lost in the same statement,
+    retrying a failing database for up to ``budget`` seconds. Whether the
     record was still ``holder``'s; ``None`` when it could not be cleared: the record then
     outlives the socket until its instance stops heartbeating, so that is logged as an error.
     """
@@ -158,13 +157,11 @@ async def clear_record(
         delay = retries.next_delay()
         try:
             async with asyncio.timeout(attempt_timeout):
-                if lost:
-                    return await connections.disconnect(
-                        holder.target.allocation_id,
-                        holder.connection_id,
-                        connect_timeout=connect_timeout,
-                    )
-                return await connections.clear(holder.target.allocation_id, holder.connection_id)
+                return await connections.disconnect(
+                    holder.target.allocation_id,
+                    holder.connection_id,
+                    connect_timeout=connect_timeout,
+                )
         except (StoreError, TimeoutError) as exc:
             if loop.time() + delay >= deadline:
                 # The message says it all; a traceback would add nothing.

@@ -295,16 +295,6 @@ class ConnectionStore:
         )
         return None if row is None else int(row["seq"])
 
-    async def clear(self, allocation_id: str, connection_id: str) -> bool:
-        """Forget the record if ``connection_id`` is still current; ``False`` if it was not.
-        The sidecar is not called lost: use :meth:`disconnect` for that."""
-        cleared = await self._db.fetchval(
-            "clear connection",
-            SQL.clear(allocation_id=allocation_id, connection_id=connection_id),
-            pool=Pool.SOCKETS,
-        )
-        return cleared is not None
-
     async def disconnect(
         self, allocation_id: str, connection_id: str, *, connect_timeout: float
     ) -> bool:

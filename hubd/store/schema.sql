@@ -184,12 +184,19 @@ CREATE INDEX hubd_instances_heartbeat_idx ON hubd_instances (heartbeat_at);
 -- Whenever an allocation moves to a newer generation or becomes terminal, every replica hears
 -- it on 'hubd_sockets' ('<allocation>:<generation>:fence|retire') and closes the sockets it holds
 -- that no longer belong: the replica that wrote the transition is rarely the one holding them.
+-- The same transaction removes the connection record those sockets leave behind, so a closing
+-- socket has nothing to clear.
 -- A trigger, so that no transition (the reconciler's, a user's release, a future one) can forget.
 CREATE FUNCTION hubd_socket_control() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    terminal boolean := NEW.status IN ('released', 'failed', 'destroy_failed');
 BEGIN
+    -- A finished allocation has no connection, and an older generation's record can never be
+    -- current again (a record is written only for the current generation).
+    DELETE FROM hubd_sidecar_connections
+    WHERE allocation_id = NEW.id AND (terminal OR generation < NEW.generation);
     PERFORM pg_notify('hubd_sockets', NEW.id || ':' || NEW.generation || ':' ||
-        CASE WHEN NEW.status IN ('released', 'failed', 'destroy_failed') THEN 'retire'
-             ELSE 'fence' END);
+        CASE WHEN terminal THEN 'retire' ELSE 'fence' END);
     RETURN NULL;
 END;
 $$;

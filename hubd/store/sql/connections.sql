@@ -155,13 +155,6 @@ WITH alloc AS (
 )
 SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 
--- name: clear
--- Forget a connection only if it is still the current one, without calling the sidecar lost:
--- the hub closed it because the allocation already moved on (fenced, retired).
-DELETE FROM hubd_sidecar_connections
-WHERE allocation_id = :allocation_id AND connection_id = :connection_id
-RETURNING connection_id;
-
 -- name: disconnect
 -- Connection :connection_id of :allocation_id closed. Only if it is still the current record (a
 -- takeover, on any replica, replaced it otherwise) is it cleared and, for an allocated row of the
