@@ -17,8 +17,8 @@ Which closes count as a disconnect:
   the sidecar lost, both only if the record is still this socket's (a sidecar that meanwhile
   reconnected, to this replica or another, owns the record and is not lost);
 * ``4000 superseded``: no — the socket that took over owns the record now;
-* ``4001 retired`` / ``4002 fenced``: the record is cleared, the sidecar not called lost — the
-  allocation already moved on;
+* ``4001 retired`` / ``4002 fenced``: no, and nothing is written — the allocation already moved
+  on, and the transition that moved it deleted the record in its own transaction;
 * ``1001`` at shutdown: nothing per socket. The daemon settles its records as the instance stops
   (``release_instance``: cleared and marked lost in one statement, so sidecars reconnecting to a
   peer find a connect deadline, and a peer's fresh record is never touched).
