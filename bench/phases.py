@@ -7,6 +7,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "idle_commits",
     "latency",
     "lifecycle",
+    "open_store",
     "percentile",
     "say",
     "socket_phase",
@@ -123,36 +125,77 @@ async def _release(store: AllocationStore, dsn: str, ids: list[str]) -> None:
         await conn.close()
 
 
-async def _store(dsn: str) -> tuple[Any, AllocationStore]:
+async def open_store(dsn: str) -> tuple[Any, AllocationStore]:
     db = await connect_database(dsn, pool_size=2)
     return db, AllocationStore(db, instance_id="bench")
 
 
+TERMINAL = ("released", "failed", "destroy_failed")
+POLL_INTERVAL = 0.05
+"""Seconds between the progress polls of a counted lifecycle."""
+
+
+READY_COUNT = (
+    "SELECT count(*) FROM hubd_allocations WHERE id = ANY($1::text[]) AND connection_ready"
+)
+DONE_COUNT = (
+    "SELECT count(*) FROM hubd_allocations WHERE id = ANY($1::text[]) AND status = ANY($2::text[])"
+)
+
+
+async def _poll_until(
+    stats: asyncpg.Connection, ids: list[str], *, ready: bool, within: float
+) -> tuple[bool, int, int]:
+    """Poll until every row of ``ids`` is ready (or, with ``ready`` false, terminal): whether
+    all got there in time, how many did, and how many polls (a transaction each) it took. A
+    counted window polls rather than listens: a listener's wake-ups are transactions too, and
+    no statement says how many there were."""
+    args: tuple[Any, ...] = (READY_COUNT, ids) if ready else (DONE_COUNT, ids, list(TERMINAL))
+    deadline = time.monotonic() + within
+    polls = 0
+    while True:
+        polls += 1
+        reached = int(await stats.fetchval(*args))
+        if reached >= len(ids) or time.monotonic() >= deadline:
+            return reached >= len(ids), reached, polls
+        await asyncio.sleep(POLL_INTERVAL)
+
+
 async def lifecycle(
-    dsn: str, watcher: Watcher, *, n: int, within: float, stats: asyncpg.Connection
+    dsn: str,
+    store: AllocationStore,
+    *,
+    n: int,
+    within: float,
+    stats: asyncpg.Connection,
+    stop: Callable[[], Awaitable[None]],
 ) -> dict[str, Any]:
     """``n`` allocations requested in one transaction, timed until all are ready, then released
-    in one transaction, timed until all are released; commits counted around both."""
-    db, store = await _store(dsn)
-    try:
-        watcher.reset()
-        commits_before = await xact_commit(stats)
-        started = time.monotonic()
-        ids = await _request(store, dsn, n)
-        committed = time.monotonic()
-        all_ready = await watcher.until(lambda: len(watcher.ready) >= n, within=within)
-        ready_at = time.monotonic()
-        ready = len(watcher.ready)
-        await _release(store, dsn, ids)
-        release_committed = time.monotonic()
-        all_done = await watcher.until(lambda: len(watcher.done) >= n, within=within)
-        done_at = time.monotonic()
-        done = len(watcher.done)
-        await asyncio.sleep(STATS_LAG)
-        commits_after = await xact_commit(stats)
-        waited = time.monotonic() - started
-    finally:
-        await db.close()
+    in one transaction, timed until all are released; commits counted around both, up to the
+    daemon's exit (``stop``).
+
+    PostgreSQL reports a backend's counts when it goes idle at least a second after its last
+    report, and otherwise keeps them until its next statement or its exit: an idle pool
+    connection, or a listening one (which commits a transaction per wake-up and runs no
+    statement), can hold its counts for as long as it lives. Only the daemon's exit makes every
+    count of its connections land, and land inside the window. ``stats`` must have reported
+    everything it ran before (a statement at least a second after its previous report does)."""
+    commits_before = await xact_commit(stats)
+    started = time.monotonic()
+    ids = await _request(store, dsn, n)
+    committed = time.monotonic()
+    all_ready, ready, ready_polls = await _poll_until(stats, ids, ready=True, within=within)
+    ready_at = time.monotonic()
+    await _release(store, dsn, ids)
+    release_committed = time.monotonic()
+    all_done, done, done_polls = await _poll_until(stats, ids, ready=False, within=within)
+    done_at = time.monotonic()
+    await stop()
+    stopped = time.monotonic()
+    await asyncio.sleep(STATS_LAG)
+    # A second after the last report of ``stats``: this statement reports its polls.
+    await stats.execute("SELECT 1")
+    commits_after = await xact_commit(stats)
     ready_seconds = ready_at - committed
     release_seconds = done_at - release_committed
     return {
@@ -165,9 +208,12 @@ async def lifecycle(
         "release_seconds": release_seconds,
         "ready_rate": ready / ready_seconds,
         "lifecycle_rate": min(ready, done) / (ready_seconds + release_seconds),
-        # The bench's own: the request and release transactions and one statistics read.
-        "commits_raw": commits_after - commits_before - 3,
-        "window_seconds": waited,
+        "polls": ready_polls + done_polls,
+        # The bench's own: the first statistics read, the request and release connections'
+        # start-up and their transactions, every poll and the statement that reports them.
+        "commits_raw": commits_after - commits_before - 6 - ready_polls - done_polls,
+        # The daemon ran (and the idle rate applies) from the first read to its exit.
+        "window_seconds": stopped - started,
     }
 
 
@@ -191,7 +237,7 @@ async def latency(dsn: str, watcher: Watcher, farm: FarmClient, *, samples: int)
     clock of that update. When a connect makes its parked allocation ready in the statement that
     records it, the row is ready before the welcome is sent: welcome → ready is then negative,
     and dial → ready is the whole cost a sidecar sees."""
-    db, store = await _store(dsn)
+    db, store = await open_store(dsn)
     to_notify: list[float] = []
     to_update: list[float] = []
     from_dial: list[float] = []
@@ -244,7 +290,7 @@ async def socket_phase(
     daemon RSS measured, all sockets opened, RSS measured once all are ready. Then every socket
     is dropped at once; once the daemon has recorded every loss, all reconnect ``concurrency``
     at a time, timed until every welcome. Finally all are released."""
-    db, store = await _store(dsn)
+    db, store = await open_store(dsn)
     try:
         watcher.reset()
         await farm.call("hold", value=True)

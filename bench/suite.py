@@ -205,41 +205,58 @@ class Run:
         return daemon
 
     async def claims_phase(self, claims: int) -> dict[str, Any]:
+        """On a fresh daemon: idle commits, then the counted lifecycle, which ends with the
+        daemon's exit; at the first claim count, latency on another fresh daemon."""
         assert self.stats is not None
+        result: dict[str, Any] = {}
+        await self.watcher.mute()
+        db, store = await phases.open_store(self.dsn)
         daemon = await self.daemon(claims)
         profiler = None
         try:
-            await asyncio.sleep(1)
+            # Every count of the start-up reported, so the idle window and the lifecycle's see
+            # only their own.
+            await asyncio.sleep(phases.STATS_LAG)
+            result["idle"] = await phases.idle_commits(self.stats, seconds=self.size.idle_seconds)
             if self.args.profile and claims == CLAIMS[0]:
                 profiler = await _start_profiler(daemon.pid, self.args.profile)
+
+            async def stop() -> None:
+                result["listener_refusals"] = await daemon.refusals()
+                await daemon.stop()
+
             cycle = await phases.lifecycle(
                 self.dsn,
-                self.watcher,
+                store,
                 n=self.size.lifecycle,
                 within=self.size.within,
                 stats=self.stats,
+                stop=stop,
             )
-            if profiler is not None:
-                await _stop_profiler(profiler)
-                profiler = None
-            idle = await phases.idle_commits(self.stats, seconds=self.size.idle_seconds)
-            # Commits the idle daemon would have made anyway during the window are not the
-            # lifecycle's.
-            cycle["commits_per_lifecycle"] = (
-                cycle["commits_raw"] - idle["rate"] * cycle["window_seconds"]
-            ) / self.size.lifecycle
-            result: dict[str, Any] = {"lifecycle": cycle, "idle": idle}
-            if claims == CLAIMS[0]:
-                result["latency"] = await phases.latency(
-                    self.dsn, self.watcher, self.farm, samples=self.size.latency
-                )
-            result["listener_refusals"] = await daemon.refusals()
-            return result
         finally:
             if profiler is not None:
                 await _stop_profiler(profiler)
             await daemon.stop()
+            await db.close()
+            await self.watcher.unmute()
             await self.farm.call("forget")
+        # Commits the idle daemon would have made anyway during the window are not the
+        # lifecycle's.
+        cycle["commits_per_lifecycle"] = (
+            cycle["commits_raw"] - result["idle"]["rate"] * cycle["window_seconds"]
+        ) / self.size.lifecycle
+        result["lifecycle"] = cycle
+        if claims == CLAIMS[0]:
+            daemon = await self.daemon(claims)
+            try:
+                await asyncio.sleep(1)
+                result["latency"] = await phases.latency(
+                    self.dsn, self.watcher, self.farm, samples=self.size.latency
+                )
+            finally:
+                await daemon.stop()
+                await self.farm.call("forget")
+        return result
 
     async def socket_phase(self, n: int) -> dict[str, Any]:
         bare = await phases.bare_sockets(self.farm, n=n)

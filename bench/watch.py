@@ -1,9 +1,11 @@
-"""Watching allocations from outside the daemon without adding transactions to count.
+"""Watching allocations from outside the daemon, with the database clock of each change.
 
 A trigger the benchmark installs on ``hubd_allocations`` notifies ``hubd_bench`` when a row
 becomes ready, stops being ready, or reaches a terminal status; the payload carries the database
-clock at the update. One LISTEN connection collects them, so waiting for "all ready" costs the
-database no polling transactions (which would otherwise show up in ``xact_commit``).
+clock at the update. One LISTEN connection collects them. Listening is not free to count:
+every notification wakes every listener of the database (the daemon's too), and each wake-up is
+a transaction of that listener's that no statement shows, so a window whose commits are counted
+mutes the watcher and polls instead (:func:`bench.phases.lifecycle`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 
 import asyncpg
 
-__all__ = ["TRIGGER", "Watcher", "xact_commit"]
+__all__ = ["CHANNEL", "TRIGGER", "Watcher", "xact_commit"]
+
+CHANNEL = "hubd_bench"
 
 TRIGGER = """
 CREATE OR REPLACE FUNCTION hubd_bench_notify() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -62,11 +66,24 @@ class Watcher:
     async def start(self, dsn: str) -> None:
         self._conn = await asyncpg.connect(dsn)
         await self._conn.execute(TRIGGER)
-        await self._conn.add_listener("hubd_bench", self._on_notify)
+        await self._conn.add_listener(CHANNEL, self._on_notify)
 
     async def stop(self) -> None:
         if self._conn is not None:
             await self._conn.close()
+
+    async def mute(self) -> None:
+        """Stop listening and stop the trigger's notifications, for a window whose commits are
+        counted: every notification wakes every listener of the database, the daemon's too,
+        and each wake-up is a transaction of that listener's."""
+        assert self._conn is not None
+        await self._conn.remove_listener(CHANNEL, self._on_notify)
+        await self._conn.execute(f"ALTER TABLE hubd_allocations DISABLE TRIGGER {CHANNEL}_notify")
+
+    async def unmute(self) -> None:
+        assert self._conn is not None
+        await self._conn.execute(f"ALTER TABLE hubd_allocations ENABLE TRIGGER {CHANNEL}_notify")
+        await self._conn.add_listener(CHANNEL, self._on_notify)
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         received = time.time()
