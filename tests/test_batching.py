@@ -17,13 +17,20 @@ from hubd.routing import Target
 from hubd.server.batching import Batcher
 from hubd.server.sockets import new_connection_id
 from hubd.store import AllocationStore, Database, connect_database
-from hubd.store.connections import ConnectionStore, RecordOutcome, SidecarIdentity
+from hubd.store.connections import (
+    ConnectionStore,
+    Record,
+    RecordOutcome,
+    RecordRequest,
+    SidecarIdentity,
+)
 from hubd.store.secrets import Acknowledgement, Rotation
 from hubd.tokens import hash_token, new_reconnect_secret
 from tests.polling import eventually
 from tests.wskit import (
     Sidecar,
     dial,
+    record_row,
     rejection,
     running_hub,
     secret_acknowledged,
@@ -352,3 +359,102 @@ class TestAcknowledgements:
         assert calls == [1, len(acks) - 1]
         for each in sidecars:
             assert await secret_acknowledged(db, each.allocation_id)
+
+
+class TestRecords:
+    async def test_each_record_of_a_statement_is_guarded_on_its_own(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """Several connections recorded in one statement: each outcome is the one it would
+        have had alone, and only the accepted ones are written (their records, their secret
+        rotations)."""
+        good, wrong_sidecar, finished, lost_rotation, rotating = await several(store, db, 5)
+        connections = ConnectionStore(db, instance_id="in_test")
+        await rotated(connections, lost_rotation)
+        earlier = await record_row(db, lost_rotation.allocation_id)
+        assert earlier is not None
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET status = 'released', next_attempt_at = NULL,"
+                " connection_ready = false, lease_id = NULL, lease_expires_at = NULL"
+                " WHERE id = $1",
+                finished.allocation_id,
+            )
+        fresh_secret = hash_token(new_reconnect_secret())
+        requests = [
+            RecordRequest("cn_good", good.target, good.sidecar_id),
+            RecordRequest("cn_wrong", wrong_sidecar.target, "sc_someone_else"),
+            RecordRequest("cn_finished", finished.target, finished.sidecar_id),
+            RecordRequest("cn_missing", Target("al_missing", 1), "sc_missing"),
+            # Saw no secret, but the generation has one now: another handshake rotated first.
+            RecordRequest(
+                "cn_lost",
+                lost_rotation.target,
+                lost_rotation.sidecar_id,
+                Rotation(seen_hash=None, secret_hash=fresh_secret, presented_hash=None),
+            ),
+            RecordRequest(
+                "cn_rotating",
+                rotating.target,
+                rotating.sidecar_id,
+                Rotation(seen_hash=None, secret_hash=fresh_secret, presented_hash=None),
+            ),
+        ]
+        outcomes = await connections.record_many(requests)
+        assert [outcomes[r].outcome for r in requests] == [
+            RecordOutcome.RECORDED,
+            RecordOutcome.FENCED,
+            RecordOutcome.RETIRED,
+            RecordOutcome.RETIRED,
+            RecordOutcome.SUPERSEDED,
+            RecordOutcome.RECORDED,
+        ]
+        for sidecar, expected in [
+            (good, "cn_good"),
+            (wrong_sidecar, None),
+            (finished, None),
+            (lost_rotation, earlier["connection_id"]),
+            (rotating, "cn_rotating"),
+        ]:
+            row = await record_row(db, sidecar.allocation_id)
+            assert (row and row["connection_id"]) == expected
+        async with db.pool.acquire() as conn:
+            secrets = dict(
+                await conn.fetch(
+                    "SELECT allocation_id, secret_hash FROM hubd_sidecar_secrets"
+                    " WHERE allocation_id = ANY ($1::text[])",
+                    [lost_rotation.allocation_id, rotating.allocation_id],
+                )
+            )
+        assert bytes(secrets[rotating.allocation_id]) == fresh_secret
+        assert bytes(secrets[lost_rotation.allocation_id]) != fresh_secret
+
+    async def test_records_arriving_meanwhile_share_the_next_statement(
+        self, db: Database, store: AllocationStore, database_url: str
+    ) -> None:
+        """Connections recorded while one statement runs go together in the next, and each
+        is written."""
+        sidecars = await several(store, db, 5)
+        connections = ConnectionStore(db, instance_id="in_test")
+        requests = [
+            RecordRequest(new_connection_id(), each.target, each.sidecar_id) for each in sidecars
+        ]
+        calls: list[int] = []
+
+        async def counted(keys: list[RecordRequest]) -> Mapping[RecordRequest, Record]:
+            calls.append(len(keys))
+            return await connections.record_many(keys)
+
+        batcher = Batcher(counted, name="test-records", timeout=30)
+        async with table_locked(database_url, "hubd_sidecar_connections"):
+            first = asyncio.create_task(batcher.request(requests[0]))
+            await eventually(lambda: len(calls) == 1)
+            rest = [asyncio.create_task(batcher.request(each)) for each in requests[1:]]
+            await eventually(lambda: batcher.waiting == len(rest))
+        records = [await first, *[await task for task in rest]]
+        assert [r and r.outcome for r in records] == [RecordOutcome.RECORDED] * len(requests)
+        assert calls == [1, len(requests) - 1]
+        for request in requests:
+            row = await record_row(db, request.target.allocation_id)
+            assert row is not None
+            assert row["connection_id"] == request.connection_id

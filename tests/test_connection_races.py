@@ -30,16 +30,16 @@ async def record_held_open(
     try:
         async with conn.transaction():
             record = CONNECTION_SQL.record(
-                connection_id=connection_id,
-                allocation_id=target.allocation_id,
-                generation=target.generation,
-                sidecar_id=sidecar_id,
+                connection_ids=[connection_id],
+                allocation_ids=[target.allocation_id],
+                generations=[target.generation],
+                sidecar_ids=[sidecar_id],
                 instance_id=instance,
                 ready_on_connect=False,
-                rotate=False,
-                seen_hash=None,
-                secret_hash=None,
-                presented_hash=None,
+                rotates=[False],
+                seen_hashes=[None],
+                secret_hashes=[None],
+                presented_hashes=[None],
             )
             row = await conn.fetchrow(record.sql, *record.args)
             assert row["seq"] is not None

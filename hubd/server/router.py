@@ -6,9 +6,8 @@ connection record per allocation (through :class:`~hubd.store.connections.Connec
 that readiness is answered from the database and any replica gives the same answer.
 
 Connect and disconnect steps of one allocation run one at a time, in the order the sockets
-opened and closed (a FIFO lock per allocation, forgotten when idle). Without it, the disconnect
-of an old socket could reach the reconciler after the connect of its successor and mark a
-connected sidecar lost.
+opened and closed (a FIFO lock per allocation, forgotten when idle): otherwise an old socket's
+disconnect could follow its successor's connect and mark a connected sidecar lost.
 
 Which closes count as a disconnect:
 
@@ -34,6 +33,7 @@ heartbeat: a database outage must not turn a healthy sidecar into a lost one.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -57,7 +57,9 @@ from hubd.server.sockets import (
 from hubd.store.connections import (
     ConnectedNotice,
     ConnectionStore,
+    Record,
     RecordOutcome,
+    RecordRequest,
     SocketControl,
 )
 from hubd.store.models import Status
@@ -67,10 +69,9 @@ __all__ = ["SocketRouter"]
 
 log = structlog.get_logger(__name__)
 
-# Closes that leave no record to clear: a superseded socket's record was overwritten by its
-# successor's, and the transition that fenced or retired a socket deleted the record itself
-# (hubd_socket_control), so such a close costs no statement; at shutdown the instance's records
-# are settled at once.
+# Closes that leave no record to clear: the successor's record replaced a superseded socket's,
+# the transition that fenced or retired a socket deleted its record (hubd_socket_control), and
+# the instance's records are settled at once at shutdown.
 _NOTHING_TO_CLEAR = frozenset(
     {CloseCode.GOING_AWAY, CloseCode.SUPERSEDED, CloseCode.FENCED, CloseCode.RETIRED}
 )
@@ -92,9 +93,15 @@ class SocketRouter:
         self._connections = connections
         self._events = events
         self._instance_ttl = instance_ttl
-        self._connect_timeout = connect_timeout
         self._event_timeout = event_timeout
-        self._clear_budget = clear_budget
+        # Clears a record and marks the sidecar lost, retrying within the clear budget.
+        self._clear = functools.partial(
+            clear_record,
+            connections,
+            connect_timeout=connect_timeout,
+            attempt_timeout=event_timeout,
+            budget=clear_budget,
+        )
         self._sockets: dict[str, dict[str, SocketEntry]] = {}
         self._arrivals = Arrivals()
         self._serial = KeyedFifo()
@@ -106,6 +113,14 @@ class SocketRouter:
             name="secret-acknowledgements",
             timeout=event_timeout,
             max_waiting=16384,
+        )
+        # Records arriving while one statement runs go in the next (one per allocation: FIFO).
+        self._records: Batcher[RecordRequest, Record] = Batcher(
+            connections.record_many,
+            name="connection-records",
+            timeout=event_timeout,
+            max_waiting=16384,
+            concurrency=2,
         )
         self._closing = False
         self.remote_closes = 0
@@ -284,24 +299,23 @@ class SocketRouter:
         return entry
 
     async def open(self, entry: SocketEntry, *, welcome: str, rotation: Rotation) -> bool:
-        """Record the connection and rotate the generation's reconnect secret (one
-        transaction), send the welcome, then tell the reconciler.
+        """Record the connection and rotate the generation's reconnect secret (one statement,
+        shared with records arriving meanwhile), send the welcome, then tell the reconciler.
 
-        The record is written before anything else learns of the connection: readiness must be
-        visible from the database by the time anyone acts on it. ``False`` when the socket did
-        not make it (closed by the hub, lost a race with the same credential, or gone); the
-        socket is then already being closed.
-        """
+        The record comes first: readiness must be visible from the database by the time anyone
+        acts on it. ``False`` when the socket did not make it (closed by the hub, lost a race
+        with the same credential, or gone); it is then already being closed."""
         async with self._serial.hold(entry.target.allocation_id):
             if entry.closed_by_hub is not None:
                 return False
             try:
-                async with asyncio.timeout(self._event_timeout):
-                    record = await self._connections.record(
-                        entry.connection_id, entry.target, entry.sidecar_id, rotation=rotation
-                    )
+                record = await self._records.request(
+                    RecordRequest(entry.connection_id, entry.target, entry.sidecar_id, rotation)
+                )
             except (StoreError, TimeoutError) as exc:
                 entry.log.warning("connection_not_recorded", error=describe_error(exc))
+                record = None
+            if record is None:  # (record_many answers every request it is given)
                 self._close(entry, CloseCode.INTERNAL_ERROR)
                 return False
             outcome = record.outcome
@@ -356,7 +370,7 @@ class SocketRouter:
         async with self._serial.hold(entry.target.allocation_id):
             cleared: bool | None = False
             if entry.recorded:
-                cleared = await self._clear(entry, entry)
+                cleared = await self._clear(entry, log=entry.log)
             else:
                 # Never recorded (the record write failed): whatever it took over from is gone
                 # too, so the record that socket left behind must go now.
@@ -364,7 +378,7 @@ class SocketRouter:
                 while previous is not None and not previous.recorded:
                     previous = previous.superseded
                 if previous is not None:
-                    cleared = await self._clear(entry, previous)
+                    cleared = await self._clear(previous, log=entry.log)
             # ``None`` (the clear kept failing): the socket is gone all the same, so report it.
             if cleared is not False:
                 await self._deliver(entry, "handle_disconnect")
@@ -385,6 +399,7 @@ class SocketRouter:
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._acknowledgements.close()
+        await self._records.close()
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -420,18 +435,6 @@ class SocketRouter:
         entry.log.info("closing_sidecar", code=int(code), reason=code.reason)
         self._tasks.spawn(
             entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}"
-        )
-
-    async def _clear(self, entry: SocketEntry, holder: SocketEntry) -> bool | None:
-        """Clear ``holder``'s record and mark the sidecar lost in the same statement, retrying a
-        failing database within the clear budget; ``None`` when it could not be cleared."""
-        return await clear_record(
-            self._connections,
-            holder,
-            connect_timeout=self._connect_timeout,
-            attempt_timeout=self._event_timeout,
-            budget=self._clear_budget,
-            log=entry.log,
         )
 
     async def _deliver(self, entry: SocketEntry, event: str) -> None:

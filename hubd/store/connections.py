@@ -29,6 +29,7 @@ __all__ = [
     "Readiness",
     "Record",
     "RecordOutcome",
+    "RecordRequest",
     "SidecarIdentity",
     "SocketCheck",
     "SocketControl",
@@ -164,6 +165,17 @@ class Record:
     """The allocation became ready in the same statement."""
 
 
+@attrs.frozen
+class RecordRequest:
+    """A connection to record: socket ``connection_id`` of ``target``'s sidecar ``sidecar_id``,
+    with the secret rotation of its handshake (``None``: none)."""
+
+    connection_id: str
+    target: Target
+    sidecar_id: str
+    rotation: Rotation | None = None
+
+
 def connected_payload(target: Target, seq: int, connection_id: str) -> str:
     return f"{target.allocation_id}:{target.generation}:{seq}:{connection_id}"
 
@@ -258,32 +270,33 @@ class ConnectionStore:
         the generation's reconnect secret is rotated first in that statement, guarded on the
         secret state the handshake saw: of two handshakes that presented the same credential
         exactly one records itself (the other is ``SUPERSEDED``)."""
-        row = await self._db.fetchrow(
-            "record connection",
+        request = RecordRequest(connection_id, target, sidecar_id, rotation)
+        return (await self.record_many([request]))[request]
+
+    async def record_many(self, requests: Collection[RecordRequest]) -> dict[RecordRequest, Record]:
+        """:meth:`record` for each of ``requests`` (at most one per allocation), in one
+        statement; each outcome is what it would have been alone."""
+        rotations = [request.rotation for request in requests]
+        rows = await self._db.fetch(
+            "record connections",
             SQL.record(
-                connection_id=connection_id,
-                allocation_id=target.allocation_id,
-                generation=target.generation,
-                sidecar_id=sidecar_id,
+                connection_ids=[request.connection_id for request in requests],
+                allocation_ids=[request.target.allocation_id for request in requests],
+                generations=[request.target.generation for request in requests],
+                sidecar_ids=[request.sidecar_id for request in requests],
+                rotates=[rotation is not None for rotation in rotations],
+                seen_hashes=[_hash(rotation, "seen_hash") for rotation in rotations],
+                secret_hashes=[_hash(rotation, "secret_hash") for rotation in rotations],
+                presented_hashes=[_hash(rotation, "presented_hash") for rotation in rotations],
                 instance_id=self.instance_id,
                 ready_on_connect=self._ready_on_connect,
-                rotate=rotation is not None,
-                seen_hash=rotation.seen_hash if rotation else None,
-                secret_hash=rotation.secret_hash if rotation else None,
-                presented_hash=rotation.presented_hash if rotation else None,
             ),
             pool=Pool.SOCKETS,
         )
-        if row is None:
-            return Record(RecordOutcome.RETIRED)
-        if row["rotation_lost"]:
-            return Record(RecordOutcome.SUPERSEDED)
-        if row["seq"] is not None:
-            return Record(RecordOutcome.RECORDED, row["seq"], ready=row["ready"])
-        status = Status(row["status"])
-        if status.terminal:
-            return Record(RecordOutcome.RETIRED)
-        return Record(RecordOutcome.FENCED)
+        by_connection = {row["connection_id"]: row for row in rows}
+        return {
+            request: _record_outcome(by_connection[request.connection_id]) for request in requests
+        }
 
     async def reassert(self, connection_id: str, target: Target, sidecar_id: str) -> int | None:
         """Write a swept record of a socket that is still open again; its number, or ``None``
@@ -397,3 +410,20 @@ class ConnectionStore:
             sidecar_id=sidecar_id,
             instance_id=self.instance_id,
         )
+
+
+def _hash(rotation: Rotation | None, which: str) -> bytes | None:
+    value: bytes | None = None if rotation is None else getattr(rotation, which)
+    return value
+
+
+def _record_outcome(row: Mapping[str, Any]) -> Record:
+    if row["status"] is None:
+        return Record(RecordOutcome.RETIRED)
+    if row["rotation_lost"]:
+        return Record(RecordOutcome.SUPERSEDED)
+    if row["seq"] is not None:
+        return Record(RecordOutcome.RECORDED, row["seq"], ready=row["ready"])
+    if Status(row["status"]).terminal:
+        return Record(RecordOutcome.RETIRED)
+    return Record(RecordOutcome.FENCED)

@@ -20,36 +20,55 @@ LEFT JOIN hubd_sidecar_secrets AS s
        ON s.allocation_id = a.id AND s.generation = a.generation AND s.sidecar_id = a.sidecar_id;
 
 -- name: record
--- Connection :connection_id of :allocation_id at :generation, sidecar :sidecar_id on instance
--- :instance_id, becomes the current one.
--- Written only while the allocation still accepts exactly that sidecar (current generation and
--- identity, provisioning or allocated). In the same statement: the connection number is bumped,
--- and 'hubd_connected' carries '<allocation>:<generation>:<seq>:<connection>' to every replica:
--- waiters wake, and a replica holding an older socket of the same generation closes it as
--- superseded. Then one of two things:
+-- Connections become the current ones of their allocations: element i of the arrays is
+-- connection :connection_ids[i] of :allocation_ids[i] at :generations[i], sidecar
+-- :sidecar_ids[i], on instance :instance_id. A handshake storm writes many in one statement;
+-- each is written exactly as if it ran alone, and at most one per allocation may be given.
+-- A record is written only while the allocation still accepts exactly that sidecar (current
+-- generation and identity, provisioning or allocated). In the same statement: the connection
+-- number is bumped, and 'hubd_connected' carries '<allocation>:<generation>:<seq>:<connection>'
+-- to every replica: waiters wake, and a replica holding an older socket of the same generation
+-- closes it as superseded. Then one of two things:
 -- * With :ready_on_connect (no on-ready hook to run) and the allocation parked waiting for this connect
 --   (allocated, not ready, no initialization marker, no live lease), it becomes ready here, with
 --   its ledger row: no claim is needed, and none can be running (a claim holds a live lease, and
 --   a claim that lost it can write nothing).
 -- * Otherwise the allocation is made due and woken (a claim holding it sees the bump when it
 --   parks or marks ready, so a connect on a leased row is never lost).
--- With :rotate (a protocol v2 handshake, or a v1 one of a generation with no secret), the
+-- With :rotates[i] (a protocol v2 handshake, or a v1 one of a generation with no secret), the
 -- generation's reconnect secret (hubd_sidecar_secrets) is rotated first (the new
--- :secret_hash, :presented_hash valid until the welcome is acknowledged), guarded on the state
--- the handshake saw (:seen_hash): of two handshakes that saw the same state only the first
--- rotates, and the other records nothing (rotation_lost). The rotation is written only for an
--- allocation that, in this statement's snapshot, accepts this sidecar; one that moves on in the
--- moment before the row lock leaves a secret of an identity no handshake can present again.
--- Returns the allocation's status and generation (no row: no such allocation), the record's
--- number (NULL: not written), whether the allocation became ready and whether the rotation lost.
-WITH rotated AS (
+-- :secret_hashes[i], :presented_hashes[i] valid until the welcome is acknowledged), guarded on
+-- the state the handshake saw (:seen_hashes[i]): of two handshakes that saw the same state only
+-- the first rotates, and the other records nothing (rotation_lost). The rotation is written only
+-- for an allocation that, in this statement's snapshot, accepts this sidecar; one that moves on
+-- in the moment before the row lock leaves a secret of an identity no handshake can present
+-- again. Secrets and allocations are locked in id order, so two statements never deadlock.
+-- Returns a row per connection: its allocation's status and generation (NULL: no such
+-- allocation), the record's number (NULL: not written), whether the allocation became ready and
+-- whether the rotation lost.
+WITH input AS (
+    SELECT *
+    FROM unnest(:connection_ids::text[], :allocation_ids::text[], :generations::integer[],
+                :sidecar_ids::text[], :rotates::boolean[], :seen_hashes::bytea[],
+                :secret_hashes::bytea[], :presented_hashes::bytea[])
+        AS i (connection_id, allocation_id, generation, sidecar_id, rotate, seen_hash,
+              secret_hash, presented_hash)
+    ORDER BY allocation_id
+), rotated AS (
     INSERT INTO hubd_sidecar_secrets AS s
         (allocation_id, generation, sidecar_id, secret_hash, previous_hash, acknowledged)
-    SELECT a.id, a.generation, a.sidecar_id, :secret_hash::bytea, :presented_hash::bytea,
-           :secret_hash::bytea IS NULL
-    FROM hubd_allocations AS a
-    WHERE :rotate::boolean AND a.id = :allocation_id AND a.generation = :generation
-      AND a.sidecar_id = :sidecar_id AND a.status IN ('provisioning', 'allocated')
+    SELECT a.id, a.generation, a.sidecar_id, i.secret_hash, i.presented_hash,
+           i.secret_hash IS NULL
+    FROM input AS i
+    -- Each row by its key (LIMIT 1 keeps the planner from turning the look-ups into a scan).
+    CROSS JOIN LATERAL (
+        SELECT id, generation, sidecar_id FROM hubd_allocations
+        WHERE id = i.allocation_id AND generation = i.generation AND sidecar_id = i.sidecar_id
+          AND status IN ('provisioning', 'allocated')
+        LIMIT 1
+    ) AS a
+    WHERE i.rotate
+    ORDER BY a.id
     ON CONFLICT (allocation_id) DO UPDATE SET
         generation = EXCLUDED.generation,
         sidecar_id = EXCLUDED.sidecar_id,
@@ -58,19 +77,30 @@ WITH rotated AS (
         acknowledged = EXCLUDED.acknowledged,
         rotated_at = now()
     WHERE CASE WHEN s.generation = EXCLUDED.generation AND s.sidecar_id = EXCLUDED.sidecar_id
-               THEN s.secret_hash IS NOT DISTINCT FROM :seen_hash::bytea
-               ELSE :seen_hash::bytea IS NULL END
+               THEN s.secret_hash IS NOT DISTINCT FROM (
+                   SELECT i.seen_hash FROM input AS i
+                   WHERE i.allocation_id = EXCLUDED.allocation_id)
+               ELSE (SELECT i.seen_hash FROM input AS i
+                     WHERE i.allocation_id = EXCLUDED.allocation_id) IS NULL END
     RETURNING s.allocation_id
 ), prior AS (
-    SELECT id,
-           (:ready_on_connect::boolean AND status = 'allocated' AND NOT connection_ready
-            AND initialization_lease_id IS NULL
-            AND (lease_expires_at IS NULL OR lease_expires_at <= clock_timestamp())) AS ready_now
-    FROM hubd_allocations
-    WHERE id = :allocation_id AND generation = :generation AND sidecar_id = :sidecar_id
-      AND status IN ('provisioning', 'allocated')
-      AND (NOT :rotate::boolean OR EXISTS (SELECT 1 FROM rotated))
-    FOR UPDATE
+    -- Locked one by one in the input's (id) order.
+    SELECT a.id, i.connection_id, i.sidecar_id, a.ready_now
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT id,
+               (:ready_on_connect::boolean AND status = 'allocated' AND NOT connection_ready
+                AND initialization_lease_id IS NULL
+                AND (lease_expires_at IS NULL OR lease_expires_at <= clock_timestamp()))
+                   AS ready_now
+        FROM hubd_allocations
+        WHERE id = i.allocation_id AND generation = i.generation AND sidecar_id = i.sidecar_id
+          AND status IN ('provisioning', 'allocated')
+          AND (NOT i.rotate OR EXISTS (
+              SELECT 1 FROM rotated AS r WHERE r.allocation_id = i.allocation_id))
+        LIMIT 1
+        FOR UPDATE
+    ) AS a
 ), alloc AS (
     UPDATE hubd_allocations AS a SET
         connection_seq = a.connection_seq + 1,
@@ -87,8 +117,9 @@ WITH rotated AS (
         failure_message = CASE WHEN prior.ready_now THEN NULL ELSE a.failure_message END,
         updated_at = now()
     FROM prior
-    WHERE a.id = prior.id
-    RETURNING a.id, a.generation, a.connection_seq, prior.ready_now
+    WHERE a.id = prior.id AND a.id = ANY (:allocation_ids::text[])
+    RETURNING a.id, a.generation, a.connection_seq, prior.ready_now, prior.connection_id,
+              prior.sidecar_id
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
@@ -98,7 +129,7 @@ WITH rotated AS (
 ), written AS (
     INSERT INTO hubd_sidecar_connections
         (connection_id, allocation_id, generation, sidecar_id, instance_id, seq)
-    SELECT :connection_id, id, generation, :sidecar_id, :instance_id, connection_seq FROM alloc
+    SELECT connection_id, id, generation, sidecar_id, :instance_id, connection_seq FROM alloc
     ON CONFLICT (allocation_id) DO UPDATE SET
         connection_id = EXCLUDED.connection_id,
         generation = EXCLUDED.generation,
@@ -114,12 +145,17 @@ WITH rotated AS (
            CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', w.allocation_id) END
     FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
-SELECT current.status, current.generation,
-       (SELECT seq FROM written) AS seq,
-       coalesce((SELECT ready_now FROM alloc), false) AS ready,
-       :rotate::boolean AND NOT EXISTS (SELECT 1 FROM rotated) AS rotation_lost,
+SELECT i.connection_id, current.status, current.generation, w.seq,
+       coalesce(alloc.ready_now, false) AS ready,
+       i.rotate AND NOT EXISTS (
+           SELECT 1 FROM rotated AS r WHERE r.allocation_id = i.allocation_id) AS rotation_lost,
        (SELECT count(*) FROM notified) AS notified
-FROM (SELECT status, generation FROM hubd_allocations WHERE id = :allocation_id) AS current;
+FROM input AS i
+LEFT JOIN LATERAL (
+    SELECT status, generation FROM hubd_allocations WHERE id = i.allocation_id LIMIT 1
+) AS current ON true
+LEFT JOIN written AS w ON w.allocation_id = i.allocation_id
+LEFT JOIN alloc ON alloc.id = i.allocation_id;
 
 -- name: reassert
 -- Write connection :connection_id's record again (same arguments as record) after this instance's
