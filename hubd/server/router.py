@@ -342,7 +342,10 @@ class SocketRouter:
             if not peers:
                 del self._sockets[entry.target.allocation_id]
         code = entry.closed_by_hub
-        entry.log.info("sidecar_disconnected", closed_by_hub=int(code) if code else None)
+        why = code.reason if code else None
+        entry.log.info(
+            "sidecar_disconnected", closed_by_hub=int(code) if code else None, reason=why
+        )
         if self._closing or code is CloseCode.GOING_AWAY or code is CloseCode.SUPERSEDED:
             return
         async with self._serial.hold(entry.target.allocation_id):
@@ -413,7 +416,8 @@ class SocketRouter:
         # Marked before the close frame goes out, so the socket's own handler, whenever it
         # sees the close, knows it was the hub's doing and why.
         entry.closed_by_hub = code
-        entry.log.info("closing_sidecar", code=int(code), reason=code.reason)
+        # At debug: the socket's ``sidecar_disconnected`` line says the same, code and reason.
+        entry.log.debug("closing_sidecar", code=int(code), reason=code.reason)
         self._tasks.spawn(
             entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}"
         )
