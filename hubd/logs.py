@@ -1,7 +1,8 @@
 """structlog set-up: JSON lines in production, console in development, secrets redacted.
 
-The redaction processor runs last before rendering, so nothing a caller binds (a token by
-mistake, an ``Authorization`` header, a DSN with its password) reaches the output. Records of
+The redaction processor sees every field a caller passed or bound before rendering, so nothing
+(a token by mistake, an ``Authorization`` header, a DSN with its password, a record whose repr
+holds one) reaches the output; only the level and the time are added after it. Records of
 the standard library's loggers (asyncio's accept errors and "exception never retrieved",
 asyncpg, websockets) go through the same processors and renderer, and through a sampling
 filter: a flood of one message is a few lines with a count, never a line per event.
@@ -9,6 +10,7 @@ filter: a flood of one message is a few lines with a count, never a line per eve
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -19,7 +21,7 @@ import structlog
 
 from hubd.redaction import REDACTED, scrub
 
-__all__ = ["Sampler", "configure_logging", "redact_event"]
+__all__ = ["Sampler", "configure_logging", "redact_event", "render_json"]
 
 _SECRET_KEYS: Final = frozenset({"token", "authorization", "password", "hubd_token", "secret"})
 _LEVELS: Final = {
@@ -33,6 +35,12 @@ _LEVELS: Final = {
 def _redact_value(key: str, value: Any) -> Any:
     if key.lower() in _SECRET_KEYS:
         return REDACTED
+    # Exact types first: most values are plain strings and numbers.
+    kind = type(value)
+    if kind is str:
+        return scrub(value)
+    if kind is int or kind is bool or kind is float or value is None:
+        return value
     if isinstance(value, str):
         return scrub(value)
     if isinstance(value, Mapping):
@@ -41,35 +49,46 @@ def _redact_value(key: str, value: Any) -> Any:
         return [_redact_value(key, item) for item in value]
     if isinstance(value, BaseException):
         return scrub(f"{type(value).__name__}: {value}")
-    return value
+    if isinstance(value, int | float):
+        # Rendered as a number whatever the subclass (an IntEnum close code, say).
+        return value
+    # Anything else would be rendered through its repr (an attrs record with a token field,
+    # say), so the repr is what is scrubbed.
+    return scrub(repr(value))
 
 
 def redact_event(
     _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
     """structlog processor: replace secret-named fields and token-shaped text."""
-    for key in list(event_dict):
-        event_dict[key] = _redact_value(key, event_dict[key])
-    return event_dict
+    return {key: _redact_value(key, value) for key, value in event_dict.items()}
+
+
+# One encoder for every line: ``json.dumps`` with an argument builds a new one per call. The
+# fallback is only for values redaction passed through unchanged that JSON has no type for.
+_ENCODER: Final = json.JSONEncoder(default=repr)
+
+
+def render_json(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> str:
+    """structlog processor: the event as one JSON line."""
+    return _ENCODER.encode(event_dict)
 
 
 def configure_logging(
     *, fmt: str = "json", level: str = "info", stream: TextIO | None = None
 ) -> None:
-    renderer: Any
-    if fmt == "console":
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
-    else:
-        renderer = structlog.processors.JSONRenderer()
+    renderer: Any = structlog.dev.ConsoleRenderer(colors=False) if fmt == "console" else render_json
     output = stream or sys.stderr
     threshold = _LEVELS.get(level, logging.INFO)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            structlog.processors.format_exc_info,
+            # Redaction sees everything a caller passed, the traceback text included; the
+            # level and the time are added after it, as nothing secret can be in them.
+            redact_event,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            redact_event,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),

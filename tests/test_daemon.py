@@ -246,7 +246,10 @@ class TestLifecycle:
             assert await daemon.wait(within=20) == 0
         finally:
             await daemon.kill()
-        assert any(line.get("code") == 1001 for line in daemon.lines)
+        assert any(
+            line.get("event") == "sidecar_disconnected" and line.get("closed_by_hub") == 1001
+            for line in daemon.lines
+        )
         assert sidecar_pids(marker) == pids  # told "going away", they wait to reconnect
         again = DaemonProcess(config)
         await again.start()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import logging
 from datetime import UTC, datetime, timedelta
 
 import attrs
+import pytest
 import structlog
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hubd.logs import configure_logging
 from hubd.presentation import allocation_json, next_step
+from hubd.redaction import _SECRETS, _URL_PASSWORD, scrub
 from hubd.store import Allocation, Status
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
@@ -168,3 +173,122 @@ class TestLogRedaction:
         line = json.loads(out.getvalue())
         assert secret not in out.getvalue()
         assert line["allocation_id"] == allocation_id
+
+
+def _rendered(fmt: str, **fields: object) -> str:
+    """One info line with ``fields``, as the configured logger writes it."""
+    out = io.StringIO()
+    configure_logging(fmt=fmt, level="info", stream=out)
+    try:
+        structlog.get_logger("t").bind(bound=fields.pop("bound", None)).info("e", **fields)
+    finally:
+        structlog.reset_defaults()
+    return out.getvalue()
+
+
+@attrs.frozen
+class _Request:
+    allocation_id: str
+    token: str
+
+
+class _Kind(enum.StrEnum):
+    SECRET = "hubd_sc_" + "5ec" * 22
+
+
+TOKEN = "hubd_sc_" + "feed" * 16
+SECRET = "hubd_rs_" + "beef" * 16
+BARE = "0123456789abcdef" * 4
+
+
+class TestRedactionOfEveryKindOfValue:
+    """Values skip the patterns only where they cannot hold a secret; each of these shows a
+    secret in one kind of value (or of text) is still hidden."""
+
+    @pytest.mark.parametrize("fmt", ["json", "console"])
+    @pytest.mark.parametrize(
+        ("value", "canary"),
+        [
+            (TOKEN, TOKEN),
+            (SECRET, SECRET),
+            (BARE, BARE),
+            ("Bearer x7", "x7"),  # short, but a credential after "bearer" and a space
+            ("bearer\tq", "\\tq"),
+            ("a://u:pw9@h", "pw9"),  # a short DSN
+            (f"see {TOKEN} here", TOKEN),
+            (_Kind.SECRET, _Kind.SECRET.value),  # a str subclass
+            ({"headers": {"Authorization": "tk1"}}, "tk1"),  # secret-named key in a mapping
+            ({"inner": [TOKEN]}, TOKEN),
+            ([TOKEN, 1], TOKEN),
+            ((BARE, None), BARE),
+            ({TOKEN}, TOKEN),  # a set: rendered through its repr
+            (_Request(allocation_id="al_1", token=TOKEN), TOKEN),  # an attrs record's repr
+            (RuntimeError(f"boom {SECRET}"), SECRET),
+            (b"hubd_sc_" + b"ab" * 32, "ab" * 32),  # bytes: their repr
+        ],
+    )
+    def test_secret_in_a_value_hidden(self, fmt: str, value: object, canary: str) -> None:
+        """A secret in a field of any type is hidden in both output formats."""
+        assert canary not in _rendered(fmt, field=value)
+        assert canary not in _rendered(fmt, bound=value)
+
+    @pytest.mark.parametrize("value", [4002, True, None, 1.5, "x", TOKEN])
+    def test_secret_named_field_hidden_whatever_its_type(self, value: object) -> None:
+        """A field named like a secret is replaced whatever its value's type, numbers too."""
+        line = json.loads(_rendered("json", token=value, Secret=value, password=value))
+        assert line["token"] == line["Secret"] == line["password"] == "***"
+
+    def test_plain_values_kept(self) -> None:
+        """Ids, numbers, booleans and names reach the line as they are."""
+        line = json.loads(
+            _rendered(
+                "json",
+                allocation_id="al_" + "0f" * 16,
+                remote="127.0.0.1:5000",
+                generation=3,
+                ready=True,
+                seq=None,
+                duration_ms=0.5,
+                status=_Kind.SECRET.__class__.__name__,
+            )
+        )
+        assert line["allocation_id"] == "al_" + "0f" * 16
+        assert line["remote"] == "127.0.0.1:5000"
+        assert (line["generation"], line["ready"], line["seq"]) == (3, True, None)
+        assert line["duration_ms"] == 0.5
+        assert line["level"] == "info"
+        assert line["timestamp"].endswith("Z")
+
+    @settings(max_examples=500, deadline=None)
+    @given(
+        st.lists(
+            st.sampled_from(
+                [
+                    "hubd_",
+                    "sc_",
+                    "rs_",
+                    "Bearer",
+                    "bEaReR",
+                    " ",
+                    "\t",
+                    "\n",
+                    "\u2003",
+                    "://",
+                    ":",
+                    "@",
+                    "/",
+                    "0f",
+                    "AB",
+                    "9",
+                    "z",
+                    "_",
+                    "é",
+                    "pass",
+                ]
+            ),
+            max_size=40,
+        ).map("".join)
+    )
+    def test_shortcut_agrees_with_the_patterns(self, text: str) -> None:
+        """Text the scrub returns without running its patterns is text they would not change."""
+        assert scrub(text) == _URL_PASSWORD.sub(r"\1:***", _SECRETS.sub("***", text))

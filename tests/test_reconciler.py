@@ -1096,6 +1096,37 @@ class TestLogLevels:
         assert failed
         assert {e["log_level"] for e in failed} == {"warning"}
 
+    async def test_a_lifecycle_says_ready_and_released_at_info(
+        self,
+        store: AllocationStore,
+        reconciler: Reconciler,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """Plugin calls that did their job are at debug (the ledger keeps them); the claims of a
+        lifecycle say ``ready`` and ``released`` at info, each with the allocation and its
+        generation. An ensure the plugin rejected stays at info: it explains the retry."""
+        with structlog.testing.capture_logs() as logs:
+            ready = await to_ready(store, reconciler, router)
+            await store.release(ready.id)
+            assert await reconciler.reconcile_next()
+        said = [(e["event"], e["generation"]) for e in logs if e["log_level"] != "debug"]
+        assert said == [("ready", ready.generation), ("released", ready.generation + 1)]
+        assert all(e["allocation_id"] == ready.id for e in logs if "allocation_id" in e)
+        finished = [e for e in logs if e["event"].endswith("_finished")]
+        assert [(e["event"], e["outcome"], e["log_level"]) for e in finished] == [
+            ("ensure_finished", "Accepted", "debug"),
+            ("destroy_finished", "Destroyed", "debug"),
+        ]
+
+        provisioner.default_ensure = reject("quota", retryable=True)
+        other = await store.request(provisioner_id="fake")
+        with structlog.testing.capture_logs() as logs:
+            assert await reconciler.reconcile_next()
+        (rejected,) = [e for e in logs if e["event"] == "ensure_finished"]
+        assert (rejected["outcome"], rejected["log_level"]) == ("Rejected", "info")
+        assert rejected["allocation_id"] == other.id
+
 
 class TestDispatch:
     async def test_one_batch_fills_every_free_slot_and_a_finished_claim_frees_one(

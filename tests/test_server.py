@@ -469,6 +469,27 @@ class TestRouter:
         assert await record_row(db, sidecar.allocation_id) is None
         assert hub.events.disconnected == []
 
+    async def test_hub_close_is_one_info_line(self, hub: Hub, sidecar: Sidecar) -> None:
+        """A socket the hub closes is one info line when it is gone, ``sidecar_disconnected``
+        with the socket's identity, the close code and its reason; the decision to close is
+        only at debug."""
+        with structlog.testing.capture_logs() as logs:
+            async with dial(hub.url, sidecar.headers()) as ws:
+                await welcome_of(ws)
+                hub.router.fence(sidecar.allocation_id, sidecar.generation + 1)
+                assert await close_code_of(ws) == 4002
+            await eventually(lambda: hub.router.connection_count == 0)
+        closing = [e for e in logs if e["event"] in ("closing_sidecar", "sidecar_disconnected")]
+        assert [(e["event"], e["log_level"]) for e in closing] == [
+            ("closing_sidecar", "debug"),
+            ("sidecar_disconnected", "info"),
+        ]
+        gone = closing[1]
+        assert (gone["closed_by_hub"], gone["reason"]) == (4002, "fenced")
+        assert gone["allocation_id"] == sidecar.allocation_id
+        assert gone["generation"] == sidecar.generation
+        assert {"sidecar_id", "connection_id", "remote"} <= set(gone)
+
     async def test_retire(self, db: Database, hub: Hub, sidecar: Sidecar) -> None:
         """retire() closes every socket of the allocation with 4001, reporting no disconnect;
         the record is gone with the transition that retired it."""

@@ -326,13 +326,16 @@ class ClaimRun:
             self.allocation.provisioner_id, kind, duration_ms / 1000, type(outcome).__name__
         )
         code, message = outcome_text(kind, outcome)
-        self.log.info(
-            f"{kind}_finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1)
-        )
+        phase = effect_phase(outcome)
+        # A call that did its job is at debug: its ledger row (with the duration) and the
+        # histogram keep it, and the line of what follows (ready, released) says it for an
+        # operator. Any other outcome explains the retry or failure after it.
+        say = self.log.debug if phase is Phase.COMMITTED else self.log.info
+        say(f"{kind}_finished", outcome=type(outcome).__name__, duration_ms=round(duration_ms, 1))
         return outcome, EffectRow(
             effect_id=intent.effect_id,
             kind=kind,
-            phase=effect_phase(outcome),
+            phase=phase,
             status=status,
             error_code=code,
             message=message,

@@ -19,14 +19,13 @@ Which closes count as a disconnect:
 * ``4001 retired`` / ``4002 fenced``: no, and nothing is written — the allocation already moved
   on, and the transition that moved it deleted the record in its own transaction;
 * ``1001`` at shutdown: nothing per socket. The daemon settles its records as the instance stops
-  (``release_instance``: cleared and marked lost in one statement, so sidecars reconnecting to a
-  peer find a connect deadline, and a peer's fresh record is never touched).
+  (``release_instance``: cleared and marked lost in one statement, so a sidecar reconnecting to a
+  peer finds a connect deadline; a peer's fresh record is never touched).
 
-Sockets held here are kept in line with the database from both directions: a ``hubd_sockets``
-notification (a newer generation, a terminal status) or a ``hubd_connected`` one (a newer record
-of the same allocation, on any replica) closes what no longer belongs, and :meth:`verify`
-compares every socket with the database as the fallback for a lost notification. ``verify``
-also writes again the record of an open socket that a peer swept while this instance could not
+Sockets held here follow the database: a ``hubd_sockets`` notification (a newer generation, a
+terminal status) or a ``hubd_connected`` one (a newer record of the allocation, on any replica)
+closes what no longer belongs, and :meth:`verify`, the fallback for a lost notification, also
+writes again the record of an open socket that a peer swept while this instance could not
 heartbeat: a database outage must not turn a healthy sidecar into a lost one.
 """
 
@@ -69,9 +68,8 @@ __all__ = ["SocketRouter"]
 
 log = structlog.get_logger(__name__)
 
-# Closes that leave no record to clear: the successor's record replaced a superseded socket's,
-# the transition that fenced or retired a socket deleted its record (hubd_socket_control), and
-# the instance's records are settled at once at shutdown.
+# Closes with no record to clear: a successor's record replaced it, the fencing or retiring
+# transition deleted it (hubd_socket_control), or shutdown settles the instance's at once.
 _NOTHING_TO_CLEAR = frozenset(
     {CloseCode.GOING_AWAY, CloseCode.SUPERSEDED, CloseCode.FENCED, CloseCode.RETIRED}
 )
@@ -364,7 +362,8 @@ class SocketRouter:
             if not peers:
                 del self._sockets[entry.target.allocation_id]
         code = entry.closed_by_hub
-        entry.log.info("sidecar_disconnected", closed_by_hub=int(code) if code else None)
+        hub = {"closed_by_hub": int(code), "reason": code.reason} if code else {}
+        entry.log.info("sidecar_disconnected", **hub)
         if self._closing or code in _NOTHING_TO_CLEAR:
             return
         async with self._serial.hold(entry.target.allocation_id):
@@ -430,9 +429,10 @@ class SocketRouter:
         if entry.closed_by_hub is not None:
             return
         # Marked before the close frame goes out, so the socket's own handler, whenever it
-        # sees the close, knows it was the hub's doing and why.
+        # sees the close, knows it was the hub's doing and why (its ``sidecar_disconnected``
+        # line says so at info; this one is at debug).
         entry.closed_by_hub = code
-        entry.log.info("closing_sidecar", code=int(code), reason=code.reason)
+        entry.log.debug("closing_sidecar", code=int(code), reason=code.reason)
         self._tasks.spawn(
             entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}"
         )
