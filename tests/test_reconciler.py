@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import traceback
 from datetime import datetime, timedelta
+from typing import Any
 
 import pytest
 import structlog.testing
@@ -1063,6 +1065,30 @@ class TestReplacementBackoff:
         assert [entry["log_level"] for entry in raised] == ["warning", "debug"]
         assert all(entry["exc_info"] is True for entry in raised)
         assert raised[0]["provisioner"] == "fake"
+
+    async def test_a_plugin_reraising_one_exception_does_not_grow_its_traceback(
+        self,
+        db: Database,
+        store: AllocationStore,
+        reconciler: Reconciler,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A plugin that raises the same exception object on every call finds it with no
+        traceback each time: the hub drops what it logged, so earlier raises' frames are never
+        chained on and kept alive."""
+        cached = RuntimeError("cached plugin error")
+        held: list[int] = []
+
+        async def raise_cached(_request: Any) -> object:
+            held.append(len(traceback.extract_tb(cached.__traceback__)))
+            raise cached
+
+        provisioner.default_ensure = raise_cached
+        allocation = await store.request(provisioner_id="fake")
+        for _ in range(4):
+            await age_row(db, allocation.id, 60)
+            assert await reconciler.reconcile_next()
+        assert held == [0, 0, 0, 0]
 
 
 class TestLogLevels:

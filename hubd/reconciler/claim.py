@@ -309,10 +309,10 @@ class ClaimRun:
             outcome = TimedOut()
         except PluginError as exc:
             outcome = Raised(str(exc))
-            self._log_plugin_exception(kind)
+            self._log_plugin_exception(kind, exc)
         except Exception as exc:  # noqa: BLE001 -- any failure of a plugin is an outcome
             outcome = Raised(f"{type(exc).__name__}: {exc}")
-            self._log_plugin_exception(kind)
+            self._log_plugin_exception(kind, exc)
         if not self.owns():
             # The call came back after the local deadline (the process was paused, say): the
             # deadline wins over whatever the plugin says, and nothing is written. The next
@@ -342,7 +342,7 @@ class ClaimRun:
             duration_ms=duration_ms,
         )
 
-    def _log_plugin_exception(self, kind: str) -> None:
+    def _log_plugin_exception(self, kind: str, exc: Exception) -> None:
         """A plugin's exception, with its traceback, for the plugin's author: at warning the
         first time for an allocation (no failed attempt recorded since it was last ready), at
         debug after that, so a plugin that always raises does not flood the log. Called from
@@ -358,3 +358,7 @@ class ClaimRun:
             else None,
             exc_info=True,
         )
+        # Logged: the traceback goes. A plugin that raises one cached exception object again and
+        # again would otherwise have Python chain every earlier raise's frames (and their
+        # locals) onto it, a leak that grows with every retry.
+        exc.__traceback__ = None
