@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 import pytest
@@ -82,6 +83,19 @@ async def several(store: AllocationStore, db: Database, n: int) -> list[Sidecar]
     return [(await sidecar_in(store, db))[0] for _ in range(n)]
 
 
+async def first_waits_rest_queue(
+    batcher: Batcher[Any, Any], keys: list[Any], database_url: str, table: str
+) -> list[Any]:
+    """Request ``keys[0]`` while ``table`` is locked, so its statement waits on the lock, and the
+    other keys meanwhile; their answers, in key order, once the lock is gone."""
+    async with table_locked(database_url, table):
+        first = asyncio.create_task(batcher.request(keys[0]))
+        await eventually(lambda: batcher.batches == 1)
+        rest = [asyncio.create_task(batcher.request(key)) for key in keys[1:]]
+        await eventually(lambda: batcher.waiting == len(rest))
+    return [await first, *[await task for task in rest]]
+
+
 class TestBatcher:
     async def test_lookups_arriving_meanwhile_share_the_next_statement(
         self, db: Database, store: AllocationStore, database_url: str
@@ -94,12 +108,7 @@ class TestBatcher:
         counted = Counted(connections)
         batcher = Batcher(counted, name="test-lookups", timeout=30)
         keys = [s.allocation_id for s in sidecars] + ["al_unknown", sidecars[1].allocation_id]
-        async with table_locked(database_url):
-            first = asyncio.create_task(batcher.request(keys[0]))
-            await eventually(lambda: len(counted.calls) == 1)
-            rest = [asyncio.create_task(batcher.request(key)) for key in keys[1:]]
-            await eventually(lambda: batcher.waiting == len(rest))
-        answers = [await first, *[await task for task in rest]]
+        answers = await first_waits_rest_queue(batcher, keys, database_url, "hubd_allocations")
         assert counted.calls == [[keys[0]], keys[1:-1]]
         for key, answer in zip(keys, answers, strict=True):
             assert answer == await connections.identity(key)
@@ -350,12 +359,8 @@ class TestAcknowledgements:
             return await connections.acknowledge_secrets(keys)
 
         batcher = Batcher(counted, name="test-acknowledgements", timeout=30)
-        async with table_locked(database_url, "hubd_sidecar_secrets"):
-            first = asyncio.create_task(batcher.request(acks[0]))
-            await eventually(lambda: len(calls) == 1)
-            rest = [asyncio.create_task(batcher.request(ack)) for ack in acks[1:]]
-            await eventually(lambda: batcher.waiting == len(rest))
-        assert [await first, *[await task for task in rest]] == [True] * len(acks)
+        answers = await first_waits_rest_queue(batcher, acks, database_url, "hubd_sidecar_secrets")
+        assert answers == [True] * len(acks)
         assert calls == [1, len(acks) - 1]
         for each in sidecars:
             assert await secret_acknowledged(db, each.allocation_id)
@@ -446,12 +451,8 @@ class TestRecords:
             return await connections.record_many(keys)
 
         batcher = Batcher(counted, name="test-records", timeout=30)
-        async with table_locked(database_url, "hubd_sidecar_connections"):
-            first = asyncio.create_task(batcher.request(requests[0]))
-            await eventually(lambda: len(calls) == 1)
-            rest = [asyncio.create_task(batcher.request(each)) for each in requests[1:]]
-            await eventually(lambda: batcher.waiting == len(rest))
-        records = [await first, *[await task for task in rest]]
+        table = "hubd_sidecar_connections"
+        records = await first_waits_rest_queue(batcher, requests, database_url, table)
         assert [r and r.outcome for r in records] == [RecordOutcome.RECORDED] * len(requests)
         assert calls == [1, len(requests) - 1]
         for request in requests:

@@ -285,9 +285,9 @@ class ConnectionStore:
                 generations=[request.target.generation for request in requests],
                 sidecar_ids=[request.sidecar_id for request in requests],
                 rotates=[rotation is not None for rotation in rotations],
-                seen_hashes=[_hash(rotation, "seen_hash") for rotation in rotations],
-                secret_hashes=[_hash(rotation, "secret_hash") for rotation in rotations],
-                presented_hashes=[_hash(rotation, "presented_hash") for rotation in rotations],
+                seen_hashes=[None if r is None else r.seen_hash for r in rotations],
+                secret_hashes=[None if r is None else r.secret_hash for r in rotations],
+                presented_hashes=[None if r is None else r.presented_hash for r in rotations],
                 instance_id=self.instance_id,
                 ready_on_connect=self._ready_on_connect,
             ),
@@ -410,11 +410,6 @@ class ConnectionStore:
             sidecar_id=sidecar_id,
             instance_id=self.instance_id,
         )
-
-
-def _hash(rotation: Rotation | None, which: str) -> bytes | None:
-    value: bytes | None = None if rotation is None else getattr(rotation, which)
-    return value
 
 
 def _record_outcome(row: Mapping[str, Any]) -> Record:
