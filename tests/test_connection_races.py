@@ -14,7 +14,7 @@ import structlog
 from hubd.routing import Target
 from hubd.store import AllocationStore, Database, Fence, LedgerStore, ParkMode, Status
 from hubd.store.connections import SQL as CONNECTION_SQL
-from hubd.store.connections import ConnectionStore
+from hubd.store.connections import ConnectionStore, RecordOutcome, RecordRequest
 from hubd.store.instances import InstanceStore
 from tests.polling import eventually
 from tests.wskit import Sidecar, dial, record_row, running_hub, sidecar_in, welcome_of
@@ -48,8 +48,8 @@ async def record_held_open(
         await conn.close()
 
 
-async def blocked_on_a_lock(database_url: str) -> None:
-    """Wait until some other session is waiting for a row lock (the statement under test)."""
+async def blocked_on_a_lock(database_url: str, sessions: int = 1) -> None:
+    """Wait until ``sessions`` other sessions wait for a row lock (the statements under test)."""
     conn = await asyncpg.connect(database_url)
     try:
 
@@ -58,7 +58,7 @@ async def blocked_on_a_lock(database_url: str) -> None:
                 "SELECT count(*) FROM pg_stat_activity "
                 "WHERE wait_event_type = 'Lock' AND datname = current_database()"
             )
-            return bool(n)
+            return bool(n >= sessions)
 
         await eventually(waiting, within=10, what="a statement waiting on the row lock")
     finally:
@@ -144,6 +144,68 @@ class TestRacingStatements:
         assert kept is not None
         assert kept["connection_id"] == "cn_b"
 
+    async def test_release_blocked_behind_a_connect_deletes_its_record(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        """A user's release waiting on the row lock of a connect being recorded on replica B
+        moves the allocation to a new generation once B commits, and deletes the record B just
+        wrote in the same transaction: no record of the fenced sidecar outlives it, though no
+        socket close will clear it."""
+        await InstanceStore(db).register("in_b", "b", 2, None)
+        sidecar, _ = await sidecar_in(store, db)
+        async with record_held_open(
+            database_url, "cn_b", sidecar.target, sidecar.sidecar_id, "in_b"
+        ):
+            release = asyncio.create_task(store.release(sidecar.allocation_id))
+            await blocked_on_a_lock(database_url)
+        released = await release
+        assert (released.status, released.generation) == (Status.RELEASING, sidecar.generation + 1)
+        assert await record_row(db, sidecar.allocation_id) is None
+
+    async def test_connect_blocked_behind_a_release_writes_nothing(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        """Replica B recording a connect while a user's release holds the row lock writes no
+        record once the release commits: the sidecar it names is fenced."""
+        sidecar, _ = await sidecar_in(store, db)
+        b = ConnectionStore(db, instance_id="in_b")
+        async with db.connection("hold a release open") as conn, conn.transaction():
+            await store.release(sidecar.allocation_id, conn=conn)
+            record = asyncio.create_task(b.record("cn_b", sidecar.target, sidecar.sidecar_id))
+            await blocked_on_a_lock(database_url)
+        assert (await record).outcome is RecordOutcome.FENCED
+        assert await record_row(db, sidecar.allocation_id) is None
+
+    async def test_two_replicas_recording_the_same_allocations_do_not_deadlock(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        """Two replicas' record statements over the same two allocations, given in opposite
+        orders and both held up behind a third session's lock on one of them, lock rows in one
+        order: both complete, and the one that went second owns both records."""
+        both = [(await sidecar_in(store, db))[0] for _ in range(2)]
+        first, second = sorted(both, key=lambda sidecar: sidecar.allocation_id)
+        a = ConnectionStore(db, instance_id="in_a")
+        b = ConnectionStore(db, instance_id="in_b")
+        async with db.connection("hold the first row") as conn, conn.transaction():
+            await conn.execute(
+                "SELECT 1 FROM hubd_allocations WHERE id = $1 FOR UPDATE", first.allocation_id
+            )
+            by_a = asyncio.create_task(
+                a.record_many([request("cn_a1", first), request("cn_a2", second)])
+            )
+            await blocked_on_a_lock(database_url)
+            by_b = asyncio.create_task(
+                b.record_many([request("cn_b2", second), request("cn_b1", first)])
+            )
+            await blocked_on_a_lock(database_url, sessions=2)
+        outcomes = [record.outcome for record in [*(await by_a).values(), *(await by_b).values()]]
+        assert outcomes == [RecordOutcome.RECORDED] * 4
+        owners = {
+            (row := await record_row(db, each.allocation_id)) and row["instance_id"]
+            for each in (first, second)
+        }
+        assert len(owners) == 1
+
 
 async def parked(store: AllocationStore, db: Database) -> tuple[Sidecar, Fence]:
     """An allocated sidecar whose claim parked it to wait for its connect (no lease held)."""
@@ -155,6 +217,10 @@ async def parked(store: AllocationStore, db: Database) -> tuple[Sidecar, Fence]:
     assert written is not None
     assert written.lease_id is None
     return sidecar, fence
+
+
+def request(connection_id: str, sidecar: Sidecar) -> RecordRequest:
+    return RecordRequest(connection_id, sidecar.target, sidecar.sidecar_id)
 
 
 class TestReadyOnConnect:
