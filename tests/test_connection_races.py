@@ -207,6 +207,116 @@ class TestRacingStatements:
         assert len(owners) == 1
 
 
+@asynccontextmanager
+async def row_held(db: Database, allocation_id: str) -> AsyncIterator[None]:
+    """A third session holds the allocation's row lock until the block ends, then commits."""
+    async with db.connection("hold the row") as conn, conn.transaction():
+        await conn.execute("SELECT 1 FROM hubd_allocations WHERE id = $1 FOR UPDATE", allocation_id)
+        yield
+
+
+class TestLockOrder:
+    """Statements that clear records take the allocation's row before the record's, as records
+    and transitions do. The other way round, a clear and a write of the same allocation at the
+    same moment wait on each other and PostgreSQL aborts one of them (a handshake refused with
+    1011, or a sweep, a close or a release failing once). Each test queues the two statements
+    behind a third session's lock on the allocation, so that both are under way when it commits:
+    the order in which each takes its locks decides whether they can both complete."""
+
+    async def test_a_close_and_a_reconnect_on_another_replica_both_complete(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        instances = InstanceStore(db)
+        await instances.register("in_a", "a", 1, None)
+        await instances.register("in_b", "b", 2, None)
+        sidecar, _ = await sidecar_in(store, db)
+        a = ConnectionStore(db, instance_id="in_a")
+        b = ConnectionStore(db, instance_id="in_b")
+        assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
+        async with row_held(db, sidecar.allocation_id):
+            reconnect = asyncio.create_task(b.record("cn_b", sidecar.target, sidecar.sidecar_id))
+            await blocked_on_a_lock(database_url)
+            close = asyncio.create_task(
+                a.disconnect(sidecar.allocation_id, "cn_a", connect_timeout=60)
+            )
+            await blocked_on_a_lock(database_url, sessions=2)
+        # The reconnect queued first, so it goes first; the close then finds B's record.
+        assert (await reconnect).outcome is RecordOutcome.RECORDED
+        assert await close is False
+        kept = await record_row(db, sidecar.allocation_id)
+        assert kept is not None
+        assert (kept["connection_id"], kept["instance_id"]) == ("cn_b", "in_b")
+
+    async def test_a_close_and_a_release_both_complete(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        await InstanceStore(db).register("in_a", "a", 1, None)
+        sidecar, _ = await sidecar_in(store, db)
+        a = ConnectionStore(db, instance_id="in_a")
+        assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
+        async with row_held(db, sidecar.allocation_id):
+            release = asyncio.create_task(store.release(sidecar.allocation_id))
+            await blocked_on_a_lock(database_url)
+            close = asyncio.create_task(
+                a.disconnect(sidecar.allocation_id, "cn_a", connect_timeout=60)
+            )
+            await blocked_on_a_lock(database_url, sessions=2)
+        released = await release
+        assert (released.status, released.generation) == (Status.RELEASING, sidecar.generation + 1)
+        # The release's own transaction deleted the record: the close has nothing left to do.
+        assert await close is False
+        assert await record_row(db, sidecar.allocation_id) is None
+
+    async def test_a_sweep_and_a_reconnect_to_a_live_replica_both_complete(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        instances = InstanceStore(db)
+        for instance in ("in_a", "in_b", "in_c"):
+            await instances.register(instance, instance, 1, None)
+        sidecar, _ = await sidecar_in(store, db)
+        a = ConnectionStore(db, instance_id="in_a")
+        assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
+        async with db.pool.acquire() as conn:  # A stops heartbeating
+            await conn.execute(
+                "UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour'"
+                " WHERE id = 'in_a'"
+            )
+        b = ConnectionStore(db, instance_id="in_b")
+        sweeper = ConnectionStore(db, instance_id="in_c")
+        async with row_held(db, sidecar.allocation_id):
+            reconnect = asyncio.create_task(b.record("cn_b", sidecar.target, sidecar.sidecar_id))
+            await blocked_on_a_lock(database_url)
+            sweep = asyncio.create_task(sweeper.sweep_stale(60, connect_timeout=60))
+            await blocked_on_a_lock(database_url, sessions=2)
+        assert (await reconnect).outcome is RecordOutcome.RECORDED
+        # B's record replaced A's before the sweep got the row: a live replica's, left alone.
+        assert await sweep == []
+        kept = await record_row(db, sidecar.allocation_id)
+        assert kept is not None
+        assert (kept["connection_id"], kept["instance_id"]) == ("cn_b", "in_b")
+
+    async def test_a_clean_stop_and_a_reconnect_to_another_replica_both_complete(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        instances = InstanceStore(db)
+        await instances.register("in_a", "a", 1, None)
+        await instances.register("in_b", "b", 2, None)
+        sidecar, _ = await sidecar_in(store, db)
+        a = ConnectionStore(db, instance_id="in_a")
+        b = ConnectionStore(db, instance_id="in_b")
+        assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
+        async with row_held(db, sidecar.allocation_id):
+            reconnect = asyncio.create_task(b.record("cn_b", sidecar.target, sidecar.sidecar_id))
+            await blocked_on_a_lock(database_url)
+            stop = asyncio.create_task(a.release_instance(connect_timeout=60))
+            await blocked_on_a_lock(database_url, sessions=2)
+        assert (await reconnect).outcome is RecordOutcome.RECORDED
+        assert await stop == []
+        kept = await record_row(db, sidecar.allocation_id)
+        assert kept is not None
+        assert (kept["connection_id"], kept["instance_id"]) == ("cn_b", "in_b")
+
+
 async def parked(store: AllocationStore, db: Database) -> tuple[Sidecar, Fence]:
     """An allocated sidecar whose claim parked it to wait for its connect (no lease held)."""
     sidecar, fence = await sidecar_in(store, db)

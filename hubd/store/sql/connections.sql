@@ -5,6 +5,14 @@
 -- connection_seq in the same statement. Claims fence their connection-dependent writes on that
 -- number (see park and mark_connection_ready in allocations.sql); updating the allocation row
 -- also takes its row lock, so a record and a clear of one allocation never interleave.
+--
+-- Lock order: allocation rows before their connection rows, several allocations in id order
+-- (FOR NO KEY UPDATE where a statement takes the row before updating it: what its UPDATE would
+-- take, so foreign-key checks of other tables are not held up).
+-- Every statement here follows it, and so do transitions (whose trigger deletes records after
+-- the allocation row is updated), so two of them never wait on each other in a cycle. A clear
+-- that took the record's row first would deadlock with a reconnect being recorded on another
+-- replica, or with a release, at the same moment; PostgreSQL would abort one after a second.
 
 -- name: identities
 -- What handshakes are checked against, for every allocation in :allocation_ids at once (the
@@ -198,9 +206,12 @@ SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 -- seconds away. A row that a claim holds keeps its schedule: that claim's connection-fenced write
 -- sees the bumped number and decides again; its lease is never touched. :instance_id is the
 -- instance for the ledger.
-WITH cleared AS (
+WITH locked AS (
+    SELECT id FROM hubd_allocations WHERE id = :allocation_id FOR NO KEY UPDATE
+), cleared AS (
     DELETE FROM hubd_sidecar_connections
     WHERE allocation_id = :allocation_id AND connection_id = :connection_id
+      AND EXISTS (SELECT 1 FROM locked)  -- evaluated before any record is touched
     RETURNING allocation_id, generation
 ), updated AS (
     UPDATE hubd_allocations AS a SET
@@ -233,12 +244,26 @@ SELECT (SELECT count(*) FROM cleared) > 0 AS cleared, (SELECT count(*) FROM upda
 -- marked lost exactly as a disconnect would (:connect_timeout seconds to reconnect, to any
 -- replica). If such an instance is alive after all, it writes its records again (reassert) and
 -- readiness comes back at the same generation. Returns one row per swept record.
-WITH cleared AS (
-    DELETE FROM hubd_sidecar_connections AS c
+-- A record is deleted by its connection id, so one replaced while this statement waited for the
+-- allocation's row (the sidecar reconnected to a live replica) is re-checked as the new record
+-- and kept: re-checking the instance's liveness instead would re-use the stale instance's answer.
+WITH stale AS (
+    SELECT c.allocation_id, c.connection_id
+    FROM hubd_sidecar_connections AS c
     WHERE c.instance_id <> :instance_id
       AND NOT EXISTS (SELECT 1 FROM hubd_instances AS i
                       WHERE i.id = c.instance_id
                         AND i.heartbeat_at > now() - make_interval(secs => :ttl))
+), locked AS (
+    SELECT a.id FROM hubd_allocations AS a
+    WHERE a.id IN (SELECT allocation_id FROM stale)
+    ORDER BY a.id
+    FOR NO KEY UPDATE
+), cleared AS (
+    DELETE FROM hubd_sidecar_connections AS c
+    USING stale AS s
+    WHERE c.allocation_id = s.allocation_id AND c.connection_id = s.connection_id
+      AND c.allocation_id IN (SELECT id FROM locked)
     RETURNING c.allocation_id, c.generation, c.connection_id, c.instance_id
 ), updated AS (
     UPDATE hubd_allocations AS a SET
@@ -272,8 +297,15 @@ FROM cleared;
 -- name: release_instance
 -- A clean stop of :instance_id: its records go and their sidecars are marked lost (:connect_timeout
 -- seconds to reconnect to a peer) at once, instead of reading ready until a peer's sweep.
-WITH cleared AS (
-    DELETE FROM hubd_sidecar_connections WHERE instance_id = :instance_id
+WITH locked AS (
+    SELECT a.id FROM hubd_allocations AS a
+    WHERE a.id IN (SELECT allocation_id FROM hubd_sidecar_connections
+                   WHERE instance_id = :instance_id)
+    ORDER BY a.id
+    FOR NO KEY UPDATE
+), cleared AS (
+    DELETE FROM hubd_sidecar_connections
+    WHERE allocation_id IN (SELECT id FROM locked) AND instance_id = :instance_id
     RETURNING allocation_id, generation
 ), updated AS (
     UPDATE hubd_allocations AS a SET
