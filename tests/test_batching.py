@@ -118,6 +118,8 @@ class TestBatcher:
             assert answer is not None
             assert answer.allocation_id == sidecar.allocation_id
         assert batcher.batches == 2
+        # Seven requests, the repeated key's two in one: what the metrics divide by batches.
+        assert batcher.carried == len(keys)
 
     async def test_as_many_statements_at_once_as_allowed(
         self, db: Database, store: AllocationStore, database_url: str

@@ -133,6 +133,13 @@ class TestLifecycle:
             body = await scrape_until(daemon, lambda b: "hubd_connected_sidecars 20.0" in b)
             # Every allocation was claimed and moved to allocated by this daemon.
             assert moved(before, body, "hubd_claims_total") >= 20
+            # Every handshake was looked up and recorded through a batcher's statements.
+            for batcher in ("identity-lookups", "connection-records"):
+                carried = moved(before, body, "hubd_batched_requests_total", batcher=batcher)
+                statements = moved(before, body, "hubd_batched_statements_total", batcher=batcher)
+                assert carried >= 20
+                assert 1 <= statements <= carried
+            assert 'hubd_batched_requests_waiting{batcher="secret-acknowledgements"}' in body
             assert moved(before, body, "hubd_transitions_total", to_status="allocated") >= 20
             # Counters moved, labelled by provisioner id; no `_created` twins.
             assert 'hubd_plugin_outcomes_total{operation="ensure",outcome="Accepted",' in body

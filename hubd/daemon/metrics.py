@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import cast
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -13,9 +13,10 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hubd.server.batching import Batcher
 from hubd.server.wire import ServerStats
 
 # Every counter would also export a `_created` twin (its creation time) that no dashboard uses
@@ -126,6 +127,11 @@ class Metrics:
         """Export the sidecar listener's own counters (refusals, aborts) at every scrape."""
         self.registry.register(_ListenerCollector(stats))
 
+    def bind_batchers(self, batchers: Iterable[Batcher[Any, Any]]) -> None:
+        """Export each statement batcher's counts at every scrape: how many statements, how
+        many requests they carried (the ratio is the mean batch size) and how many wait."""
+        self.registry.register(_BatcherCollector(tuple(batchers)))
+
     def set_allocation_counts(self, counts: Mapping[str, int], statuses: list[str]) -> None:
         for status in statuses:
             self.allocations.labels(status=status).set(counts.get(status, 0))
@@ -188,3 +194,33 @@ class _ListenerCollector(Collector):
             for value, count in sorted(counts.items()):
                 family.add_metric([value], count)
             yield family
+
+
+class _BatcherCollector(Collector):
+    def __init__(self, batchers: tuple[Batcher[Any, Any], ...]) -> None:
+        self._batchers = batchers
+
+    def collect(self) -> Iterator[Metric]:
+        statements = CounterMetricFamily(
+            "hubd_batched_statements",
+            "Statements run by a batcher (identity look-ups, connection records, secret "
+            "acknowledgements), each for every request that arrived while the previous one ran",
+            labels=["batcher"],
+        )
+        requests = CounterMetricFamily(
+            "hubd_batched_requests",
+            "Requests carried by those statements (divided by statements: the mean batch size)",
+            labels=["batcher"],
+        )
+        waiting = GaugeMetricFamily(
+            "hubd_batched_requests_waiting",
+            "Requests waiting for a batcher's next statement",
+            labels=["batcher"],
+        )
+        for batcher in self._batchers:
+            statements.add_metric([batcher.name], batcher.batches)
+            requests.add_metric([batcher.name], batcher.carried)
+            waiting.add_metric([batcher.name], batcher.waiting)
+        yield statements
+        yield requests
+        yield waiting

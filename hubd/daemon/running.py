@@ -278,6 +278,7 @@ class Running:
             connected_sidecars=lambda: router.connection_count,
         )
         metrics.bind_listener(parts.server.stats)
+        metrics.bind_batchers([parts.server.lookups, *router.batchers])
 
         listener = wake_listener(
             dsn=parts.dsn,

@@ -57,6 +57,12 @@ class Batcher(Generic[K, V]):
         self._runners: set[asyncio.Task[None]] = set()
         self.batches = 0
         """Statements run so far (each carries one or more keys)."""
+        self.carried = 0
+        """Requests those statements answered or failed (their mean size: carried / batches)."""
+
+    @property
+    def name(self) -> str:
+        return self._name
 
     @property
     def waiting(self) -> int:
@@ -135,6 +141,7 @@ class Batcher(Generic[K, V]):
             batch = self._take()
             self.batches += 1
             carried = sum(len(futures) for futures in batch.values())
+            self.carried += carried
             self._running += carried
             try:
                 async with asyncio.timeout(self._timeout):

@@ -415,6 +415,10 @@ class SocketRouter:
         return len(self._arrivals)
 
     @property
+    def batchers(self) -> tuple[Batcher[Any, Any], ...]:
+        return (self._records, self._acknowledgements)
+
+    @property
     def busy_allocations(self) -> int:
         """Allocations with a connect or disconnect step running or queued."""
         return len(self._serial)
