@@ -13,7 +13,14 @@ from typing import Any
 
 import asyncpg
 
-from bench.procs import BareServer, DaemonProcess, FarmClient, rss_kib
+from bench.procs import (
+    BareServer,
+    DaemonProcess,
+    FarmClient,
+    cpu_seconds,
+    rss_kib,
+    server_processes,
+)
 from bench.watch import Watcher, xact_commit
 from hubd.store import AllocationStore, connect_database
 
@@ -72,7 +79,7 @@ def daemon_config(
     path: Path, *, database_url: str, state_dir: Path, farm: Path, claims: int
 ) -> Path:
     """Production defaults (config/hubd.toml) but for the listeners, the claim count and the
-    provisioner; logs at warning so the daemon's own log volume is not measured."""
+    provisioner; logs at info, as in production, so the daemon's own lines are measured too."""
     state_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"""
@@ -285,11 +292,15 @@ async def socket_phase(
     *,
     n: int,
     within: float,
+    storms: int = 1,
 ) -> dict[str, Any]:
     """On a fresh daemon: ``n`` allocations provisioned while the farm holds their sockets back,
-    daemon RSS measured, all sockets opened, RSS measured once all are ready. Then every socket
-    is dropped at once; once the daemon has recorded every loss, all reconnect ``concurrency``
-    at a time, timed until every welcome. Finally all are released."""
+    daemon RSS measured, all sockets opened, RSS measured once all are ready. Then, ``storms``
+    times: every socket is dropped at once; once the daemon has recorded every loss, all
+    reconnect ``concurrency`` at a time, timed until every welcome, with the CPU the daemon, the
+    farm and PostgreSQL spent meanwhile. Finally all are released. The storm's rate is the
+    median of its repetitions: one storm of a few seconds on a shared 2-core machine varies by
+    a third from one run to the next."""
     db, store = await open_store(dsn)
     try:
         watcher.reset()
@@ -307,13 +318,21 @@ async def socket_phase(
         await asyncio.sleep(2)
         say(f"{n} ready")
         rss_after = rss_kib(daemon.pid)
-        dropped = (await farm.call("drop", kind="hubd"))["dropped"]
-        if not await watcher.until(lambda: len(watcher.lost) >= n, within=within):
-            raise RuntimeError(f"the daemon recorded {len(watcher.lost)} of {n} losses")
-        say(f"{dropped} dropped, every loss recorded; storm")
-        storm = await farm.call("reconnect", kind="hubd", n=n)
-        say(f"storm done in {storm['seconds']:.2f} s")
-        ready_again = await watcher.until(lambda: len(watcher.ready) >= n, within=within)
+        postgres = await _postgres(db)
+        runs: list[dict[str, Any]] = []
+        for _ in range(storms):
+            dropped = (await farm.call("drop", kind="hubd"))["dropped"]
+            if not await watcher.until(lambda: len(watcher.lost) >= n, within=within):
+                raise RuntimeError(f"the daemon recorded {len(watcher.lost)} of {n} losses")
+            say(f"{dropped} dropped, every loss recorded; storm")
+            before = _cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres)
+            storm = await farm.call("reconnect", kind="hubd", n=n)
+            spent = _spent(before, _cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres))
+            say(f"storm done in {storm['seconds']:.2f} s")
+            runs.append({**storm, "dropped": dropped, "cpu_ms": _per(spent, storm["count"])})
+            if not await watcher.until(lambda: len(watcher.ready) >= n, within=within):
+                raise RuntimeError(f"only {len(watcher.ready)} of {n} were ready again")
+            postgres = await _postgres(db)
         await _release(store, dsn, ids)
         await watcher.until(lambda: len(watcher.done) >= n, within=within)
         await farm.call("forget")
@@ -324,12 +343,36 @@ async def socket_phase(
         "rss_before_kib": rss_before,
         "rss_after_kib": rss_after,
         "kib_per_socket": (rss_after - rss_before) / n,
-        "dropped": dropped,
-        "storm_seconds": storm["seconds"],
-        "storm_refusals": storm["refusals"],
-        "storm_rate": storm["count"] / storm["seconds"],
-        "ready_again": ready_again,
+        "dropped": runs[0]["dropped"],
+        "storm_rates": [run["count"] / run["seconds"] for run in runs],
+        "storm_rate": statistics.median(run["count"] / run["seconds"] for run in runs),
+        "storm_refusals": sum(run["refusals"] for run in runs),
+        "storm_cpu_ms": _median_each([run["cpu_ms"] for run in runs]),
     }
+
+
+async def _postgres(db: Any) -> list[int]:
+    """The database server's processes, read again after each storm (pool connections come
+    and go); empty when the server runs on another machine."""
+    async with db.pool.acquire() as conn:
+        return server_processes(await conn.fetchval("SELECT pg_backend_pid()"))
+
+
+def _cpu(**groups: list[int]) -> dict[str, float]:
+    return {name: cpu_seconds(pids) for name, pids in groups.items()}
+
+
+def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in before}
+
+
+def _per(spent: dict[str, float], count: int) -> dict[str, float]:
+    """CPU milliseconds per handshake, by process group."""
+    return {name: seconds * 1000 / count for name, seconds in spent.items()}
+
+
+def _median_each(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
 
 
 async def _provisioned(dsn: str, ids: list[str], *, within: float) -> bool:
@@ -352,20 +395,26 @@ async def _provisioned(dsn: str, ids: list[str], *, within: float) -> bool:
         await conn.close()
 
 
-async def bare_sockets(farm: FarmClient, *, n: int) -> dict[str, Any]:
-    """The same for a bare websockets server: RSS before and after ``n`` idle sockets, then all
-    dropped and reopened ``concurrency`` at a time."""
+async def bare_sockets(farm: FarmClient, *, n: int, storms: int = 1) -> dict[str, Any]:
+    """The same for a bare websockets server: RSS before and after ``n`` idle sockets, then,
+    ``storms`` times, all dropped and reopened ``concurrency`` at a time, with the CPU the server
+    and the farm spent meanwhile."""
     server = BareServer()
     await server.start()
+    runs: list[dict[str, Any]] = []
     try:
         await asyncio.sleep(0.5)
         rss_before = rss_kib(server.pid)
         opened = await farm.call("reconnect", kind="bare", url=server.url, n=n)
         await asyncio.sleep(2)
         rss_after = rss_kib(server.pid)
-        await farm.call("drop", kind="bare")
-        await asyncio.sleep(2)  # the server sees every close before the storm
-        storm = await farm.call("reconnect", kind="bare", url=server.url, n=n)
+        for _ in range(storms):
+            await farm.call("drop", kind="bare")
+            await asyncio.sleep(2)  # the server sees every close before the storm
+            before = _cpu(server=[server.pid], farm=[farm.pid])
+            storm = await farm.call("reconnect", kind="bare", url=server.url, n=n)
+            spent = _spent(before, _cpu(server=[server.pid], farm=[farm.pid]))
+            runs.append({**storm, "cpu_ms": _per(spent, n)})
         await farm.call("drop", kind="bare")
     finally:
         await server.stop()
@@ -375,6 +424,7 @@ async def bare_sockets(farm: FarmClient, *, n: int) -> dict[str, Any]:
         "rss_after_kib": rss_after,
         "kib_per_socket": (rss_after - rss_before) / n,
         "first_connect_rate": n / opened["seconds"],
-        "storm_seconds": storm["seconds"],
-        "storm_rate": n / storm["seconds"],
+        "storm_rates": [n / run["seconds"] for run in runs],
+        "storm_rate": statistics.median(n / run["seconds"] for run in runs),
+        "storm_cpu_ms": _median_each([run["cpu_ms"] for run in runs]),
     }

@@ -9,15 +9,18 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 __all__ = [
     "BareServer",
     "DaemonProcess",
     "FarmClient",
+    "cpu_seconds",
     "raise_open_files",
     "rss_kib",
+    "server_processes",
 ]
 
 
@@ -33,6 +36,41 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+_TICKS: Final = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User and system CPU time used so far by ``pids`` together (those still running)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / _TICKS
+
+
+def server_processes(backend_pid: int) -> list[int]:
+    """A local PostgreSQL's processes: the parent of one of its backends and every child of
+    that parent; empty when the server is not on this machine."""
+    try:
+        parent = int(Path(f"/proc/{backend_pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except OSError:
+        return []
+    found = [parent]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == parent:
+            found.append(int(entry.name))
+    return found
 
 
 def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -192,6 +192,22 @@ class Measures:
                 Target(on="ratio", op=">=", value=0.6),
                 "handshakes/s",
             )
+            # Where the storm's CPU went, per handshake (medians over the storms): the daemon
+            # and the farm against the bare server and the farm serving it, and PostgreSQL.
+            for key, label, ours, theirs in (
+                ("daemon", "daemon (vs bare server)", "daemon", "server"),
+                ("farm", "sidecar farm (vs farm, bare)", "farm", "farm"),
+                ("postgres", "PostgreSQL", "postgres", None),
+            ):
+                row(
+                    f"storm_cpu_{key}_{count}",
+                    f"storm CPU per handshake, {count:,}: {label}",
+                    _get(results, phase, "hubd", "storm_cpu_ms", ours),
+                    None
+                    if theirs is None
+                    else _get(results, phase, "bare", "storm_cpu_ms", theirs),
+                    unit="ms",
+                )
         return rows
 
 

@@ -56,6 +56,8 @@ CLAIMS = (16, 64, 256)
 class Size:
     lifecycle: int
     sockets: tuple[int, ...]
+    storms: int
+    """Reconnect storms per socket count (the rate reported is their median)."""
     latency: int
     idle_seconds: float
     small_rows: int
@@ -71,6 +73,7 @@ SIZES = {
     "tiny": Size(
         lifecycle=20,
         sockets=(30,),
+        storms=1,
         latency=5,
         idle_seconds=2,
         small_rows=1_000,
@@ -83,6 +86,7 @@ SIZES = {
     "quick": Size(
         lifecycle=500,
         sockets=(1_000,),
+        storms=3,
         latency=50,
         idle_seconds=5,
         small_rows=10_000,
@@ -95,6 +99,7 @@ SIZES = {
     "mid": Size(
         lifecycle=2_000,
         sockets=(2_000, 5_000),
+        storms=3,
         latency=200,
         idle_seconds=10,
         small_rows=10_000,
@@ -107,6 +112,7 @@ SIZES = {
     "full": Size(
         lifecycle=5_000,
         sockets=(2_000, 5_000, 10_000),
+        storms=3,
         latency=200,
         idle_seconds=10,
         small_rows=10_000,
@@ -259,11 +265,18 @@ class Run:
         return result
 
     async def socket_phase(self, n: int) -> dict[str, Any]:
-        bare = await phases.bare_sockets(self.farm, n=n)
+        storms = self.size.storms
+        bare = await phases.bare_sockets(self.farm, n=n, storms=storms)
         daemon = await self.daemon(CLAIMS[0], max_sockets=n + 1_000)
         try:
             hubd = await phases.socket_phase(
-                self.dsn, self.watcher, self.farm, daemon, n=n, within=self.size.within
+                self.dsn,
+                self.watcher,
+                self.farm,
+                daemon,
+                n=n,
+                within=self.size.within,
+                storms=storms,
             )
             hubd["listener_refusals"] = await daemon.refusals()
         finally:
@@ -314,12 +327,20 @@ async def _stop_profiler(process: asyncio.subprocess.Process) -> None:
                 await process.wait()
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def _size(args: argparse.Namespace) -> Size:
+    """The named size with the command line's overrides."""
     size = SIZES[args.size]
     if args.lifecycle:
         size = attrs.evolve(size, lifecycle=args.lifecycle)
     if args.sockets:
         size = attrs.evolve(size, sockets=tuple(args.sockets))
+    if args.storms:
+        size = attrs.evolve(size, storms=args.storms)
+    return size
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    size = _size(args)
     raise_open_files()
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="hubd-bench"))
@@ -392,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lifecycle", type=int, default=0, help="allocations per lifecycle run")
     parser.add_argument(
         "--sockets", type=int, action="append", help="idle socket count (repeatable)"
+    )
+    parser.add_argument(
+        "--storms", type=int, help="reconnect storms per socket count (the median is reported)"
     )
     parser.add_argument(
         "--only",
