@@ -5,8 +5,9 @@ What the second decides once the first commits is read back from the rows."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 import structlog
@@ -207,12 +208,38 @@ class TestRacingStatements:
         assert len(owners) == 1
 
 
-@asynccontextmanager
-async def row_held(db: Database, allocation_id: str) -> AsyncIterator[None]:
-    """A third session holds the allocation's row lock until the block ends, then commits."""
+async def both_behind_the_row(
+    db: Database,
+    database_url: str,
+    allocation_id: str,
+    first: Coroutine[Any, Any, Any],
+    second: Coroutine[Any, Any, Any],
+) -> tuple[Any, Any]:
+    """Start ``first``, then ``second`` once ``first`` waits, both queued behind a third
+    session's lock on the allocation's row; what each returns once that session commits."""
     async with db.connection("hold the row") as conn, conn.transaction():
         await conn.execute("SELECT 1 FROM hubd_allocations WHERE id = $1 FOR UPDATE", allocation_id)
-        yield
+        one = asyncio.create_task(first)
+        await blocked_on_a_lock(database_url)
+        two = asyncio.create_task(second)
+        await blocked_on_a_lock(database_url, sessions=2)
+    return await one, await two
+
+
+async def recorded_on_a(db: Database, store: AllocationStore, *instances: str) -> Sidecar:
+    """A sidecar whose connection ``cn_a`` is recorded by instance ``in_a`` (``instances``, all
+    registered, include it)."""
+    for instance in instances:
+        await InstanceStore(db).register(instance, instance, 1, None)
+    sidecar, _ = await sidecar_in(store, db)
+    a = ConnectionStore(db, instance_id="in_a")
+    assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
+    return sidecar
+
+
+async def owner_of_record(db: Database, allocation_id: str) -> tuple[str, str] | None:
+    row = await record_row(db, allocation_id)
+    return None if row is None else (row["connection_id"], row["instance_id"])
 
 
 class TestLockOrder:
@@ -226,56 +253,42 @@ class TestLockOrder:
     async def test_a_close_and_a_reconnect_on_another_replica_both_complete(
         self, db: Database, database_url: str, store: AllocationStore
     ) -> None:
-        instances = InstanceStore(db)
-        await instances.register("in_a", "a", 1, None)
-        await instances.register("in_b", "b", 2, None)
-        sidecar, _ = await sidecar_in(store, db)
+        sidecar = await recorded_on_a(db, store, "in_a", "in_b")
         a = ConnectionStore(db, instance_id="in_a")
         b = ConnectionStore(db, instance_id="in_b")
-        assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
-        async with row_held(db, sidecar.allocation_id):
-            reconnect = asyncio.create_task(b.record("cn_b", sidecar.target, sidecar.sidecar_id))
-            await blocked_on_a_lock(database_url)
-            close = asyncio.create_task(
-                a.disconnect(sidecar.allocation_id, "cn_a", connect_timeout=60)
-            )
-            await blocked_on_a_lock(database_url, sessions=2)
+        reconnect, close = await both_behind_the_row(
+            db,
+            database_url,
+            sidecar.allocation_id,
+            b.record("cn_b", sidecar.target, sidecar.sidecar_id),
+            a.disconnect(sidecar.allocation_id, "cn_a", connect_timeout=60),
+        )
         # The reconnect queued first, so it goes first; the close then finds B's record.
-        assert (await reconnect).outcome is RecordOutcome.RECORDED
-        assert await close is False
-        kept = await record_row(db, sidecar.allocation_id)
-        assert kept is not None
-        assert (kept["connection_id"], kept["instance_id"]) == ("cn_b", "in_b")
+        assert reconnect.outcome is RecordOutcome.RECORDED
+        assert close is False
+        assert await owner_of_record(db, sidecar.allocation_id) == ("cn_b", "in_b")
 
     async def test_a_close_and_a_release_both_complete(
         self, db: Database, database_url: str, store: AllocationStore
     ) -> None:
-        await InstanceStore(db).register("in_a", "a", 1, None)
-        sidecar, _ = await sidecar_in(store, db)
+        sidecar = await recorded_on_a(db, store, "in_a")
         a = ConnectionStore(db, instance_id="in_a")
-        assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
-        async with row_held(db, sidecar.allocation_id):
-            release = asyncio.create_task(store.release(sidecar.allocation_id))
-            await blocked_on_a_lock(database_url)
-            close = asyncio.create_task(
-                a.disconnect(sidecar.allocation_id, "cn_a", connect_timeout=60)
-            )
-            await blocked_on_a_lock(database_url, sessions=2)
-        released = await release
+        released, close = await both_behind_the_row(
+            db,
+            database_url,
+            sidecar.allocation_id,
+            store.release(sidecar.allocation_id),
+            a.disconnect(sidecar.allocation_id, "cn_a", connect_timeout=60),
+        )
         assert (released.status, released.generation) == (Status.RELEASING, sidecar.generation + 1)
         # The release's own transaction deleted the record: the close has nothing left to do.
-        assert await close is False
-        assert await record_row(db, sidecar.allocation_id) is None
+        assert close is False
+        assert await owner_of_record(db, sidecar.allocation_id) is None
 
     async def test_a_sweep_and_a_reconnect_to_a_live_replica_both_complete(
         self, db: Database, database_url: str, store: AllocationStore
     ) -> None:
-        instances = InstanceStore(db)
-        for instance in ("in_a", "in_b", "in_c"):
-            await instances.register(instance, instance, 1, None)
-        sidecar, _ = await sidecar_in(store, db)
-        a = ConnectionStore(db, instance_id="in_a")
-        assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
+        sidecar = await recorded_on_a(db, store, "in_a", "in_b", "in_c")
         async with db.pool.acquire() as conn:  # A stops heartbeating
             await conn.execute(
                 "UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour'"
@@ -283,38 +296,34 @@ class TestLockOrder:
             )
         b = ConnectionStore(db, instance_id="in_b")
         sweeper = ConnectionStore(db, instance_id="in_c")
-        async with row_held(db, sidecar.allocation_id):
-            reconnect = asyncio.create_task(b.record("cn_b", sidecar.target, sidecar.sidecar_id))
-            await blocked_on_a_lock(database_url)
-            sweep = asyncio.create_task(sweeper.sweep_stale(60, connect_timeout=60))
-            await blocked_on_a_lock(database_url, sessions=2)
-        assert (await reconnect).outcome is RecordOutcome.RECORDED
+        reconnect, swept = await both_behind_the_row(
+            db,
+            database_url,
+            sidecar.allocation_id,
+            b.record("cn_b", sidecar.target, sidecar.sidecar_id),
+            sweeper.sweep_stale(60, connect_timeout=60),
+        )
+        assert reconnect.outcome is RecordOutcome.RECORDED
         # B's record replaced A's before the sweep got the row: a live replica's, left alone.
-        assert await sweep == []
-        kept = await record_row(db, sidecar.allocation_id)
-        assert kept is not None
-        assert (kept["connection_id"], kept["instance_id"]) == ("cn_b", "in_b")
+        assert swept == []
+        assert await owner_of_record(db, sidecar.allocation_id) == ("cn_b", "in_b")
 
     async def test_a_clean_stop_and_a_reconnect_to_another_replica_both_complete(
         self, db: Database, database_url: str, store: AllocationStore
     ) -> None:
-        instances = InstanceStore(db)
-        await instances.register("in_a", "a", 1, None)
-        await instances.register("in_b", "b", 2, None)
-        sidecar, _ = await sidecar_in(store, db)
+        sidecar = await recorded_on_a(db, store, "in_a", "in_b")
         a = ConnectionStore(db, instance_id="in_a")
         b = ConnectionStore(db, instance_id="in_b")
-        assert (await a.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
-        async with row_held(db, sidecar.allocation_id):
-            reconnect = asyncio.create_task(b.record("cn_b", sidecar.target, sidecar.sidecar_id))
-            await blocked_on_a_lock(database_url)
-            stop = asyncio.create_task(a.release_instance(connect_timeout=60))
-            await blocked_on_a_lock(database_url, sessions=2)
-        assert (await reconnect).outcome is RecordOutcome.RECORDED
-        assert await stop == []
-        kept = await record_row(db, sidecar.allocation_id)
-        assert kept is not None
-        assert (kept["connection_id"], kept["instance_id"]) == ("cn_b", "in_b")
+        reconnect, stopped = await both_behind_the_row(
+            db,
+            database_url,
+            sidecar.allocation_id,
+            b.record("cn_b", sidecar.target, sidecar.sidecar_id),
+            a.release_instance(connect_timeout=60),
+        )
+        assert reconnect.outcome is RecordOutcome.RECORDED
+        assert stopped == []
+        assert await owner_of_record(db, sidecar.allocation_id) == ("cn_b", "in_b")
 
 
 async def parked(store: AllocationStore, db: Database) -> tuple[Sidecar, Fence]:
