@@ -133,6 +133,10 @@ class TestLifecycle:
             body = await scrape_until(daemon, lambda b: "hubd_connected_sidecars 20.0" in b)
             # Every allocation was claimed and moved to allocated by this daemon.
             assert moved(before, body, "hubd_claims_total") >= 20
+            # Claims come from claim statements (idle polls among them, counted apart too).
+            statements = moved(before, body, "hubd_claim_statements_total")
+            assert statements >= 1
+            assert moved(before, body, "hubd_claim_statements_idle_total") <= statements
             # Every handshake was looked up and recorded through a batcher's statements.
             for batcher in ("identity-lookups", "connection-records"):
                 carried = moved(before, body, "hubd_batched_requests_total", batcher=batcher)

@@ -15,6 +15,7 @@ from hubd.plugins.protocol import Accepted, Destroyed, EnsureRequest, Rejected
 from hubd.reconciler.clock import ManualClock
 from hubd.reconciler.engine import HookContext, Reconciler, ReconcilerSettings
 from hubd.reconciler.faults import Boundary, Site
+from hubd.reconciler.observer import NullObserver
 from hubd.routing import Target
 from hubd.store import (
     Allocation,
@@ -90,6 +91,16 @@ async def to_ready(
     ready = await store.get(allocation.id)
     assert ready.ready
     return ready
+
+
+class StatementCounter(NullObserver):
+    """Remembers how many rows each claim statement leased."""
+
+    def __init__(self) -> None:
+        self.statements: list[int] = []
+
+    def claim_statement(self, leased: int) -> None:
+        self.statements.append(leased)
 
 
 class TestHappyPath:
@@ -1168,6 +1179,7 @@ class TestDispatch:
         the next batch takes the remaining two."""
         woken: list[int] = []
         """The free slots each wake-up found: one must find the slot it announces free."""
+        observer = StatementCounter()
         reconciler = Reconciler(
             store=store,
             ledger=LedgerStore(db, instance_id="in_test"),
@@ -1177,6 +1189,7 @@ class TestDispatch:
             hub_ws_url="ws://127.0.0.1:1",
             settings=SETTINGS,
             on_settled=lambda: woken.append(reconciler.free_capacity),
+            observer=observer,
         )
         release = asyncio.Event()
         gates = [Gate(release=release) for _ in range(6)]
@@ -1196,3 +1209,6 @@ class TestDispatch:
         statuses = {(await store.get(aid)).status for aid in ids}
         assert statuses == {Status.ALLOCATED}
         assert len(provisioner.ensure_calls) == 6
+        # With no slot free no statement ran; with nothing due one ran and leased nothing.
+        assert await reconciler.claim_batch() == 0
+        assert observer.statements == [4, 2, 0]

@@ -35,6 +35,15 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.claims = Counter("hubd_claims", "Claims taken by this daemon", registry=r)
+        self.claim_statements = Counter(
+            "hubd_claim_statements",
+            "Claim statements run (claims / statements: rows leased per statement; a statement "
+            "that leased nothing is an idle poll)",
+            registry=r,
+        )
+        self.claim_statements_idle = Counter(
+            "hubd_claim_statements_idle", "Claim statements that found nothing due", registry=r
+        )
         self.transitions = Counter(
             "hubd_transitions",
             "Status transitions made here",
@@ -140,6 +149,11 @@ class Metrics:
         return generate_latest(self.registry)
 
     # -- ReconcilerObserver ---------------------------------------------------------------
+
+    def claim_statement(self, leased: int) -> None:
+        self.claim_statements.inc()
+        if leased == 0:
+            self.claim_statements_idle.inc()
 
     def claimed(self) -> None:
         self.claims.inc()

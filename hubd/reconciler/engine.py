@@ -218,7 +218,9 @@ class Reconciler:
             if not settled:
                 query.cancel()
                 raise OperationTimeout("the claim query did not finish within operation_timeout")
-            return [(row, started) for row in query.result()]
+            rows = query.result()
+            self._observer.claim_statement(len(rows))
+            return [(row, started) for row in rows]
         finally:
             if query is None or query.done():
                 self._admitted -= capacity

@@ -8,6 +8,9 @@ __all__ = ["NullObserver", "ReconcilerObserver"]
 
 
 class ReconcilerObserver(Protocol):
+    def claim_statement(self, leased: int) -> None:
+        """A claim statement ran and leased ``leased`` rows (none: an idle poll)."""
+
     def claimed(self) -> None:
         """A claim was taken."""
 
@@ -22,6 +25,9 @@ class ReconcilerObserver(Protocol):
 
 
 class NullObserver:
+    def claim_statement(self, leased: int) -> None:
+        pass
+
     def claimed(self) -> None:
         pass
 
