@@ -190,8 +190,11 @@ def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
 
 
 def _run_daemon(config: Config, args: argparse.Namespace) -> int:
+    from hubd.daemon.collector import pace_collector
     from hubd.daemon.dev import run_dev
     from hubd.daemon.service import Daemon
+
+    pace_collector()
 
     try:
         if args.command == "dev":
