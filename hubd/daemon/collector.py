@@ -12,12 +12,12 @@ number of sockets it held (1.05 ms at 2,000, 1.39 ms at 5,000).
 
 With the young generation collected every 10,000 net allocations, each older generation is
 collected 14 times less often as well (their thresholds count collections of the generation
-below); the storm's collections took 0.45 s instead of 1.74 s, the CPU per handshake stayed at
-1.08 ms at 5,000 sockets, and the memory per idle socket did not change. Young collections then
-walk up to 10,000 objects, about 3 ms each. Cyclic garbage (a dropped socket's objects refer to
-each other) is reclaimed by the same collections, later by as many allocations: an idle daemon
-allocates little, so it can hold an earlier storm's garbage for longer, as the default pace also
-does once the heap stops growing.
+below); the storm's collections took 0.45 s instead of 1.74 s, the CPU per handshake at 5,000
+sockets was 1.08 to 1.19 ms across runs, and the memory per idle socket did not change. Young
+collections then walk up to 10,000 objects, about 3 ms each. Cyclic garbage (a dropped socket's
+objects refer to each other) is reclaimed by the same collections, later by as many allocations:
+an idle daemon allocates little, so it can hold an earlier storm's garbage for longer, as the
+default pace also does once the heap stops growing.
 """
 
 from __future__ import annotations
