@@ -207,7 +207,13 @@ SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 -- sees the bumped number and decides again; its lease is never touched. :instance_id is the
 -- instance for the ledger.
 WITH locked AS (
-    SELECT id FROM hubd_allocations WHERE id = :allocation_id FOR NO KEY UPDATE
+    -- Only when this connection's record is there to clear (the delete reads the same snapshot):
+    -- the close of a socket already taken over waits on no row.
+    SELECT id FROM hubd_allocations
+    WHERE id = :allocation_id
+      AND EXISTS (SELECT 1 FROM hubd_sidecar_connections
+                  WHERE allocation_id = :allocation_id AND connection_id = :connection_id)
+    FOR NO KEY UPDATE
 ), cleared AS (
     DELETE FROM hubd_sidecar_connections
     WHERE allocation_id = :allocation_id AND connection_id = :connection_id
