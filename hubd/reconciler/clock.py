@@ -72,6 +72,8 @@ async def wait_settled(clock: Clock, task: asyncio.Future[Any], limit: float) ->
     """
     if task.done():
         return True
+    if type(clock) is SystemClock:
+        return await _wait_settled_on_loop(task, limit)
     timer = asyncio.ensure_future(clock.sleep(limit))
     try:
         await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
@@ -79,4 +81,25 @@ async def wait_settled(clock: Clock, task: asyncio.Future[Any], limit: float) ->
         timer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await timer
+    return task.done()
+
+
+async def _wait_settled_on_loop(task: asyncio.Future[Any], limit: float) -> bool:
+    """:func:`wait_settled` on the event loop's own clock: a timer handle and a callback on
+    ``task`` instead of a sleeping task and ``asyncio.wait``. Every store and plugin call of a
+    claim waits here, several per allocation, and the sleeping task cost more than the wait."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    timer = loop.call_later(max(0.0, limit), wake)
+    task.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        task.remove_done_callback(wake)
     return task.done()

@@ -1,0 +1,82 @@
+"""``wait_settled`` on the event loop's clock and on virtual time: it reports whether the task
+settled within the limit and never cancels the task."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hubd.reconciler.clock import Clock, ManualClock, SystemClock, wait_settled
+
+
+async def test_a_task_that_settles_in_time_is_reported_settled() -> None:
+    release = asyncio.Event()
+
+    async def work() -> str:
+        await release.wait()
+        return "done"
+
+    task = asyncio.ensure_future(work())
+    waiting = asyncio.ensure_future(wait_settled(SystemClock(), task, 60.0))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    release.set()
+    assert await waiting is True
+    assert task.result() == "done"
+
+
+async def test_a_late_task_is_reported_unsettled_and_left_running() -> None:
+    release = asyncio.Event()
+    task = asyncio.ensure_future(release.wait())
+    assert await wait_settled(SystemClock(), task, 0.01) is False
+    assert not task.done()
+    assert not task.cancelled()
+    release.set()
+    await task
+
+
+async def test_cancelling_the_waiter_leaves_the_task_alone() -> None:
+    release = asyncio.Event()
+    task = asyncio.ensure_future(release.wait())
+    waiting = asyncio.ensure_future(wait_settled(SystemClock(), task, 60.0))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not task.done()
+    release.set()
+    await task
+
+
+async def test_a_done_task_needs_no_wait() -> None:
+    task: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task.set_result(1)
+    assert await wait_settled(SystemClock(), task, 0.0) is True
+
+
+async def test_on_virtual_time_only_the_clock_ends_the_wait() -> None:
+    clock = ManualClock()
+    release = asyncio.Event()
+    task = asyncio.ensure_future(release.wait())
+    waiting = asyncio.ensure_future(wait_settled(clock, task, 5.0))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done()
+    assert clock.sleepers == 1
+    clock.advance(5.0)
+    assert await waiting is False
+    assert not task.done()
+    release.set()
+    await task
+
+
+@pytest.mark.parametrize("clock", [SystemClock(), ManualClock()], ids=["loop", "manual"])
+async def test_a_failed_task_counts_as_settled(clock: Clock) -> None:
+    async def fail() -> None:
+        raise ValueError("boom")
+
+    task = asyncio.ensure_future(fail())
+    assert await wait_settled(clock, task, 60.0) is True
+    with pytest.raises(ValueError, match="boom"):
+        task.result()
