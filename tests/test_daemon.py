@@ -137,8 +137,9 @@ class TestLifecycle:
             statements = moved(before, body, "hubd_claim_statements_total")
             assert statements >= 1
             assert moved(before, body, "hubd_claim_statements_idle_total") <= statements
-            # Every handshake was looked up and recorded through a batcher's statements.
-            for batcher in ("identity-lookups", "connection-records"):
+            # Every handshake was looked up and recorded through a batcher's statements, and
+            # every bind went through its transition's pipeline.
+            for batcher in ("identity-lookups", "connection-records", "bind_initial_sidecar"):
                 carried = moved(before, body, "hubd_batched_requests_total", batcher=batcher)
                 statements = moved(before, body, "hubd_batched_statements_total", batcher=batcher)
                 assert carried >= 20

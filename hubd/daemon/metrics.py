@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, cast
+from typing import Protocol, cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,7 +16,6 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hubd.server.batching import Batcher
 from hubd.server.wire import ServerStats
 
 # Every counter would also export a `_created` twin (its creation time) that no dashboard uses
@@ -136,10 +135,11 @@ class Metrics:
         """Export the sidecar listener's own counters (refusals, aborts) at every scrape."""
         self.registry.register(_ListenerCollector(stats))
 
-    def bind_batchers(self, batchers: Iterable[Batcher[Any, Any]]) -> None:
+    def bind_batchers(self, batchers: Callable[[], Iterable[Batched]]) -> None:
         """Export each statement batcher's counts at every scrape: how many statements, how
-        many requests they carried (the ratio is the mean batch size) and how many wait."""
-        self.registry.register(_BatcherCollector(tuple(batchers)))
+        many requests they carried (the ratio is the mean batch size) and how many wait.
+        ``batchers`` is asked at each scrape: pipelines of transitions appear on first use."""
+        self.registry.register(_BatcherCollector(batchers))
 
     def set_allocation_counts(self, counts: Mapping[str, int], statuses: list[str]) -> None:
         for status in statuses:
@@ -210,15 +210,29 @@ class _ListenerCollector(Collector):
             yield family
 
 
+class Batched(Protocol):
+    """What a statement batcher or a pipeline of transitions reports."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    batches: int
+    carried: int
+
+
 class _BatcherCollector(Collector):
-    def __init__(self, batchers: tuple[Batcher[Any, Any], ...]) -> None:
+    def __init__(self, batchers: Callable[[], Iterable[Batched]]) -> None:
         self._batchers = batchers
 
     def collect(self) -> Iterator[Metric]:
         statements = CounterMetricFamily(
             "hubd_batched_statements",
             "Statements run by a batcher (identity look-ups, connection records, secret "
-            "acknowledgements), each for every request that arrived while the previous one ran",
+            "acknowledgements, and each fenced transition), each for every request that arrived "
+            "while the previous one ran",
             labels=["batcher"],
         )
         requests = CounterMetricFamily(
@@ -231,7 +245,7 @@ class _BatcherCollector(Collector):
             "Requests waiting for a batcher's next statement",
             labels=["batcher"],
         )
-        for batcher in self._batchers:
+        for batcher in self._batchers():
             statements.add_metric([batcher.name], batcher.batches)
             requests.add_metric([batcher.name], batcher.carried)
             waiting.add_metric([batcher.name], batcher.waiting)

@@ -278,7 +278,9 @@ class Running:
             connected_sidecars=lambda: router.connection_count,
         )
         metrics.bind_listener(parts.server.stats)
-        metrics.bind_batchers([parts.server.lookups, *router.batchers])
+        metrics.bind_batchers(
+            lambda: [parts.server.lookups, *router.batchers, *store.pipelines.values()]
+        )
 
         listener = wake_listener(
             dsn=parts.dsn,

@@ -17,6 +17,7 @@ import asyncpg
 from hubd.errors import AllocationNotFound
 from hubd.store.database import Database, Pool
 from hubd.store.models import Allocation, Claimed, EffectRow, Fence, Status, effects_json
+from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound, Statement, load_queries
 from hubd.store.sweeps import SweepQueries
 from hubd.store.values import (
@@ -56,6 +57,14 @@ class AllocationStore(SweepQueries):
     def __init__(self, db: Database, *, instance_id: str) -> None:
         self._db = db
         self.instance_id = instance_id
+        # One per fenced transition, made on first use: concurrent claims writing the same
+        # transition share a round trip and a commit (hubd.store.pipeline).
+        self._pipelines: dict[str, Pipeline] = {}
+
+    @property
+    def pipelines(self) -> Mapping[str, Pipeline]:
+        """The fenced transitions' pipelines made so far, by statement name."""
+        return self._pipelines
 
     # -- requests from applications -------------------------------------------------------
 
@@ -430,10 +439,12 @@ class AllocationStore(SweepQueries):
     ) -> Allocation | None:
         if effects is not None:
             params["effects"] = effects_json(effects)
-        return await self._transition(
-            what,
-            statement(**fence.parameters(self.instance_id), **params),
-        )
+        pipeline = self._pipelines.get(statement.name)
+        if pipeline is None:
+            pipeline = self._pipelines[statement.name] = Pipeline(self._db, statement)
+        query = statement(**fence.parameters(self.instance_id), **params)
+        row = await pipeline.fetchrow(what, fence.allocation_id, query)
+        return Allocation.from_row(row) if row is not None else None
 
     async def _transition(self, what: str, query: Bound) -> Allocation | None:
         row = await self._db.fetchrow(what, query)

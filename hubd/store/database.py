@@ -46,6 +46,7 @@ __all__ = [
     "connect_database",
     "connections_opened",
     "init_connection",
+    "is_unavailable",
     "translate_errors",
 ]
 
@@ -92,6 +93,11 @@ class _QuietReconnects(logging.Filter):
 
 
 logging.getLogger("asyncpg.pool").addFilter(_QuietReconnects())
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` (a driver's error) means the database cannot answer right now."""
+    return isinstance(exc, _UNAVAILABLE)
 
 
 @contextmanager
