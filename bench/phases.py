@@ -36,6 +36,7 @@ __all__ = [
     "percentile",
     "say",
     "socket_phase",
+    "vacuum",
 ]
 
 PROVISIONER = "bench"
@@ -230,6 +231,22 @@ async def lifecycle(
         # The daemon ran (and the idle rate applies) from the first read to its exit.
         "window_seconds": stopped - started,
     }
+
+
+HUBD_TABLES = (
+    "hubd_allocations",
+    "hubd_allocation_ledger",
+    "hubd_sidecar_connections",
+    "hubd_sidecar_secrets",
+    "hubd_instances",
+)
+
+
+async def vacuum(stats: asyncpg.Connection) -> None:
+    """Vacuum and analyze hubd's tables now, so that autovacuum finds nothing to do in the
+    windows that follow: an earlier run's churn otherwise brings it (ten or so transactions a
+    round) into the next daemon's idle window, which then read 2.3 commits/s instead of 1."""
+    await stats.execute(f"VACUUM (ANALYZE) {', '.join(HUBD_TABLES)}")
 
 
 async def idle_commits(stats: asyncpg.Connection, *, seconds: float) -> dict[str, Any]:

@@ -216,6 +216,7 @@ class Run:
         assert self.stats is not None
         result: dict[str, Any] = {}
         await self.watcher.mute()
+        await phases.vacuum(self.stats)
         db, store = await phases.open_store(self.dsn)
         daemon = await self.daemon(claims)
         profiler = None
