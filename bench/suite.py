@@ -347,7 +347,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="hubd-bench"))
     embedded: EmbeddedPostgres | None = None
     # Named for this process: several runs (or a run and the tests) may share one server.
-    names = [f"hubd_bench_{os.getpid()}{part}" for part in ("", "_scale", "_pgq")]
+    names = [f"hubd_bench_{os.getpid()}{part}" for part in ("", "_scale", "_pgq", "_scale_large")]
     try:
         if args.database_url:
             maintenance = args.database_url
@@ -358,6 +358,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         bench_run.dsn = await _database(maintenance, names[0], migrate=True)
         scale_dsn = await _database(maintenance, names[1], migrate=True)
         pgq_dsn = await _database(maintenance, names[2], migrate=False)
+        scale_large_dsn = await _database(maintenance, names[3], migrate=True)
         bench_run.config = phases.BenchConfig(workdir, bench_run.dsn, bench_run.farm.socket_path)
         bench_run.stats = await asyncpg.connect(bench_run.dsn)
         server_version = await bench_run.stats.fetchval("SHOW server_version")
@@ -372,6 +373,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "statements",
                 lambda: scale.statement_costs(
                     scale_dsn,
+                    scale_large_dsn,
                     small=size.small_rows,
                     large=size.large_rows,
                     reps=size.statement_reps,
