@@ -23,6 +23,11 @@ class Clock(Protocol):
 
     async def sleep(self, seconds: float) -> None: ...
 
+    async def settle(self, task: asyncio.Future[Any], limit: float) -> bool:
+        """Wait up to ``limit`` seconds of this clock for ``task``; ``True`` if it settled.
+        Never cancels ``task``."""
+        ...
+
 
 class SystemClock:
     def monotonic(self) -> float:
@@ -30,6 +35,26 @@ class SystemClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
+
+    async def settle(self, task: asyncio.Future[Any], limit: float) -> bool:
+        # A timer handle and a callback on the task, not a sleeping task and asyncio.wait:
+        # every store and plugin call of a claim waits here, several per allocation, and the
+        # sleeping task cost more than the wait.
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        timer = loop.call_later(max(0.0, limit), wake)
+        task.add_done_callback(wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            task.remove_done_callback(wake)
+        return task.done()
 
 
 class ManualClock:
@@ -51,6 +76,16 @@ class ManualClock:
         heapq.heappush(self._sleepers, (self._now + seconds, next(self._order), future))
         await future
 
+    async def settle(self, task: asyncio.Future[Any], limit: float) -> bool:
+        timer = asyncio.ensure_future(self.sleep(limit))
+        try:
+            await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await timer
+        return task.done()
+
     def advance(self, seconds: float) -> None:
         """Move time forward and wake every sleeper whose time has come."""
         self._now += seconds
@@ -70,36 +105,4 @@ async def wait_settled(clock: Clock, task: asyncio.Future[Any], limit: float) ->
     Never cancels ``task``: the caller decides whether a late task is cancelled or left to
     settle while it stays accounted for.
     """
-    if task.done():
-        return True
-    if type(clock) is SystemClock:
-        return await _wait_settled_on_loop(task, limit)
-    timer = asyncio.ensure_future(clock.sleep(limit))
-    try:
-        await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        timer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await timer
-    return task.done()
-
-
-async def _wait_settled_on_loop(task: asyncio.Future[Any], limit: float) -> bool:
-    """:func:`wait_settled` on the event loop's own clock: a timer handle and a callback on
-    ``task`` instead of a sleeping task and ``asyncio.wait``. Every store and plugin call of a
-    claim waits here, several per allocation, and the sleeping task cost more than the wait."""
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[None] = loop.create_future()
-
-    def wake(_: object = None) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    timer = loop.call_later(max(0.0, limit), wake)
-    task.add_done_callback(wake)
-    try:
-        await waiter
-    finally:
-        timer.cancel()
-        task.remove_done_callback(wake)
-    return task.done()
+    return task.done() or await clock.settle(task, limit)

@@ -446,9 +446,5 @@ class AllocationStore(SweepQueries):
         row = await pipeline.fetchrow(what, fence.allocation_id, query)
         return Allocation.from_row(row) if row is not None else None
 
-    async def _transition(self, what: str, query: Bound) -> Allocation | None:
-        row = await self._db.fetchrow(what, query)
-        return Allocation.from_row(row) if row is not None else None
-
     async def _fetch_all(self, what: str, query: Bound) -> list[Allocation]:
         return [Allocation.from_row(row) for row in await self._db.fetch(what, query)]
