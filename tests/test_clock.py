@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from hubd.reconciler.clock import Clock, ManualClock, SystemClock, wait_settled
+from tests.polling import eventually
 
 
 async def test_a_task_that_settles_in_time_is_reported_settled() -> None:
@@ -18,11 +19,9 @@ async def test_a_task_that_settles_in_time_is_reported_settled() -> None:
         return "done"
 
     task = asyncio.ensure_future(work())
-    waiting = asyncio.ensure_future(wait_settled(SystemClock(), task, 60.0))
-    await asyncio.sleep(0)
-    assert not waiting.done()
-    release.set()
-    assert await waiting is True
+    # Released only once the wait is under way: a wait that ended early would say False.
+    asyncio.get_running_loop().call_soon(release.set)
+    assert await wait_settled(SystemClock(), task, 60.0) is True
     assert task.result() == "done"
 
 
@@ -39,11 +38,10 @@ async def test_a_late_task_is_reported_unsettled_and_left_running() -> None:
 async def test_cancelling_the_waiter_leaves_the_task_alone() -> None:
     release = asyncio.Event()
     task = asyncio.ensure_future(release.wait())
-    waiting = asyncio.ensure_future(wait_settled(SystemClock(), task, 60.0))
-    await asyncio.sleep(0)
-    waiting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
+    # The waiter is cancelled (by a timeout already due) once its wait is under way.
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0):
+            await wait_settled(SystemClock(), task, 60.0)
     assert not task.done()
     release.set()
     await task
@@ -60,10 +58,8 @@ async def test_on_virtual_time_only_the_clock_ends_the_wait() -> None:
     release = asyncio.Event()
     task = asyncio.ensure_future(release.wait())
     waiting = asyncio.ensure_future(wait_settled(clock, task, 5.0))
-    for _ in range(20):
-        await asyncio.sleep(0)
+    await eventually(lambda: clock.sleepers == 1, what="the wait's timer on the manual clock")
     assert not waiting.done()
-    assert clock.sleepers == 1
     clock.advance(5.0)
     assert await waiting is False
     assert not task.done()

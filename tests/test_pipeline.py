@@ -10,7 +10,7 @@ import secrets
 import pytest
 
 from hubd.errors import InvalidRequest
-from hubd.store import AllocationStore, Database, Fence, Status
+from hubd.store import Allocation, AllocationStore, Database, Fence, Status, connect_database
 from tests.polling import eventually
 from tests.storekit import claim_one, token_hash
 from tests.test_connection_races import blocked_on_a_lock
@@ -26,10 +26,16 @@ async def pending_claims(store: AllocationStore, n: int) -> list[Fence]:
     return fences
 
 
-async def bind(store: AllocationStore, fence: Fence, *, digest: bytes | None = None) -> object:
+async def bind(
+    store: AllocationStore,
+    fence: Fence,
+    *,
+    digest: bytes | None = None,
+    sidecar_id: str | None = None,
+) -> Allocation | None:
     return await store.bind_initial_sidecar(
         fence,
-        sidecar_id="sc_" + secrets.token_hex(8),
+        sidecar_id=sidecar_id or "sc_" + secrets.token_hex(8),
         token_hash=token_hash() if digest is None else digest,
         connect_timeout=120,
         api_version="1",
@@ -52,8 +58,8 @@ async def test_concurrent_transitions_share_a_batch_and_each_gets_its_own_row(
 ) -> None:
     fences = await pending_claims(store, 8)
     results = await asyncio.gather(*(bind(store, fence) for fence in fences))
-    assert [r.id for r in results] == [f.allocation_id for f in fences]  # type: ignore[attr-defined]
-    assert all(r.status is Status.PROVISIONING for r in results)  # type: ignore[attr-defined]
+    assert [r.id if r else None for r in results] == [f.allocation_id for f in fences]
+    assert all(r is not None and r.status is Status.PROVISIONING for r in results)
     pipeline = store.pipelines[BIND]
     assert pipeline.carried == 8
     assert pipeline.batches < 8
@@ -120,8 +126,9 @@ async def test_a_request_cancelled_in_its_batch_waits_for_the_batch(
         # Cancelled while its batch runs: it stays until the batch has ended, since its write
         # may yet commit.
         second.cancel()
-        for _ in range(50):
-            await asyncio.sleep(0)
+        # Polled until the batch is seen still waiting on the held row: the cancelled request
+        # has not ended meanwhile.
+        await blocked_on_a_lock(database_url)
         assert not second.done()
     with pytest.raises(asyncio.CancelledError):
         await second
@@ -150,3 +157,49 @@ async def test_a_batch_every_request_gave_up_on_is_cancelled(
     assert await statuses(db, fences) == ["pending", "pending"]
     # The pipeline carries on with the next request.
     assert await bind(store, fences[1]) is not None
+
+
+async def test_a_batch_behind_another_replicas_release_writes_nothing_for_it(
+    db: Database, database_url: str
+) -> None:
+    """Replica B binds x and y in one batch while replica A's release of x is written but not
+    yet committed. B's bind of x passed its fence in B's snapshot and waits on x's row; once
+    the release commits, the re-check sees the row released and writes nothing, while B's
+    bind of y, still its own, commits."""
+    store_a = AllocationStore(db, instance_id="replica_a")
+    db_b = await connect_database(database_url, pool_size=4)
+    try:
+        store_b = AllocationStore(db_b, instance_id="replica_b")
+        # x runs first in B's batch (allocation id order), so an answer given to the wrong
+        # request would show.
+        x, y = sorted(await pending_claims(store_b, 2), key=lambda f: f.allocation_id)
+        async with db.connection("release") as conn, conn.transaction():
+            await store_a.release(x.allocation_id, reason="user", conn=conn)
+            by_b = [
+                asyncio.create_task(bind(store_b, x, sidecar_id="sc_x_of_b")),
+                asyncio.create_task(bind(store_b, y, sidecar_id="sc_y_of_b")),
+            ]
+            await blocked_on_a_lock(database_url)
+        x_write, y_write = await asyncio.gather(*by_b)
+        assert store_b.pipelines[BIND].carried == 2
+        assert store_b.pipelines[BIND].batches == 1
+        assert x_write is None
+        assert y_write is not None
+        assert y_write.sidecar_id == "sc_y_of_b"
+        async with db.connection("read") as conn:
+            x_now = await conn.fetchrow(
+                "SELECT status, generation, sidecar_id FROM hubd_allocations WHERE id = $1",
+                x.allocation_id,
+            )
+            x_binds = await conn.fetchval(
+                "SELECT count(*) FROM hubd_allocation_ledger "
+                "WHERE allocation_id = $1 AND kind = 'bind_sidecar'",
+                x.allocation_id,
+            )
+        # A pending row is released outright (nothing was bound to destroy).
+        assert dict(x_now) == {"status": "released", "generation": 1, "sidecar_id": None}
+        assert x_binds == 0
+        # B frozen for a while and then writing again under its old fence: still nothing.
+        assert await bind(store_b, x, sidecar_id="sc_x_of_b_later") is None
+    finally:
+        await db_b.close()
