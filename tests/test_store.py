@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -321,6 +322,18 @@ class TestBadInput:
         assert await store.request(provisioner_id="fake", spec={"x": nested(31)}) is not None
 
 
+def _subplan(node: dict[str, Any], name: str) -> dict[str, Any]:
+    """The node of an EXPLAIN (FORMAT JSON) tree that heads the subplan ``name``."""
+    if node.get("Subplan Name") == name:
+        return node
+    for child in node.get("Plans", []):
+        try:
+            return _subplan(child, name)
+        except LookupError:
+            continue
+    raise LookupError(name)
+
+
 class TestClaims:
     async def test_one_statement_claims_a_batch_oldest_first(
         self, store: AllocationStore, db: Database
@@ -493,38 +506,60 @@ class TestClaims:
         assert 55 < float(remaining) <= 60
         assert not await store.renew_lease(allocation.id, new_lease(), LEASE_SECONDS)
 
-    async def test_claim_uses_partial_index(self, store: AllocationStore, db: Database) -> None:
-        """With 100,000 terminal rows and 1,000 due rows, the claim is planned on the partial
-        due index, not a sequential scan."""
+    async def test_claim_walks_the_due_index_whatever_the_statistics(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """Statistics taken while the table was empty say almost nothing is due; a burst of
+        3,000 due rows among 20,000 terminal ones then arrives. The claim still walks the due
+        index in order and stops at the 16 rows it wants: its row choice reads a few pages, where
+        fetching every due row to sort them reads hundreds, and it takes the oldest."""
+        from hubd.store.allocations import SQL
+
         async with db.pool.acquire() as conn:
+            await conn.execute("ANALYZE hubd_allocations")
             await conn.execute(
                 """
                 INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
                 SELECT 'al_' || md5(i::text), 'released', 'fake', now()
-                FROM generate_series(1, 100000) AS i
+                FROM generate_series(1, 20000) AS i
                 """
             )
             await conn.execute(
                 """
                 INSERT INTO hubd_allocations (id, provisioner_id, next_attempt_at)
                 SELECT 'al_' || md5('due' || i::text), 'fake', now() - i * interval '1 ms'
-                FROM generate_series(1, 1000) AS i
+                FROM generate_series(1, 3000) AS i
                 """
             )
-            await conn.execute("ANALYZE hubd_allocations")
-            from hubd.store.allocations import SQL
-
             claim = SQL.claim_due(
-                lease_ids=[new_lease()],
-                effect_ids=["ef_1"],
+                lease_ids=[new_lease() for _ in range(16)],
+                effect_ids=[f"ef_{i}" for i in range(16)],
                 instance_id="test",
                 lease_duration=60.0,
                 exclude=[],
             )
-            plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + claim.sql, *claim.args)
-        text = str(plan)
-        assert "hubd_allocations_due_idx" in text
-        assert "Seq Scan" not in text
+            oldest = await conn.fetch(
+                "SELECT id FROM hubd_allocations WHERE next_attempt_at IS NOT NULL "
+                "ORDER BY next_attempt_at, id LIMIT 16"
+            )
+            # Each run rolls back, so both see the same rows: the claim itself, then its plan.
+            await conn.execute("BEGIN")
+            try:
+                claimed = await conn.fetch(claim.sql, *claim.args)
+            finally:
+                await conn.execute("ROLLBACK")
+            await conn.execute("BEGIN")
+            try:
+                plan = await conn.fetchval(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim.sql, *claim.args
+                )
+            finally:
+                await conn.execute("ROLLBACK")
+        assert [r["id"] for r in claimed] == [r["id"] for r in oldest]
+        due = _subplan(json.loads(plan)[0]["Plan"], "CTE due")
+        assert due["Actual Rows"] == 16
+        pages = due["Shared Hit Blocks"] + due["Shared Read Blocks"]
+        assert pages < 60, f"the claim's row choice read {pages} pages"
 
     async def test_status_counts_cost_follows_active_rows(
         self, store: AllocationStore, db: Database

@@ -128,6 +128,29 @@ LANGUAGE sql IMMUTABLE AS $$
     ORDER BY r.place
 $$;
 
+-- The due rows a claim takes, oldest first, locked and skipping rows another claimer holds.
+-- Statistics lag a burst: a table analyzed while nearly empty makes "few rows are due" look
+-- true, and the planner then fetches every due row and sorts them, under load and with a burst's
+-- dead tuples 10-15 ms a claim, where walking the due index in order stops at the rows wanted.
+-- The settings leave that walk the only plan, in this function alone.
+CREATE FUNCTION hubd_due_allocations(exclude text[], wanted integer)
+RETURNS TABLE (id text, next_attempt_at timestamptz)
+LANGUAGE sql VOLATILE
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_sort = off
+AS $$
+    SELECT a.id, a.next_attempt_at FROM hubd_allocations AS a
+    WHERE a.next_attempt_at IS NOT NULL
+      AND a.next_attempt_at <= now()
+      AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+      AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= now())
+      AND a.id <> ALL (exclude)
+    ORDER BY a.next_attempt_at, a.id
+    LIMIT wanted
+    FOR UPDATE OF a SKIP LOCKED
+$$;
+
 CREATE TABLE hubd_instances (
     id           text PRIMARY KEY,
     hostname     text NOT NULL,

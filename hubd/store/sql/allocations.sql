@@ -59,7 +59,8 @@ SELECT updated.* FROM updated, woken;
 -- name: claim_due
 -- Lease up to one due active row per lease id in :lease_ids, oldest first, skipping rows not
 -- in :exclude and rows another claimer has locked: one statement fills every free
--- claim slot. Each row gets the lease id at its position. Served by hubd_allocations_due_idx.
+-- claim slot. Each row gets the lease id at its position. hubd_due_allocations (schema.sql)
+-- picks and locks the rows, walking hubd_allocations_due_idx in order.
 -- A claimed row whose step is to destroy its bound sidecar (replacing, releasing) gets the
 -- destroy's intent here, under the new lease, with the effect id at its position in
 -- :effect_ids (destroy_effect_id): the claim is the write that makes the call due. A claim
@@ -67,17 +68,7 @@ SELECT updated.* FROM updated, woken;
 -- check); one that stops leaves it open, and the next owner records it ambiguous.
 WITH due AS (
     SELECT id, row_number() OVER (ORDER BY next_attempt_at, id) AS slot
-    FROM (
-        SELECT id, next_attempt_at FROM hubd_allocations
-        WHERE next_attempt_at IS NOT NULL
-          AND next_attempt_at <= now()
-          AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
-          AND (lease_expires_at IS NULL OR lease_expires_at <= now())
-          AND id <> ALL (:exclude::text[])
-        ORDER BY next_attempt_at, id
-        LIMIT cardinality(:lease_ids::text[])
-        FOR UPDATE SKIP LOCKED
-    ) AS locked
+    FROM hubd_due_allocations(:exclude::text[], cardinality(:lease_ids::text[])) AS locked
 ), claimed AS (
     UPDATE hubd_allocations AS a SET
         lease_id = leases.lease_id,
