@@ -14,10 +14,13 @@ import structlog
 
 from hubd.routing import Target
 from hubd.store import AllocationStore, Database, Fence, LedgerStore, ParkMode, Status
+from hubd.store.allocations import SQL as ALLOCATION_SQL
 from hubd.store.connections import SQL as CONNECTION_SQL
 from hubd.store.connections import ConnectionStore, RecordOutcome, RecordRequest
 from hubd.store.instances import InstanceStore
+from hubd.store.models import effects_json
 from tests.polling import eventually
+from tests.storekit import drive_to
 from tests.wskit import Sidecar, dial, record_row, running_hub, sidecar_in, welcome_of
 
 
@@ -438,6 +441,56 @@ class TestReadyOnConnect:
         after = await store.get(sidecar.allocation_id)
         assert not after.ready
         assert after.lease_id == "ls_claim"
+
+    async def test_connect_blocked_behind_the_claims_acceptance_makes_it_ready(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        """A connect recorded while the claim's park accepting the ensure (provisioning →
+        allocated, parked for the connect) holds the row lock, uncommitted: once the claim
+        commits, the record finds the allocation parked for it and makes it ready, in one
+        statement. The record's snapshot still shows the row provisioning; building the new row
+        from that version must not trip the ready-only-when-allocated check."""
+        fence = await drive_to(store, db, Status.PROVISIONING)
+        bound = await store.get(fence.allocation_id)
+        assert bound.sidecar_id is not None
+        claim = await asyncpg.connect(database_url)
+        try:
+            async with claim.transaction():
+                park = ALLOCATION_SQL.park(
+                    **fence.parameters(store.instance_id),
+                    effects=effects_json((), accepted=True),
+                    accept=True,
+                    external_ref="ref-1",
+                    mode=str(ParkMode.AWAIT_CONNECTION),
+                    delay=30.0,
+                    failure_code=None,
+                    failure_message=None,
+                    connection_seq=bound.connection_seq,
+                    ready_within=30.0,
+                )
+                parked_row = await claim.fetchrow(park.sql, *park.args)
+                assert parked_row["status"] == "allocated"
+                assert not parked_row["connection_ready"]
+                connections = ConnectionStore(db, instance_id="in_a", ready_on_connect=True)
+                record = asyncio.create_task(
+                    connections.record(
+                        "cn_a", Target(fence.allocation_id, fence.generation), bound.sidecar_id
+                    )
+                )
+                await blocked_on_a_lock(database_url)
+                assert not record.done()
+        finally:
+            await claim.close()
+        recorded = await record
+        assert recorded.outcome is RecordOutcome.RECORDED
+        assert recorded.ready
+        after = await store.get(fence.allocation_id)
+        assert (after.status, after.ready, after.lease_id) == (Status.ALLOCATED, True, None)
+        kinds = [
+            entry.kind
+            for entry in await LedgerStore(db, instance_id="in_a").history(fence.allocation_id)
+        ]
+        assert kinds[-2:] == ["park_await_connection", "mark_ready"]
 
 
 class TestPools:

@@ -112,7 +112,13 @@ WITH input AS (
 ), alloc AS (
     UPDATE hubd_allocations AS a SET
         connection_seq = a.connection_seq + 1,
-        connection_ready = a.connection_ready OR prior.ready_now,
+        -- prior.ready_now was decided on the row as locked, which may be newer than the row
+        -- this statement's snapshot sees (a claim that accepted the ensure, provisioning →
+        -- allocated, committed while prior waited). PostgreSQL checks the constraints on the new
+        -- row built from the snapshot's version before it finds that version superseded and
+        -- rebuilds from the locked one: readiness only where this version is allocated, or
+        -- hubd_allocations_ready_check fails the whole statement.
+        connection_ready = a.connection_ready OR (prior.ready_now AND a.status = 'allocated'),
         next_attempt_at = CASE WHEN prior.ready_now THEN NULL
                                WHEN a.next_attempt_at IS NULL OR a.next_attempt_at > now()
                                THEN now() ELSE a.next_attempt_at END,
