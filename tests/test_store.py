@@ -509,14 +509,16 @@ class TestClaims:
     async def test_claim_walks_the_due_index_whatever_the_statistics(
         self, store: AllocationStore, db: Database
     ) -> None:
-        """Statistics taken while the table was empty say almost nothing is due; a burst of
-        3,000 due rows among 20,000 terminal ones then arrives. The claim still walks the due
-        index in order and stops at the 16 rows it wants: its row choice reads a few pages, where
-        fetching every due row to sort them reads hundreds, and it takes the oldest."""
+        """Statistics taken while the tables were empty say almost nothing is due and the ledger
+        is small; a burst of 3,000 due rows among 20,000 finished ones then arrives, with 40,000
+        ledger rows. The claim still walks the due index in order and stops at the 16 rows it
+        wants (a few pages, where fetching every due row to sort them reads hundreds), takes the
+        oldest, and looks for open plugin calls in the claimed rows' own ledger rows, not in the
+        whole ledger's."""
         from hubd.store.allocations import SQL
 
         async with db.pool.acquire() as conn:
-            await conn.execute("ANALYZE hubd_allocations")
+            await conn.execute("ANALYZE hubd_allocations, hubd_allocation_ledger")
             await conn.execute(
                 """
                 INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
@@ -526,9 +528,20 @@ class TestClaims:
             )
             await conn.execute(
                 """
-                INSERT INTO hubd_allocations (id, provisioner_id, next_attempt_at)
-                SELECT 'al_' || md5('due' || i::text), 'fake', now() - i * interval '1 ms'
+                INSERT INTO hubd_allocations (id, status, provisioner_id, next_attempt_at)
+                SELECT 'al_' || md5('due' || i::text), 'provisioning', 'fake',
+                    now() - i * interval '1 ms'
                 FROM generate_series(1, 3000) AS i
+                """
+            )
+            # Each finished allocation has a settled plugin call: 40,000 ledger rows.
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocation_ledger
+                    (allocation_id, generation, kind, to_status, phase, effect_id)
+                SELECT 'al_' || md5(i::text), 1, 'ensure', 'provisioning', phase,
+                    'ef_' || md5(i::text)
+                FROM generate_series(1, 20000) AS i, unnest(ARRAY['intent', 'committed']) AS phase
                 """
             )
             claim = SQL.claim_due(
@@ -560,6 +573,9 @@ class TestClaims:
         assert due["Actual Rows"] == 16
         pages = due["Shared Hit Blocks"] + due["Shared Read Blocks"]
         assert pages < 60, f"the claim's row choice read {pages} pages"
+        whole = json.loads(plan)[0]["Plan"]
+        pages = whole["Shared Hit Blocks"] + whole["Shared Read Blocks"]
+        assert pages < 1000, f"the claim read {pages} pages"
 
     async def test_status_counts_cost_follows_active_rows(
         self, store: AllocationStore, db: Database

@@ -151,6 +151,25 @@ AS $$
     FOR UPDATE OF a SKIP LOCKED
 $$;
 
+-- Whether a plugin call of the allocation has an intent and no outcome, looked up through the
+-- allocation's own ledger rows. Written inline in the claim, the planner may instead (on a
+-- ledger it believes small) collect every open intent of the whole ledger once and hash them:
+-- 14 ms a claim at 20,000 ledger rows. A function with a setting is never inlined, so this runs
+-- per claimed row, by index.
+CREATE FUNCTION hubd_has_open_effects(allocation text)
+RETURNS boolean
+LANGUAGE sql STABLE
+SET enable_seqscan = off
+AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM hubd_allocation_ledger AS i
+        WHERE i.allocation_id = allocation AND i.effect_id IS NOT NULL AND i.phase = 'intent'
+          AND NOT EXISTS (
+              SELECT 1 FROM hubd_allocation_ledger AS o
+              WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id
+                AND o.phase <> 'intent'))
+$$;
+
 CREATE TABLE hubd_instances (
     id           text PRIMARY KEY,
     hostname     text NOT NULL,

@@ -85,14 +85,8 @@ WITH due AS (
         -- plugins can have one): the claim settles those first, and skips the statement
         -- otherwise. Exact: no other lease can write an intent while this one is live, and
         -- this statement's own intents are not in its snapshot.
-        a.status IN ('provisioning', 'replacing', 'releasing') AND EXISTS (
-            SELECT 1 FROM hubd_allocation_ledger AS i
-            WHERE i.allocation_id = a.id AND i.effect_id IS NOT NULL AND i.phase = 'intent'
-              AND NOT EXISTS (
-                  SELECT 1 FROM hubd_allocation_ledger AS o
-                  WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id
-                    AND o.phase <> 'intent')
-        ) AS open_effects
+        a.status IN ('provisioning', 'replacing', 'releasing') AND hubd_has_open_effects(a.id)
+            AS open_effects
 ), intents AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id,
         effect_id, kind, from_status, to_status, phase)

@@ -1,0 +1,33 @@
+-- 0008_claim_plans: the claim's two look-ups get plans that do not depend on the statistics
+-- (see hubd_due_allocations and hubd_has_open_effects in schema.sql).
+CREATE FUNCTION hubd_due_allocations(exclude text[], wanted integer)
+RETURNS TABLE (id text, next_attempt_at timestamptz)
+LANGUAGE sql VOLATILE
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_sort = off
+AS $$
+    SELECT a.id, a.next_attempt_at FROM hubd_allocations AS a
+    WHERE a.next_attempt_at IS NOT NULL
+      AND a.next_attempt_at <= now()
+      AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+      AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= now())
+      AND a.id <> ALL (exclude)
+    ORDER BY a.next_attempt_at, a.id
+    LIMIT wanted
+    FOR UPDATE OF a SKIP LOCKED
+$$;
+
+CREATE FUNCTION hubd_has_open_effects(allocation text)
+RETURNS boolean
+LANGUAGE sql STABLE
+SET enable_seqscan = off
+AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM hubd_allocation_ledger AS i
+        WHERE i.allocation_id = allocation AND i.effect_id IS NOT NULL AND i.phase = 'intent'
+          AND NOT EXISTS (
+              SELECT 1 FROM hubd_allocation_ledger AS o
+              WHERE o.allocation_id = i.allocation_id AND o.effect_id = i.effect_id
+                AND o.phase <> 'intent'))
+$$;
