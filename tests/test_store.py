@@ -577,6 +577,82 @@ class TestClaims:
         pages = whole["Shared Hit Blocks"] + whole["Shared Read Blocks"]
         assert pages < 1000, f"the claim read {pages} pages"
 
+    @pytest.mark.parametrize("finished", [0, 20_000])
+    async def test_key_lookups_keep_their_indexes_after_statistics_without_active_rows(
+        self, store: AllocationStore, db: Database, finished: int
+    ) -> None:
+        """Statistics taken while no row was active (a new deployment, or a quiet spell with
+        only ``finished`` rows); 2,000 connected allocations then arrive. On hubd's own
+        connections, whose plans are made once and kept, a release still finds its row by key
+        (not by reading a whole partial index), and the handshake's identity look-up reads by
+        key, with no sequential scan."""
+        from hubd.store.allocations import SQL as ALLOCATIONS
+        from hubd.store.connections import SQL as CONNECTIONS
+
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
+                SELECT 'al_' || md5(i::text), 'released', 'fake', now()
+                FROM generate_series(1, $1::integer) AS i
+                """,
+                finished,
+            )
+            await conn.execute(
+                "ANALYZE hubd_allocations, hubd_sidecar_connections, hubd_sidecar_secrets"
+            )
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations
+                    (id, status, provisioner_id, sidecar_id, token_hash, connection_ready)
+                SELECT 'al_' || md5('live' || i::text), 'allocated', 'fake', 'sc_' || i,
+                    sha256(i::text::bytea), true
+                FROM generate_series(1, 2000) AS i
+                """
+            )
+            await conn.execute(
+                """
+                INSERT INTO hubd_sidecar_secrets
+                    (allocation_id, generation, sidecar_id, secret_hash, acknowledged)
+                SELECT 'al_' || md5('live' || i::text), 1, 'sc_' || i,
+                    sha256(('s' || i)::bytea), true
+                FROM generate_series(1, 2000) AS i
+                """
+            )
+            ids = await conn.fetch(
+                "SELECT id FROM hubd_allocations WHERE status = 'allocated' ORDER BY id LIMIT 8"
+            )
+            wanted = [row["id"] for row in ids]
+            release = ALLOCATIONS.release_allocation(
+                allocation_id=wanted[0], instance_id="test", reason="test"
+            )
+            lookup = CONNECTIONS.identities(allocation_ids=wanted)
+            plans = []
+            for name, bound in (("release", release), ("lookup", lookup)):
+                # Prepared and executed as the pools do: the connection's generic plan.
+                await conn.execute(f"PREPARE {name} AS {bound.sql}")
+                literals = [
+                    await conn.fetchval("SELECT quote_literal($1::text[]::text)", arg)
+                    if isinstance(arg, list)
+                    else await conn.fetchval("SELECT quote_nullable($1::text)", arg)
+                    for arg in bound.args
+                ]
+                await conn.execute("BEGIN")
+                try:
+                    explained = await conn.fetchval(
+                        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+                        f"EXECUTE {name}({', '.join(literals)})"
+                    )
+                    plans.append(json.loads(explained)[0]["Plan"])
+                finally:
+                    await conn.execute("ROLLBACK")
+                await conn.execute(f"DEALLOCATE {name}")
+        for plan in plans:
+            text = json.dumps(plan)
+            assert "Seq Scan" not in text, text
+            pages = plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+            assert pages < 100, f"{pages} pages: {text}"
+
     async def test_status_counts_cost_follows_active_rows(
         self, store: AllocationStore, db: Database
     ) -> None:

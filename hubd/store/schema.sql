@@ -59,9 +59,14 @@ CREATE INDEX hubd_allocations_active_idx ON hubd_allocations (id)
 
 CREATE INDEX hubd_allocations_status_idx ON hubd_allocations (status, created_at);
 
--- Serves orphan collection: is this sidecar the current one of an active allocation?
+-- Serves orphan collection: is this sidecar the current one of an active allocation? Only a
+-- statement that names a sidecar implies "sidecar_id IS NOT NULL", so only such a statement can
+-- use it. Without that, any statement on an active status could, and after an ANALYZE that saw
+-- few active rows the planner preferred reading this whole index, filtered by id, to the
+-- primary key: 3,213 pages a release in a bench run with 2,000 active rows.
 CREATE INDEX hubd_allocations_sidecar_idx ON hubd_allocations (sidecar_id)
-    WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+    WHERE sidecar_id IS NOT NULL
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
 
 CREATE TABLE hubd_allocation_ledger (
     seq           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

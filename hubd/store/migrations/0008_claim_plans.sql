@@ -1,5 +1,11 @@
--- 0008_claim_plans: the claim's two look-ups get plans that do not depend on the statistics
--- (see hubd_due_allocations and hubd_has_open_effects in schema.sql).
+-- 0008_claim_plans: plans that do not depend on the statistics. The claim's two look-ups
+-- (hubd_due_allocations and hubd_has_open_effects in schema.sql), and an index of current
+-- sidecars that only a look-up by sidecar can use (schema.sql says why).
+DROP INDEX hubd_allocations_sidecar_idx;
+CREATE INDEX hubd_allocations_sidecar_idx ON hubd_allocations (sidecar_id)
+    WHERE sidecar_id IS NOT NULL
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+
 CREATE FUNCTION hubd_due_allocations(exclude text[], wanted integer)
 RETURNS TABLE (id text, next_attempt_at timestamptz)
 LANGUAGE sql VOLATILE
