@@ -583,9 +583,9 @@ class TestClaims:
     ) -> None:
         """Statistics taken while no row was active (a new deployment, or a quiet spell with
         only ``finished`` rows); 2,000 connected allocations then arrive. On hubd's own
-        connections, whose plans are made once and kept, a release still finds its row by key
-        (not by reading a whole partial index), and the handshake's identity look-up reads by
-        key, with no sequential scan."""
+        connections, whose plans are made once and kept a while, a release still finds its row
+        by key (not by reading a whole partial index), and the handshake's identity look-up
+        reads by key, with no sequential scan."""
         from hubd.store.allocations import SQL as ALLOCATIONS
         from hubd.store.connections import SQL as CONNECTIONS
 

@@ -236,13 +236,13 @@ SOCKET_POOL_SIZE = 4
 # Every statement hubd runs is a prepared, parameterised one that finds its rows by key or by a
 # partial index; PostgreSQL's default would plan most of them afresh on every execution (a custom
 # plan is never costed above the generic one for these), and planning cost more than running.
-# A generic plan is made once per connection, from the statistics of that moment, and kept. After
-# a quiet spell those say there are almost no active rows, and a burst of them then met
-# sequential scans of the connection records, the reconnect secrets and the allocations
-# themselves (identity look-ups, the park's look at the record), kept for the connection's life:
-# the CPU of a whole lifecycle run varied by 60% with when each connection first planned. With
-# sequential scans off, each of those statements takes its index; a statement no index serves
-# still scans.
+# A generic plan is made per connection from the statistics of that moment, and kept as long as
+# asyncpg caches the statement (five minutes). After a quiet spell the statistics say there are
+# almost no active rows, and a burst of them then met sequential scans of the connection
+# records, the reconnect secrets and the allocations themselves (identity look-ups, the park's
+# look at the record): the CPU of a whole lifecycle run varied by 60% with when each connection
+# planned. With sequential scans off, each of those statements takes its index; a statement no
+# index serves still scans (docs/performance.md, "Plans that do not depend on the statistics").
 SESSION_SETTINGS = {"plan_cache_mode": "force_generic_plan", "enable_seqscan": "off"}
 
 
