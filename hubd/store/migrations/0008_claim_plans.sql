@@ -1,6 +1,11 @@
 -- 0008_claim_plans: plans that do not depend on the statistics. The claim's two look-ups
--- (hubd_due_allocations and hubd_has_open_effects in schema.sql), and an index of current
--- sidecars that only a look-up by sidecar can use (schema.sql says why).
+-- (hubd_due_allocations and hubd_has_open_effects in schema.sql), and two indexes that only
+-- the statements they serve can use: current sidecars by sidecar, statuses over a time range
+-- (schema.sql says why).
+DROP INDEX hubd_allocations_status_idx;
+CREATE INDEX hubd_allocations_status_idx ON hubd_allocations (status, created_at)
+    WHERE created_at IS NOT NULL;
+
 DROP INDEX hubd_allocations_sidecar_idx;
 CREATE INDEX hubd_allocations_sidecar_idx ON hubd_allocations (sidecar_id)
     WHERE sidecar_id IS NOT NULL
