@@ -60,7 +60,7 @@ CREATE INDEX hubd_allocations_active_idx ON hubd_allocations (id)
 -- Serves listings by status over a time range (created_at bounded). Only a statement that bounds
 -- created_at implies the predicate, so no transition can take this index for its
 -- "status = 'pending'": after an ANALYZE that saw few rows of that status, the planner preferred
--- reading every row of it here to the primary key (102 pages a bind at 5,000 pending rows in
+-- reading every row of it here to the primary key (119 pages a bind at 5,000 pending rows in
 -- the test, growing with them).
 CREATE INDEX hubd_allocations_status_idx ON hubd_allocations (status, created_at)
     WHERE created_at IS NOT NULL;
