@@ -341,6 +341,12 @@ def _size(args: argparse.Namespace) -> Size:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    # A TERM (a supervisor, a timeout, kill) ends the run as Ctrl-C does: the finally blocks
+    # below stop the daemon, the farm and the embedded PostgreSQL and drop the databases,
+    # instead of leaving them running after the bench has gone.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     size = _size(args)
     raise_open_files()
     load_before = os.getloadavg()
@@ -436,7 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         print(render(json.loads(args.render.read_text())))
         return 0
-    report = asyncio.run(run(args))
+    try:
+        report = asyncio.run(run(args))
+    except asyncio.CancelledError:
+        print("bench: stopped by SIGTERM; its processes and databases are gone", file=sys.stderr)
+        return 128 + signal.SIGTERM
     args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(render(report))
     print(f"\nJSON: {args.json}")

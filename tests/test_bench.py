@@ -11,10 +11,12 @@ import json
 import sys
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from tests.clikit import hubd_env
 from tests.conftest import PostgresServer
+from tests.polling import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -104,3 +106,73 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     machine = report["machine"]
     assert machine["nproc"] >= 1
     assert len(machine["load_average"]) == 3
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is ``pid``."""
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def test_a_terminated_run_stops_its_processes_and_drops_its_databases(
+    postgres_server: PostgresServer, tmp_path: Path
+) -> None:
+    """SIGTERM in the middle of a run (the farm and a daemon up) ends it with 143, and
+    leaves neither its child processes nor its databases behind."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench",
+        "--size",
+        "tiny",
+        "--only",
+        "claims",
+        "--database-url",
+        postgres_server.maintenance_dsn,
+        "--json",
+        str(tmp_path / "bench.json"),
+        env=hubd_env(),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    children: set[int] = set()
+
+    async def farm_and_daemon_up() -> bool:
+        children.update(_children(process.pid))
+        return len(children) >= 2
+
+    await eventually(farm_and_daemon_up, within=120, what="the farm and a daemon")
+    process.terminate()
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 143, stderr.decode()[-4000:]
+
+    async def children_gone() -> bool:
+        return not any(_alive(pid) for pid in children)
+
+    await eventually(children_gone, within=30, what="the bench's children to exit")
+    conn = await asyncpg.connect(postgres_server.maintenance_dsn)
+    try:
+        left = await conn.fetch(
+            "SELECT datname FROM pg_database WHERE datname LIKE $1", f"hubd_bench_{process.pid}%"
+        )
+    finally:
+        await conn.close()
+    assert left == []
