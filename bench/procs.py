@@ -17,6 +17,7 @@ __all__ = [
     "BareServer",
     "DaemonProcess",
     "FarmClient",
+    "children",
     "cpu_seconds",
     "raise_open_files",
     "rss_kib",
@@ -60,15 +61,21 @@ def server_processes(backend_pid: int) -> list[int]:
         parent = int(Path(f"/proc/{backend_pid}/stat").read_text().rpartition(")")[2].split()[1])
     except OSError:
         return []
-    found = [parent]
+    return [parent, *children(parent)]
+
+
+def children(parent: int, *, live: bool = False) -> list[int]:
+    """The processes whose parent is ``parent`` (with ``live``, not those already exited and
+    waiting to be reaped)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        if int(stat.rpartition(")")[2].split()[1]) == parent:
+        if int(fields[1]) == parent and not (live and fields[0] == "Z"):
             found.append(int(entry.name))
     return found
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from bench import procs
 from tests.clikit import hubd_env
 from tests.conftest import PostgresServer
 from tests.polling import eventually
@@ -60,6 +61,27 @@ WITH_BASELINE = EVERY_MEASURE - {
 }
 
 
+async def _tiny_run(
+    postgres_server: PostgresServer, output: Path, *args: str, stdout: int
+) -> asyncio.subprocess.Process:
+    """``python -m bench`` at its smallest size on the tests' PostgreSQL, stderr piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench",
+        "--size",
+        "tiny",
+        *args,
+        "--database-url",
+        postgres_server.maintenance_dsn,
+        "--json",
+        str(output),
+        env=hubd_env(),
+        stdout=stdout,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
 async def test_the_smallest_run_reports_every_measure_with_numbers(
     postgres_server: PostgresServer, tmp_path: Path
 ) -> None:
@@ -67,20 +89,7 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     every measure has a numeric hubd value (and baseline where it has one), every part ran
     without error, and the lifecycles finished every allocation."""
     output = tmp_path / "bench.json"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "bench",
-        "--size",
-        "tiny",
-        "--database-url",
-        postgres_server.maintenance_dsn,
-        "--json",
-        str(output),
-        env=hubd_env(),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await _tiny_run(postgres_server, output, stdout=asyncio.subprocess.PIPE)
     stdout, stderr = await process.communicate()
     text = stdout.decode()
     assert process.returncode == 0, text + stderr.decode()[-4000:]
@@ -108,22 +117,6 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     assert len(machine["load_average"]) == 3
 
 
-def _children(pid: int) -> set[int]:
-    """The live processes whose parent is ``pid``."""
-    found: set[int] = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rpartition(")")[2].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -137,26 +130,17 @@ async def test_a_terminated_run_stops_its_processes_and_drops_its_databases(
 ) -> None:
     """SIGTERM in the middle of a run (the farm and a daemon up) ends it with 143, and
     leaves neither its child processes nor its databases behind."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "bench",
-        "--size",
-        "tiny",
+    process = await _tiny_run(
+        postgres_server,
+        tmp_path / "bench.json",
         "--only",
         "claims",
-        "--database-url",
-        postgres_server.maintenance_dsn,
-        "--json",
-        str(tmp_path / "bench.json"),
-        env=hubd_env(),
         stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
     )
     children: set[int] = set()
 
     async def farm_and_daemon_up() -> bool:
-        children.update(_children(process.pid))
+        children.update(procs.children(process.pid, live=True))
         return len(children) >= 2
 
     await eventually(farm_and_daemon_up, within=120, what="the farm and a daemon")

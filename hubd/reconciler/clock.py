@@ -26,7 +26,6 @@ class Clock(Protocol):
     async def settle(self, task: asyncio.Future[Any], limit: float) -> bool:
         """Wait up to ``limit`` seconds of this clock for ``task``; ``True`` if it settled.
         Never cancels ``task``."""
-        ...
 
 
 class SystemClock:
