@@ -14,8 +14,11 @@ SQL = load_queries("counts.sql")
 async def status_counts(db: Database) -> dict[Status, int]:
     """Active statuses counted exactly; terminal ones estimated from the planner's statistics
     (zero before the table's first ANALYZE)."""
-    estimated = await db.fetch("count allocations", SQL.estimate_statuses())
-    active = await db.fetch("count allocations", SQL.count_active())
+    # One transaction for both: every replica runs this every poll interval, and it is one
+    # of the few commits an idle daemon makes.
+    async with db.connection("count allocations") as conn, conn.transaction():
+        estimated = await db.fetch("count allocations", SQL.estimate_statuses(), conn=conn)
+        active = await db.fetch("count allocations", SQL.count_active(), conn=conn)
     counts = dict.fromkeys(Status, 0)
     for row in estimated:
         if row["status"] in Status.__members__.values():

@@ -44,7 +44,7 @@ WITH prior AS (
         initialization_lease_id = NULL,
         updated_at = now()
     FROM prior
-    WHERE a.id = prior.id
+    WHERE a.id = prior.id AND a.id = :allocation_id
     RETURNING a.*, prior.status AS from_status
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
@@ -313,13 +313,8 @@ SELECT * FROM updated;
 -- (the caller puts the acceptance's own ledger row in :effects, after the outcome).
 WITH live AS (
     SELECT a.connection_seq AS seq,
-           EXISTS (
-               SELECT 1 FROM hubd_sidecar_connections AS c
-               LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
-               WHERE c.allocation_id = a.id AND c.generation = a.generation
-                 AND (i.heartbeat_at > now() - make_interval(secs => :ready_within::float8)
-                      OR c.instance_id = :instance_id)
-           ) AS connected
+           hubd_sidecar_live(a.id, a.generation, :ready_within::float8, :instance_id)
+               AS connected
     FROM hubd_allocations AS a
     WHERE a.id = :allocation_id AND :ready_within::float8 IS NOT NULL
       AND :mode::text = 'await_connection'
@@ -360,7 +355,7 @@ WITH live AS (
         lease_expires_at = NULL,
         updated_at = now()
     FROM prior
-    WHERE a.id = prior.id
+    WHERE a.id = prior.id AND a.id = :allocation_id
     RETURNING a.*
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
@@ -494,7 +489,7 @@ WITH prior AS (
         finished_at = now(),
         updated_at = now()
     FROM prior
-    WHERE a.id = prior.id
+    WHERE a.id = prior.id AND a.id = :allocation_id
     RETURNING a.*, prior.status AS from_status
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,

@@ -22,10 +22,10 @@
 -- allocation.
 SELECT a.id, a.status, a.generation, a.sidecar_id, a.token_hash,
        s.secret_hash, s.previous_hash, s.acknowledged
-FROM unnest(:allocation_ids::text[]) AS wanted (id)
-JOIN hubd_allocations AS a ON a.id = wanted.id
+FROM hubd_allocations AS a
 LEFT JOIN hubd_sidecar_secrets AS s
-       ON s.allocation_id = a.id AND s.generation = a.generation AND s.sidecar_id = a.sidecar_id;
+       ON s.allocation_id = a.id AND s.generation = a.generation AND s.sidecar_id = a.sidecar_id
+WHERE a.id = ANY (:allocation_ids::text[]);
 
 -- name: record
 -- Connections become the current ones of their allocations: element i of the arrays is
@@ -353,13 +353,7 @@ SELECT allocation_id, generation FROM cleared;
 -- that answer (NULL: none): a disconnect since the claim read its row gave a fresh one.
 SELECT a.connection_seq,
        extract(epoch FROM a.connect_deadline - now())::float8 AS deadline_in,
-       EXISTS (
-           SELECT 1 FROM hubd_sidecar_connections AS c
-           LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
-           WHERE c.allocation_id = a.id AND c.generation = :generation
-             AND (i.heartbeat_at > now() - make_interval(secs => :ttl)
-                  OR c.instance_id = :instance_id)
-       ) AS connected
+       hubd_sidecar_live(a.id, :generation, :ttl, :instance_id) AS connected
 FROM hubd_allocations AS a WHERE a.id = :allocation_id;
 
 -- name: check_sockets
