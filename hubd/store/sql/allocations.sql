@@ -77,7 +77,9 @@ WITH due AS (
     FROM due
     JOIN unnest(:lease_ids::text[], :effect_ids::text[]) WITH ORDINALITY
         AS leases (lease_id, effect_id, slot) ON leases.slot = due.slot
-    WHERE a.id = due.id
+    -- By key: planned on a table it believes empty, the join alone walked the whole primary
+    -- key once a claim (schema.sql, hubd_due_allocations).
+    WHERE a.id = due.id AND a.id = ANY (ARRAY(SELECT id FROM due))
     RETURNING a.*,
         CASE WHEN a.status IN ('replacing', 'releasing') AND a.sidecar_id IS NOT NULL
              THEN leases.effect_id END AS destroy_effect_id,

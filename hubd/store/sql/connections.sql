@@ -19,12 +19,15 @@
 -- look-ups that arrived while the previous statement ran): each allocation's status, generation
 -- and current identity, and that identity's reconnect secret (all NULL when it has none: a row
 -- of an older generation or sidecar is no secret of this one). No row for an id: no such
--- allocation.
+-- allocation. Both tables are read through :allocation_ids: planned on tables it believes empty,
+-- a join on the allocation alone walked every allocation, or every secret once per allocation
+-- (15,707 pages for 8 look-ups at 2,000 secrets in the test).
 SELECT a.id, a.status, a.generation, a.sidecar_id, a.token_hash,
        s.secret_hash, s.previous_hash, s.acknowledged
 FROM hubd_allocations AS a
 LEFT JOIN hubd_sidecar_secrets AS s
        ON s.allocation_id = a.id AND s.generation = a.generation AND s.sidecar_id = a.sidecar_id
+      AND s.allocation_id = ANY (:allocation_ids::text[])
 WHERE a.id = ANY (:allocation_ids::text[]);
 
 -- name: record
