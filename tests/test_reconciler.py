@@ -112,10 +112,12 @@ class TestHappyPath:
         router: RecordingRouter,
         provisioner: ScriptedProvisioner,
     ) -> None:
-        """A request is bound, ensured and parked until its connect deadline; the sidecar's
-        connect wakes it, and the next claim marks it ready and drops the lease."""
+        """A request is bound by the statement that claims it, ensured with the token of the
+        identity bound and parked until its connect deadline; the sidecar's connect wakes it,
+        and the next claim marks it ready and drops the lease."""
         allocation = await store.request(provisioner_id="fake", tenant_id="t", spec={"k": 1})
         assert await reconciler.reconcile_next()
+        assert "bind_initial_sidecar" not in store.pipelines  # no bind of its own
         parked = await store.get(allocation.id)
         assert parked.status is Status.ALLOCATED
         assert parked.lease_id is None

@@ -29,6 +29,7 @@ from hubd.store.connections import ConnectionStore
 from hubd.store.counts import status_counts
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id
+from hubd.store.models import InitialBinds
 from tests.pgtime import age_row, expire_lease
 from tests.polling import eventually
 from tests.storekit import LEASE_SECONDS, claim_next, claim_one, drive_to, new_lease, token_hash
@@ -322,8 +323,20 @@ class TestBadInput:
         assert await store.request(provisioner_id="fake", spec={"x": nested(31)}) is not None
 
 
+def _claim_binds(slots: int) -> dict[str, object]:
+    """The claim statement's binding arguments, as a daemon serving ``fake`` passes them."""
+    return {
+        "sidecar_ids": [f"sc_claim_{i}" for i in range(slots)],
+        "token_hashes": [bytes(32) for _ in range(slots)],
+        "bindings": json.dumps({"fake": ["1", "fp"]}),
+        "connect_timeout": 60.0,
+    }
+
+
 async def _literal(conn: asyncpg.Connection, value: object) -> str:
     """``value`` as an SQL literal, for ``EXECUTE`` of a prepared statement."""
+    if isinstance(value, list) and value and isinstance(value[0], bytes):
+        return str(await conn.fetchval("SELECT quote_literal($1::bytea[]::text)", value))
     if isinstance(value, list):
         return str(await conn.fetchval("SELECT quote_literal($1::text[]::text)", value))
     if isinstance(value, bytes):
@@ -366,6 +379,80 @@ class TestClaims:
         assert (await store.get(rows[0].id)).lease_id == leased.lease_id
         more = await store.claim_due(lease_ids=[new_lease(), new_lease()], lease_duration=60)
         assert [c.allocation.id for c in more] == [rows[2].id]
+
+    async def test_a_claim_binds_the_pending_rows_of_its_provisioners(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """Given identities, a claim binds each pending row of a provisioner it names, as a
+        bind would, with the identity at the row's slot, and writes the bind and the ensure's
+        intent under the new lease. A row of another provisioner, one bound to another version,
+        and a row past pending are leased and left as they were."""
+        allocated = await drive_to(store, db, Status.ALLOCATED)
+        ours = [await store.request(provisioner_id="fake") for _ in range(2)]
+        other = await store.request(provisioner_id="elsewhere")
+        rebound = await store.request(provisioner_id="fake")
+        await expire_lease(db, allocated.allocation_id)
+        identity = (await store.get(allocated.allocation_id)).sidecar_id
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET provisioner_api_version = '0' WHERE id = $1",
+                rebound.id,
+            )
+            await conn.execute(
+                "UPDATE hubd_allocations SET next_attempt_at = now() - interval '1 hour' "
+                "WHERE id = $1",
+                allocated.allocation_id,
+            )
+        for age, row in zip((50, 40, 30, 20), (*ours, other, rebound), strict=True):
+            await age_row(db, row.id, age)
+        leases = [new_lease() for _ in range(6)]
+        binds = InitialBinds(
+            sidecar_ids=[f"sc_slot_{i}" for i in range(6)],
+            token_hashes=[bytes([i]) * 32 for i in range(6)],
+            provisioners={"fake": ("1", "fp")},
+            connect_timeout=120.0,
+        )
+        claimed = await store.claim_due(lease_ids=leases, lease_duration=60, binds=binds)
+        by_id = {c.allocation.id: (slot, c) for slot, c in enumerate(claimed)}
+        assert set(by_id) == {allocated.allocation_id, *(r.id for r in (*ours, other, rebound))}
+        for row in ours:
+            slot, c = by_id[row.id]
+            a = c.allocation
+            assert a.status is Status.PROVISIONING
+            assert (a.sidecar_id, a.token_hash) == (f"sc_slot_{slot}", bytes([slot]) * 32)
+            assert (a.provisioner_api_version, a.provisioner_binding_fingerprint) == ("1", "fp")
+            assert a.connect_deadline is not None
+            assert a.lease_id == leases[slot]
+            assert not c.open_effects
+            assert c.ensure_intent is not None
+            assert c.destroy_intent is None
+            async with db.pool.acquire() as conn:
+                ledger = await conn.fetch(
+                    "SELECT kind, phase, from_status, to_status, lease_id, effect_id "
+                    "FROM hubd_allocation_ledger WHERE allocation_id = $1 AND kind <> 'request' "
+                    "ORDER BY seq",
+                    row.id,
+                )
+            assert [tuple(r) for r in ledger] == [
+                ("bind_sidecar", "committed", "pending", "provisioning", leases[slot], None),
+                (
+                    "ensure",
+                    "intent",
+                    "provisioning",
+                    "provisioning",
+                    leases[slot],
+                    c.ensure_intent,
+                ),
+            ]
+        for untouched in (other.id, rebound.id, allocated.allocation_id):
+            _, c = by_id[untouched]
+            before = Status.ALLOCATED if untouched == allocated.allocation_id else Status.PENDING
+            assert c.allocation.status is before
+            assert c.ensure_intent is None
+            assert c.allocation.lease_id is not None
+        assert by_id[other.id][1].allocation.sidecar_id is None
+        assert by_id[rebound.id][1].allocation.sidecar_id is None
+        assert by_id[allocated.allocation_id][1].allocation.sidecar_id == identity
 
     async def test_a_claim_says_whether_a_plugin_call_was_left_without_outcome(
         self, store: AllocationStore, db: Database
@@ -557,6 +644,7 @@ class TestClaims:
             claim = SQL.claim_due(
                 lease_ids=[new_lease() for _ in range(16)],
                 effect_ids=[f"ef_{i}" for i in range(16)],
+                **_claim_binds(16),
                 instance_id="test",
                 lease_duration=60.0,
                 exclude=[],
@@ -728,6 +816,7 @@ class TestClaims:
             claim = ALLOCATIONS.claim_due(
                 lease_ids=[f"ls_claim_{i}" for i in range(16)],
                 effect_ids=[f"ef_claim_{i}" for i in range(16)],
+                **_claim_binds(16),
                 instance_id="test",
                 lease_duration=60.0,
                 exclude=[],

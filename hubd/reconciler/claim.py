@@ -91,6 +91,10 @@ class ClaimRun:
     """An earlier lease may have left a plugin call with no outcome to settle."""
     destroy_intent: str | None = None
     """The effect id of the destroy intent the claim statement wrote, if it wrote one."""
+    ensure_intent: str | None = None
+    """The effect id of the ensure intent the claim statement wrote when it bound the row."""
+    bound_token: str | None = attrs.field(default=None, repr=False)
+    """The raw token of the identity the claim statement bound (never durable)."""
     lost: LeaseLost | None = None
     task: asyncio.Task[None] | None = None
 
@@ -258,6 +262,19 @@ class ClaimRun:
         """The intent row of a ``kind`` call to be made in ``status``, for the write that makes
         the call due to carry."""
         return EffectRow(effect_id=new_effect_id(), kind=kind, phase=Phase.INTENT, status=status)
+
+    def claimed_ensure(self) -> tuple[EffectRow, str] | None:
+        """The ensure intent the claim statement wrote when it bound the row, with the raw
+        token of the identity it bound; ``None`` when it did not bind."""
+        if self.ensure_intent is None or self.bound_token is None:
+            return None
+        intent = EffectRow(
+            effect_id=self.ensure_intent,
+            kind="ensure",
+            phase=Phase.INTENT,
+            status=Status.PROVISIONING,
+        )
+        return intent, self.bound_token
 
     def claimed_intent(self) -> EffectRow | None:
         """The destroy intent the claim statement wrote, if any."""

@@ -44,7 +44,8 @@ from hubd.routing import Router
 from hubd.store.allocations import AllocationStore, Claimed
 from hubd.store.connections import ConnectionStore
 from hubd.store.ledger import LedgerStore
-from hubd.tokens import new_lease_id, new_sidecar_id, new_token
+from hubd.store.models import InitialBinds
+from hubd.tokens import hash_token, new_lease_id, new_sidecar_id, new_token
 
 __all__ = ["HookContext", "Reconciler", "ReconcilerSettings"]
 
@@ -147,10 +148,10 @@ class Reconciler:
         a tracked task for each claim; how many were claimed. The tasks run on their own: the
         reconciler's ``on_settled`` callback says when capacity frees up."""
         claimed = await self._claim(self.free_capacity)
-        for row, started in claimed:
+        for row, started, token in claimed:
             self._admitted += 1
             claim = self._work.spawn(
-                self._reconcile_claim(row, started),
+                self._reconcile_claim(row, started, token),
                 allocation_id=None,
                 name=f"claim {row.allocation.id}",
             )
@@ -191,12 +192,26 @@ class Reconciler:
         finally:
             self._admitted -= 1
 
-    async def _claim(self, capacity: int) -> list[tuple[Claimed, float]]:
-        """Lease up to ``capacity`` due allocations; each with its lease id and the moment the
-        claim statement started (the lease's local deadline counts from there)."""
+    async def _claim(self, capacity: int) -> list[tuple[Claimed, float, str | None]]:
+        """Lease up to ``capacity`` due allocations; each with its lease id, the moment the
+        claim statement started (the lease's local deadline counts from there) and, for a
+        pending row the statement bound, the raw token of the identity it bound."""
         if capacity < 1:
             return []
         lease_ids = [self._create_lease_id() for _ in range(capacity)]
+        # An identity per slot, for the pending rows among those leased: binding them in the
+        # claim statement saves each its own bind, a round trip and a commit before its ensure.
+        # The tokens of slots that lease no pending row are never stored anywhere.
+        s = self._services
+        tokens = {s.create_sidecar_id(): s.create_token() for _ in range(capacity)}
+        binds = InitialBinds(
+            sidecar_ids=list(tokens),
+            token_hashes=[hash_token(token) for token in tokens.values()],
+            provisioners={
+                pid: (p.api_version, p.binding_fingerprint) for pid, p in s.provisioners.items()
+            },
+            connect_timeout=self.settings.connect_timeout,
+        )
         self._admitted += capacity
         query: asyncio.Task[list[Claimed]] | None = None
         try:
@@ -206,6 +221,7 @@ class Reconciler:
                     lease_ids=lease_ids,
                     lease_duration=self.settings.lease_duration,
                     exclude=self.busy_allocations(),
+                    binds=binds,
                 ),
                 allocation_id=None,
                 name="claim",
@@ -220,7 +236,16 @@ class Reconciler:
                 raise OperationTimeout("the claim query did not finish within operation_timeout")
             rows = query.result()
             self._observer.claim_statement(len(rows))
-            return [(row, started) for row in rows]
+            return [
+                (
+                    row,
+                    started,
+                    None
+                    if row.ensure_intent is None or row.allocation.sidecar_id is None
+                    else tokens[row.allocation.sidecar_id],
+                )
+                for row in rows
+            ]
         finally:
             if query is None or query.done():
                 self._admitted -= capacity
@@ -237,7 +262,9 @@ class Reconciler:
             done += 1
         return done
 
-    async def _reconcile_claim(self, claimed: Claimed, started: float) -> None:
+    async def _reconcile_claim(
+        self, claimed: Claimed, started: float, token: str | None = None
+    ) -> None:
         allocation, lease_id = claimed.allocation, claimed.lease_id
         bound = log.bind(
             allocation_id=allocation.id, generation=allocation.generation, lease_id=lease_id
@@ -275,6 +302,8 @@ class Reconciler:
             log=bound,
             open_effects=claimed.open_effects,
             destroy_intent=claimed.destroy_intent,
+            ensure_intent=None if token is None else claimed.ensure_intent,
+            bound_token=token,
         )
         self._active[aid] = claim
         self._renewer.register(lease)

@@ -81,6 +81,15 @@ async def reconcile(run: ClaimRun) -> None:
         return
     provisioner = s.provisioners[a.provisioner_id]
 
+    bound = run.claimed_ensure()
+    if bound is not None:
+        # The claim statement bound a new identity and wrote the ensure's intent: provisioning
+        # under this lease, with nothing unsettled from before.
+        intent, token = bound
+        s.observer.transition(str(Status.PENDING), str(a.status))
+        await _accept_ensure(run, provisioner, token, intent)
+        return
+
     step = step_for(a.status, initialization_recorded=a.initialization_lease_id is not None)
     unsettled = abandon_unsettled(step, a, automatic_recovery=automatic_recovery)
     if unsettled is not None:

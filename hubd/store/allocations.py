@@ -16,7 +16,15 @@ import asyncpg
 
 from hubd.errors import AllocationNotFound
 from hubd.store.database import Database, Pool
-from hubd.store.models import Allocation, Claimed, EffectRow, Fence, Status, effects_json
+from hubd.store.models import (
+    Allocation,
+    Claimed,
+    EffectRow,
+    Fence,
+    InitialBinds,
+    Status,
+    effects_json,
+)
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound, Statement, load_queries
 from hubd.store.sweeps import SweepQueries
@@ -147,17 +155,34 @@ class AllocationStore(SweepQueries):
     # -- claims and leases -------------------------------------------------------------------
 
     async def claim_due(
-        self, *, lease_ids: Sequence[str], lease_duration: float, exclude: Iterable[str] = ()
+        self,
+        *,
+        lease_ids: Sequence[str],
+        lease_duration: float,
+        exclude: Iterable[str] = (),
+        binds: InitialBinds | None = None,
     ) -> list[Claimed]:
         """Lease up to ``len(lease_ids)`` due active allocations whose ids are not in
-        ``exclude``, oldest first, in one statement; each with the lease id it was given."""
+        ``exclude``, oldest first, in one statement; each with the lease id it was given. With
+        ``binds``, the pending rows among them whose provisioner it names are bound in the same
+        statement (``Claimed.ensure_intent`` says which)."""
         if not lease_ids:
             return []
+        if binds is not None and not (
+            len(binds.sidecar_ids) == len(binds.token_hashes) == len(lease_ids)
+        ):
+            raise ValueError("claim: one identity and token hash per lease id")
         rows = await self._db.fetch(
             "claim",
             SQL.claim_due(
                 lease_ids=list(lease_ids),
                 effect_ids=[new_effect_id() for _ in lease_ids],
+                sidecar_ids=[] if binds is None else list(binds.sidecar_ids),
+                token_hashes=[] if binds is None else list(binds.token_hashes),
+                bindings=json.dumps(
+                    {} if binds is None else {k: list(v) for k, v in binds.provisioners.items()}
+                ),
+                connect_timeout=0.0 if binds is None else float(binds.connect_timeout),
                 instance_id=self.instance_id,
                 lease_duration=float(lease_duration),
                 exclude=sorted(set(exclude)),
@@ -169,6 +194,7 @@ class AllocationStore(SweepQueries):
                 lease_id=row["lease_id"],
                 open_effects=row["open_effects"],
                 destroy_intent=row["destroy_effect_id"],
+                ensure_intent=row["ensure_effect_id"],
             )
             for row in rows
         ]

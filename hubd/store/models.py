@@ -18,6 +18,7 @@ __all__ = [
     "Allocation",
     "EffectRow",
     "Fence",
+    "InitialBinds",
     "LedgerEntry",
     "Phase",
     "Status",
@@ -217,3 +218,21 @@ class Claimed:
     destroy_intent: str | None = None
     """The effect id of the destroy intent the claim statement wrote (its step destroys the
     bound sidecar), or ``None``."""
+    ensure_intent: str | None = None
+    """The effect id of the ensure intent the claim statement wrote when it bound this pending
+    row (see :class:`InitialBinds`), or ``None``."""
+
+
+@attrs.frozen(kw_only=True)
+class InitialBinds:
+    """What a claim statement needs to bind the pending rows it leases, as
+    ``bind_initial_sidecar`` would: the claim is then the write that makes their ensure due."""
+
+    sidecar_ids: Sequence[str]
+    """A new identity per claim slot, in slot order."""
+    token_hashes: Sequence[bytes] = attrs.field(repr=False)
+    """The hash of each identity's token, in slot order (the raw tokens stay with the caller)."""
+    provisioners: Mapping[str, tuple[str, str]]
+    """The claimer's provisioners: id → (api_version, binding_fingerprint). A row of another
+    provisioner, or bound to another version or fingerprint, is leased but not bound."""
+    connect_timeout: float

@@ -66,6 +66,11 @@ SELECT updated.* FROM updated, woken;
 -- :effect_ids (destroy_effect_id): the claim is the write that makes the call due. A claim
 -- that ends without calling settles it (a failed row, see drop_lease and the provisioner
 -- check); one that stops leaves it open, and the next owner records it ambiguous.
+-- A pending row whose provisioner is in :bindings ({"<id>": [api_version, fingerprint]}, the
+-- claimer's provisioners) and not bound to another version or fingerprint is bound here as
+-- bind_initial_sidecar binds it, with the identity at its position (:sidecar_ids,
+-- :token_hashes; none given: no row is bound) and the ensure's intent under the effect id at
+-- its position (ensure_effect_id): the claim is the write that makes that call due too.
 WITH due AS (
     SELECT id, row_number() OVER (ORDER BY next_attempt_at, id) AS slot
     FROM hubd_due_allocations(:exclude::text[], cardinality(:lease_ids::text[])) AS locked
@@ -73,28 +78,66 @@ WITH due AS (
     UPDATE hubd_allocations AS a SET
         lease_id = leases.lease_id,
         lease_expires_at = now() + make_interval(secs => :lease_duration),
-        updated_at = now()
+        updated_at = now(),
+        -- Decided on the row version being updated (the locked one), never on a read of it.
+        (status, provisioner_api_version, provisioner_binding_fingerprint, sidecar_id,
+         token_hash, external_ref, connect_deadline, connection_ready) = (
+            SELECT CASE WHEN bind THEN 'provisioning' ELSE a.status END,
+                   CASE WHEN bind THEN version ELSE a.provisioner_api_version END,
+                   CASE WHEN bind THEN fingerprint ELSE a.provisioner_binding_fingerprint END,
+                   CASE WHEN bind THEN leases.sidecar_id ELSE a.sidecar_id END,
+                   CASE WHEN bind THEN leases.token_hash ELSE a.token_hash END,
+                   CASE WHEN bind THEN NULL ELSE a.external_ref END,
+                   CASE WHEN bind THEN now() + make_interval(secs => :connect_timeout)
+                        ELSE a.connect_deadline END,
+                   CASE WHEN bind THEN false ELSE a.connection_ready END
+            FROM (
+                SELECT COALESCE(a.status = 'pending' AND leases.sidecar_id IS NOT NULL
+                           AND COALESCE(a.provisioner_api_version, wanted.version)
+                               = wanted.version
+                           AND COALESCE(a.provisioner_binding_fingerprint, wanted.fingerprint)
+                               = wanted.fingerprint, false) AS bind,
+                       wanted.version, wanted.fingerprint
+                FROM (SELECT :bindings::text::jsonb -> a.provisioner_id ->> 0 AS version,
+                             :bindings::text::jsonb -> a.provisioner_id ->> 1 AS fingerprint)
+                    AS wanted
+            ) AS decided)
     FROM due
-    JOIN unnest(:lease_ids::text[], :effect_ids::text[]) WITH ORDINALITY
-        AS leases (lease_id, effect_id, slot) ON leases.slot = due.slot
+    JOIN unnest(:lease_ids::text[], :effect_ids::text[], :sidecar_ids::text[],
+                :token_hashes::bytea[]) WITH ORDINALITY
+        AS leases (lease_id, effect_id, sidecar_id, token_hash, slot) ON leases.slot = due.slot
     -- By key: planned on a table it believes empty, the join alone walked the whole primary
     -- key once a claim (schema.sql, hubd_due_allocations).
     WHERE a.id = due.id AND a.id = ANY (ARRAY(SELECT id FROM due))
     RETURNING a.*,
         CASE WHEN a.status IN ('replacing', 'releasing') AND a.sidecar_id IS NOT NULL
              THEN leases.effect_id END AS destroy_effect_id,
+        -- This statement's own binding: the new identity is unique to it.
+        CASE WHEN a.status = 'provisioning' AND a.sidecar_id = leases.sidecar_id
+             THEN leases.effect_id END AS ensure_effect_id,
         -- Whether an earlier lease left a plugin call with no outcome (only a status that calls
         -- plugins can have one): the claim settles those first, and skips the statement
         -- otherwise. Exact: no other lease can write an intent while this one is live, and
-        -- this statement's own intents are not in its snapshot.
-        a.status IN ('provisioning', 'replacing', 'releasing') AND hubd_has_open_effects(a.id)
-            AS open_effects
+        -- this statement's own intents are not in its snapshot. A row bound here has none.
+        a.status IN ('provisioning', 'replacing', 'releasing')
+            AND a.sidecar_id IS DISTINCT FROM leases.sidecar_id
+            AND hubd_has_open_effects(a.id) AS open_effects
 ), intents AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id,
         effect_id, kind, from_status, to_status, phase)
-    SELECT id, generation, lease_id, :instance_id, destroy_effect_id, 'destroy', status, status,
-        'intent'
-    FROM claimed WHERE destroy_effect_id IS NOT NULL
+    SELECT id, generation, lease_id, :instance_id, effect_id, kind, from_status, status, phase
+    FROM (
+        SELECT id, generation, lease_id, destroy_effect_id AS effect_id, 'destroy' AS kind,
+            status AS from_status, status, 'intent' AS phase, 1 AS place
+        FROM claimed WHERE destroy_effect_id IS NOT NULL
+        UNION ALL
+        SELECT id, generation, lease_id, NULL, 'bind_sidecar', 'pending', status, 'committed', 1
+        FROM claimed WHERE ensure_effect_id IS NOT NULL
+        UNION ALL
+        SELECT id, generation, lease_id, ensure_effect_id, 'ensure', status, status, 'intent', 2
+        FROM claimed WHERE ensure_effect_id IS NOT NULL
+    ) AS rows
+    ORDER BY id, place
 )
 SELECT * FROM claimed;
 
