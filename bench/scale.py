@@ -15,6 +15,8 @@ statement and size, and the ratio large / small.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import statistics
 import time
 import uuid
@@ -40,10 +42,15 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     from hubd.store.counts import SQL as COUNTS
 
     def claim() -> tuple[Any, ...]:
-        # The dispatcher's statement, claiming for 16 free slots at once.
+        # The dispatcher's statement, claiming for 16 free slots at once, with an identity per
+        # slot for the pending rows it binds.
         bound = SQL.claim_due(
             lease_ids=[uuid.uuid4().hex for _ in range(16)],
             effect_ids=[uuid.uuid4().hex for _ in range(16)],
+            sidecar_ids=[uuid.uuid4().hex for _ in range(16)],
+            token_hashes=[hashlib.sha256(uuid.uuid4().bytes).digest() for _ in range(16)],
+            bindings=json.dumps({"bench": ["1", "bench"]}),
+            connect_timeout=60.0,
             instance_id="bench",
             lease_duration=60.0,
             exclude=[],
@@ -58,12 +65,9 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
         )
         return tuple(bound.args)
 
-    sample_claim = SQL.claim_due(
-        lease_ids=["x"], effect_ids=["x"], instance_id="bench", lease_duration=60.0, exclude=[]
-    )
     sample_renewal = SQL.renew_leases(allocation_ids=[], lease_ids=[], lease_duration=60.0)
     return {
-        "claim": (sample_claim.sql, claim),
+        "claim": (SQL.claim_due.sql, claim),
         "renewal": (sample_renewal.sql, renewal),
         "status_count": (COUNTS.count_active().sql, tuple),
         "status_estimate": (COUNTS.estimate_statuses().sql, tuple),
