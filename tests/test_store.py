@@ -29,7 +29,7 @@ from hubd.store.connections import ConnectionStore
 from hubd.store.counts import status_counts
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id
-from hubd.store.models import InitialBinds
+from hubd.store.models import Claimed, InitialBinds
 from tests.pgtime import age_row, expire_lease
 from tests.polling import eventually
 from tests.storekit import LEASE_SECONDS, claim_next, claim_one, drive_to, new_lease, token_hash
@@ -497,6 +497,44 @@ class TestClaims:
         )
         claimed = [c.allocation.id for batch in batches for c in batch]
         assert sorted(claimed) == sorted(ids)
+
+    async def test_binding_claims_never_share_a_row(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """Concurrent claims that bind (as from several replicas) bind every pending row
+        exactly once, each with an identity of the claim that leased it, and write one bind
+        and one ensure intent per row."""
+        ids = {(await store.request(provisioner_id="fake")).id for _ in range(40)}
+
+        async def claim(claimer: int) -> list[tuple[int, Claimed]]:
+            binds = InitialBinds(
+                sidecar_ids=[f"sc_{claimer}_{slot}" for slot in range(8)],
+                token_hashes=[bytes([claimer]) * 32 for _ in range(8)],
+                provisioners={"fake": ("1", "fp")},
+                connect_timeout=60.0,
+            )
+            leased = await store.claim_due(
+                lease_ids=[new_lease() for _ in range(8)], lease_duration=60, binds=binds
+            )
+            return [(claimer, c) for c in leased]
+
+        batches = await asyncio.gather(*(claim(claimer) for claimer in range(8)))
+        claimed = [pair for batch in batches for pair in batch]
+        assert sorted(c.allocation.id for _, c in claimed) == sorted(ids)
+        for claimer, c in claimed:
+            assert c.allocation.status is Status.PROVISIONING
+            assert (c.allocation.sidecar_id or "").startswith(f"sc_{claimer}_")
+            assert c.allocation.token_hash == bytes([claimer]) * 32
+        async with db.pool.acquire() as conn:
+            kinds = await conn.fetch(
+                "SELECT kind, phase, count(*) AS n, count(DISTINCT allocation_id) AS rows "
+                "FROM hubd_allocation_ledger WHERE kind IN ('bind_sidecar', 'ensure') "
+                "GROUP BY kind, phase ORDER BY kind"
+            )
+        assert [tuple(r) for r in kinds] == [
+            ("bind_sidecar", "committed", 40, 40),
+            ("ensure", "intent", 40, 40),
+        ]
 
     async def test_renewals_in_one_statement_grant_only_held_live_leases(
         self, store: AllocationStore, db: Database
