@@ -27,7 +27,9 @@ from hubd.store import AllocationStore, connect_database
 
 __all__ = [
     "BenchConfig",
+    "backend_pid",
     "bare_sockets",
+    "cpu",
     "daemon_config",
     "idle_commits",
     "latency",
@@ -183,10 +185,12 @@ async def lifecycle(
     within: float,
     stats: asyncpg.Connection,
     stop: Callable[[], Awaitable[None]],
+    cpu: Callable[[], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """``n`` allocations requested in one transaction, timed until all are ready, then released
     in one transaction, timed until all are released; commits counted around both, up to the
-    daemon's exit (``stop``).
+    daemon's exit (``stop``); with ``cpu`` (CPU seconds so far by process group), the CPU each
+    group spent per allocation in each phase.
 
     PostgreSQL reports a backend's counts when it goes idle at least a second after its last
     report, and otherwise keeps them until its next statement or its exit: an idle pool
@@ -196,21 +200,26 @@ async def lifecycle(
     everything it ran before (a statement at least a second after its previous report does)."""
     commits_before = await xact_commit(stats)
     since = await stats.fetchval("SELECT now()")
+    cpu_start = cpu() if cpu else {}
     started = time.monotonic()
     ids = await _request(store, dsn, n)
     committed = time.monotonic()
     all_ready, ready, ready_polls = await _poll_until(stats, ids, since, ready=True, within=within)
     ready_at = time.monotonic()
+    cpu_ready = cpu() if cpu else {}
     await _release(store, dsn, ids)
     release_committed = time.monotonic()
     all_done, done, done_polls = await _poll_until(stats, ids, since, ready=False, within=within)
     done_at = time.monotonic()
+    cpu_done = cpu() if cpu else {}
     await stop()
     stopped = time.monotonic()
     await asyncio.sleep(STATS_LAG)
     # A second after the last report of ``stats``: this statement reports its polls.
     await stats.execute("SELECT 1")
     commits_after = await xact_commit(stats)
+    # After the counted window: the steps are the bench's own reading.
+    steps = await ledger_steps(stats, since)
     ready_seconds = ready_at - committed
     release_seconds = done_at - release_committed
     return {
@@ -230,7 +239,43 @@ async def lifecycle(
         "commits_raw": commits_after - commits_before - 7 - ready_polls - done_polls,
         # The daemon ran (and the idle rate applies) from the first read to its exit.
         "window_seconds": stopped - started,
+        "ledger_steps": steps,
+        # CPU milliseconds per allocation by process group: from the request (its insert
+        # included) until all were ready, and from then until all were terminal.
+        "cpu_ms": {
+            "ready": _per(_spent(cpu_start, cpu_ready), n),
+            "release": _per(_spent(cpu_ready, cpu_done), n),
+        },
     }
+
+
+# Each ledger row of the run against the one before it of the same allocation (or, for the
+# first, the allocation's creation): where an allocation's time goes, step by step, by the
+# database's clock. "ready" is a step of its own when the connect made the row ready.
+LEDGER_STEPS = """
+WITH rows AS (
+    SELECT l.kind || ':' || l.phase AS step,
+           extract(epoch FROM l.at - coalesce(
+               lag(l.at) OVER (PARTITION BY l.allocation_id ORDER BY l.seq), a.created_at)) AS gap,
+           l.seq
+    FROM hubd_allocation_ledger l JOIN hubd_allocations a ON a.id = l.allocation_id
+    WHERE a.created_at >= $1
+)
+SELECT step, count(*) AS n, min(seq) AS first,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY gap) * 1000 AS p50_ms,
+       percentile_cont(0.9) WITHIN GROUP (ORDER BY gap) * 1000 AS p90_ms
+FROM rows GROUP BY step ORDER BY first
+"""
+
+
+async def ledger_steps(stats: asyncpg.Connection, since: datetime) -> list[dict[str, Any]]:
+    """The median and 90th percentile of each ledger step of the allocations created since
+    ``since`` (the time since the allocation's previous ledger row), in the order they first
+    occurred."""
+    return [
+        {"step": r["step"], "n": r["n"], "p50_ms": r["p50_ms"], "p90_ms": r["p90_ms"]}
+        for r in await stats.fetch(LEDGER_STEPS, since)
+    ]
 
 
 HUBD_TABLES = (
@@ -350,9 +395,9 @@ async def socket_phase(
             if not await watcher.until(lambda: len(watcher.lost) >= n, within=within):
                 raise RuntimeError(f"the daemon recorded {len(watcher.lost)} of {n} losses")
             say(f"{dropped} dropped, every loss recorded; storm")
-            before = _cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres)
+            before = cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres)
             storm = await farm.call("reconnect", kind="hubd", n=n)
-            spent = _spent(before, _cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres))
+            spent = _spent(before, cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres))
             say(f"storm done in {storm['seconds']:.2f} s")
             runs.append({**storm, "dropped": dropped, "cpu_ms": _per(spent, storm["count"])})
             if not await watcher.until(lambda: len(watcher.ready) >= n, within=within):
@@ -376,6 +421,13 @@ async def socket_phase(
     }
 
 
+async def backend_pid(db: Any) -> int:
+    """The process id of a backend of ``db``'s pool (its siblings are the server's processes)."""
+    async with db.pool.acquire() as conn:
+        pid: int = await conn.fetchval("SELECT pg_backend_pid()")
+        return pid
+
+
 async def _postgres(db: Any) -> list[int]:
     """The database server's processes, read again after each storm (pool connections come
     and go); empty when the server runs on another machine."""
@@ -383,7 +435,7 @@ async def _postgres(db: Any) -> list[int]:
         return server_processes(await conn.fetchval("SELECT pg_backend_pid()"))
 
 
-def _cpu(**groups: list[int]) -> dict[str, float]:
+def cpu(**groups: list[int]) -> dict[str, float]:
     return {name: cpu_seconds(pids) for name, pids in groups.items()}
 
 
@@ -436,9 +488,9 @@ async def bare_sockets(farm: FarmClient, *, n: int, storms: int = 1) -> dict[str
         for _ in range(storms):
             await farm.call("drop", kind="bare")
             await asyncio.sleep(2)  # the server sees every close before the storm
-            before = _cpu(server=[server.pid], farm=[farm.pid])
+            before = cpu(server=[server.pid], farm=[farm.pid])
             storm = await farm.call("reconnect", kind="bare", url=server.url, n=n)
-            spent = _spent(before, _cpu(server=[server.pid], farm=[farm.pid]))
+            spent = _spent(before, cpu(server=[server.pid], farm=[farm.pid]))
             runs.append({**storm, "cpu_ms": _per(spent, n)})
         await farm.call("drop", kind="bare")
     finally:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import sys
@@ -159,9 +160,9 @@ class DaemonProcess:
                 self._announced.set()
         self._announced.set()
 
-    async def refusals(self) -> dict[str, float]:
-        """The listener's refusals so far, from ``/metrics``: HTTP refusals of handshakes and
-        sockets refused by a resource bound, each summed over its labels."""
+    async def metrics(self) -> dict[str, float]:
+        """The daemon's ``/metrics`` samples, each summed over its labels but ``batcher``'s
+        (``hubd_batched_statements{batcher="park"}`` stays a key of its own)."""
         rest = str(self.running["admin"]).removeprefix("http://")
         hostport = rest.partition("/")[0]
         host, _, port = hostport.rpartition(":")
@@ -172,12 +173,25 @@ class DaemonProcess:
             body = (await reader.read()).decode().partition("\r\n\r\n")[2]
         finally:
             writer.close()
-        found = {"hubd_handshakes_rejected": 0.0, "hubd_sockets_refused": 0.0}
+        found: dict[str, float] = {}
         for line in body.splitlines():
-            for name in found:
-                if line.startswith(name) and not line.startswith("#"):
-                    found[name] += float(line.rsplit(" ", 1)[1])
+            if not line or line.startswith("#"):
+                continue
+            sample, _, value = line.rpartition(" ")
+            name, _, labels = sample.partition("{")
+            batcher = re.search(r'batcher="([^"]*)"', labels)
+            key = f"{name}{{{batcher.group(1)}}}" if batcher else name
+            found[key] = found.get(key, 0.0) + float(value)
         return found
+
+    async def refusals(self) -> dict[str, float]:
+        """The listener's refusals so far: HTTP refusals of handshakes and sockets refused by
+        a resource bound, each summed over its labels."""
+        found = await self.metrics()
+        return {
+            name: found.get(name, 0.0)
+            for name in ("hubd_handshakes_rejected", "hubd_sockets_refused")
+        }
 
     async def stop(self) -> None:
         if self.process is not None:

@@ -41,7 +41,7 @@ import asyncpg
 import attrs
 
 from bench import baselines, phases, scale
-from bench.procs import DaemonProcess, FarmClient, raise_open_files
+from bench.procs import DaemonProcess, FarmClient, raise_open_files, server_processes
 from bench.report import Measures, profile_summary, render
 from bench.watch import Watcher, xact_commit
 from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
@@ -230,7 +230,20 @@ class Run:
 
             async def stop() -> None:
                 result["listener_refusals"] = await daemon.refusals()
+                result["statements"] = _statements(await daemon.metrics(), self.size.lifecycle)
                 await daemon.stop()
+
+            backend = await phases.backend_pid(db)
+
+            def cpu() -> dict[str, float]:
+                # The server's processes read at each sample: the daemon's pools open
+                # connections as the burst arrives.
+                return phases.cpu(
+                    daemon=[daemon.pid],
+                    postgres=server_processes(backend),
+                    farm=[self.farm.pid],
+                    bench=[os.getpid()],
+                )
 
             cycle = await phases.lifecycle(
                 self.dsn,
@@ -239,6 +252,7 @@ class Run:
                 within=self.size.within,
                 stats=self.stats,
                 stop=stop,
+                cpu=cpu,
             )
         finally:
             if profiler is not None:
@@ -293,6 +307,19 @@ class Run:
         # Less the bench's own: schema, fill, ANALYZE, one statistics read.
         result["commits_per_lifecycle"] = (after - before - 4) / self.size.floor
         return result
+
+
+def _statements(metrics: dict[str, float], n: int) -> dict[str, float]:
+    """Per allocation of the lifecycle: the claim statements, and each batcher's or pipeline's
+    statements (round trips) and the requests they carried; counted from the daemon's start,
+    whose idle polls add a few claim statements."""
+    batched = ("hubd_batched_statements_total{", "hubd_batched_requests_total{")
+    claims = ("hubd_claim_statements_total", "hubd_claim_statements_idle_total")
+    return {
+        key.removeprefix("hubd_"): value / n
+        for key, value in metrics.items()
+        if key.startswith(batched) or key in claims
+    }
 
 
 async def _start_profiler(pid: int, path: Path) -> asyncio.subprocess.Process:
