@@ -51,7 +51,7 @@ async def admin() -> AsyncIterator[tuple[AdminServer, list[str | None], list[str
     problem: list[str | None] = [None]
     rendered_on: list[str] = []
 
-    def metrics() -> bytes:
+    async def metrics() -> bytes:
         rendered_on.append(threading.current_thread().name)
         return b"hubd_up 1\n"
 
@@ -61,6 +61,10 @@ async def admin() -> AsyncIterator[tuple[AdminServer, list[str | None], list[str
         yield server, problem, rendered_on
     finally:
         await server.close()
+
+
+async def _no_metrics() -> bytes:
+    return b""
 
 
 def url(server: AdminServer, path: str) -> str:
@@ -126,13 +130,15 @@ class TestLifetime:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
-            server = AdminServer(host="127.0.0.1", port=port, readiness=lambda: None, metrics=bytes)
+            server = AdminServer(
+                host="127.0.0.1", port=port, readiness=lambda: None, metrics=_no_metrics
+            )
             with pytest.raises(OSError, match="in use"):
                 await server.start()
             await server.close()
 
     async def test_closed_listener_refuses_and_leaves_no_thread(self) -> None:
-        server = AdminServer(host="127.0.0.1", port=0, readiness=lambda: None, metrics=bytes)
+        server = AdminServer(host="127.0.0.1", port=0, readiness=lambda: None, metrics=_no_metrics)
         await server.start()
         port = server.port
         await server.close()

@@ -130,7 +130,13 @@ class TestLifecycle:
             assert len(sidecar_pids(marker)) == 20
             # The row reads ready when the connect's statement commits; the daemon counts the
             # socket as it goes on to send the welcome.
-            body = await scrape_until(daemon, lambda b: "hubd_connected_sidecars 20.0" in b)
+            body = await scrape_until(
+                daemon,
+                lambda b: (
+                    "hubd_connected_sidecars 20.0" in b
+                    and 'hubd_allocations{status="allocated"} 20.0' in b
+                ),
+            )
             # Every allocation was claimed and moved to allocated by this daemon.
             assert moved(before, body, "hubd_claims_total") >= 20
             # Claims come from claim statements (idle polls among them, counted apart too).
@@ -172,6 +178,16 @@ class TestLifecycle:
                 ),
             )
             assert moved(body, after, "hubd_transitions_total", to_status="released") == 20
+            # The allocations by status are counted in the database when a scrape asks (at most
+            # once per poll interval; terminal ones are estimated): no active one is left.
+            await scrape_until(
+                daemon,
+                lambda b: all(
+                    f'hubd_allocations{{status="{status}"}} 0.0' in b
+                    for status in Status
+                    if not status.terminal
+                ),
+            )
             await daemon.signal(signal.SIGTERM)
             assert await daemon.wait() == 0
         finally:

@@ -8,7 +8,8 @@ is busy (a flood of handshakes, thousands of sockets to check), or a liveness ch
 daemon that is merely working; on its own loop a probe waits for the interpreter's lock at most
 (a few milliseconds), never behind the daemon's queue of ready callbacks. ``/healthz`` and
 ``/readyz`` read only state that is safe to read from another thread (flags and monotonic
-times); ``/metrics`` is rendered on the daemon's loop, where every value it reads is written.
+times); ``/metrics`` is rendered on the daemon's loop, where every value it reads is written
+(and where the allocation counts are read from the database, see :mod:`hubd.daemon.counting`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import structlog
 
@@ -37,10 +39,10 @@ class AdminServer:
         host: str,
         port: int,
         readiness: Callable[[], str | None],
-        metrics: Callable[[], bytes],
+        metrics: Callable[[], Coroutine[Any, Any, bytes]],
     ) -> None:
         """``readiness`` is called on the admin thread: ``None`` when ready, else what is
-        missing. ``metrics`` is called on the loop that called :meth:`start`."""
+        missing. ``metrics`` is awaited on the loop that called :meth:`start`."""
         self._host = host
         self._port = port
         self._readiness = readiness
@@ -155,12 +157,11 @@ class AdminServer:
         if owner is None or owner.is_closed():
             return None
 
-        async def render() -> bytes:
-            return self._metrics()
-
+        render = self._metrics()
         try:
-            rendered = asyncio.run_coroutine_threadsafe(render(), owner)
+            rendered = asyncio.run_coroutine_threadsafe(render, owner)
         except RuntimeError:  # the daemon's loop stopped
+            render.close()
             return None
         try:
             async with asyncio.timeout(_RENDER_TIMEOUT):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -17,6 +18,7 @@ import structlog
 
 from hubd.config import Config
 from hubd.daemon.admin import AdminServer
+from hubd.daemon.counting import AllocationCounts
 from hubd.daemon.fdlimit import plan_descriptors, raise_open_file_limit
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.wakeups import NotificationListener
@@ -28,12 +30,13 @@ from hubd.server.limits import ListenerLimits
 from hubd.server.router import SocketRouter
 from hubd.server.websocket import SidecarServer
 from hubd.sidecar.client import SIDECAR_PING_INTERVAL, SIDECAR_PING_TIMEOUT
-from hubd.store import AllocationStore, Database, LedgerStore, connect_database
+from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from hubd.store.connections import (
     ConnectionStore,
     parse_connected_payload,
     parse_sockets_payload,
 )
+from hubd.store.counts import status_counts
 from hubd.store.database import connections_opened
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
@@ -50,6 +53,9 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+COUNT_TIMEOUT = 2.0
+"""Seconds a scrape waits for the allocation counts before it renders the last ones."""
 
 
 def listen_error(key: str, listen: str, exc: OSError) -> ConfigError:
@@ -291,6 +297,19 @@ class Running:
             on_reconnected=on_reconnected,
             poll_interval=rc.poll_interval,
         )
+        statuses = [str(status) for status in Status]
+        counts = AllocationCounts(
+            count=functools.partial(status_counts, db),
+            publish=lambda found: metrics.set_allocation_counts(found, statuses),
+            max_age=rc.poll_interval,
+            timeout=COUNT_TIMEOUT,
+        )
+
+        async def render_metrics() -> bytes:
+            await counts.refresh()
+            metrics.listener_up.set(1 if listener.healthy else 0)
+            return metrics.render()
+
         return cls(
             parts=parts,
             hub_ws_url=hub_ws_url,
@@ -303,6 +322,6 @@ class Running:
                 host=config.admin.host,
                 port=config.admin.port,
                 readiness=readiness,
-                metrics=metrics.render,
+                metrics=render_metrics,
             ),
         )

@@ -63,7 +63,6 @@ class Supervisor:
                 start("socket-check", self.sweeps.socket_check())
                 if self.sweeps.config.orphans.mode != "off":
                     start("orphans", self.sweeps.orphans())
-                start("allocation-counts", self.sweeps.counts())
                 start("watchdog", watchdog())
                 start("shutdown", self._stop_when_asked(dispatcher, reconciler))
         except* _Stop:

@@ -1,4 +1,4 @@
-"""The daemon's periodic work besides claiming: socket checks, repair, orphans, counts, watchdog.
+"""The daemon's periodic work besides claiming: socket checks, repair, orphans, watchdog.
 
 Each loop survives a failing database (it logs and tries again at its next turn); none of them
 is a claim, so none of them holds a lease.
@@ -20,8 +20,6 @@ from hubd.daemon.running import Running
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.errors import StoreError
 from hubd.reconciler.orphans import OrphanCollector
-from hubd.store import Status
-from hubd.store.counts import status_counts
 
 __all__ = ["DEAD_INSTANCE_TTLS", "Sweeps"]
 
@@ -126,22 +124,6 @@ class Sweeps:
                     log.info("dead_instances_deleted", instances=deleted)
             except StoreError as exc:
                 log.warning("repair_sweep_failed", error=str(exc))
-
-    async def counts(self) -> None:
-        statuses = [str(s) for s in Status]
-        db, listener = self.running.db, self.running.listener
-        while True:
-            raise_if_cancelled()
-            try:
-                counts = await status_counts(db)
-                self.metrics.set_allocation_counts(
-                    {str(status): n for status, n in counts.items()}, statuses
-                )
-                self.metrics.database_up.set(1)
-            except StoreError:
-                self.metrics.database_up.set(0)
-            self.metrics.listener_up.set(1 if listener.healthy else 0)
-            await asyncio.sleep(self.config.reconciler.poll_interval)
 
 
 async def watchdog() -> None:
