@@ -150,6 +150,9 @@ async def pgqueuer_drain(dsn: str, *, n: int) -> dict[str, Any]:
     try:
         driver = AsyncpgDriver(conn)
         queries = Queries(driver)
+        # Each round starts from a fresh schema, as the first did.
+        if await queries.schema_is_installed():
+            await queries.uninstall()
         await queries.install()
         await queries.enqueue(["noop"] * n, [None] * n, [0] * n)
         pgq = PgQueuer(driver)

@@ -251,6 +251,12 @@ def render(report: dict[str, Any]) -> str:
         f"load average before {_load(machine['load_average_before'])}, "
         f"after {_load(machine['load_average'])}; PostgreSQL {machine.get('postgresql', '?')}"
     )
+    rounds = report.get("parameters", {}).get("rounds", 1)
+    if rounds > 1:
+        out.append(
+            f"lifecycle rates, commits and the floor's and PgQueuer's rates: medians of {rounds} "
+            "rounds run in turn; idle commits: the rounds' windows pooled"
+        )
     errors = {k: v["error"] for k, v in report["results"].items() if "error" in v}
     for name, error in errors.items():
         out.append(f"FAILED {name}: {error}")

@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -66,6 +67,8 @@ class Size:
     floor: int
     pgqueuer: int
     within: float
+    rounds: int
+    """Rounds of the floor, PgQueuer and the three claim counts, run in turn (medians kept)."""
 
 
 SIZES = {
@@ -82,6 +85,7 @@ SIZES = {
         floor=100,
         pgqueuer=50,
         within=60,
+        rounds=1,
     ),
     "quick": Size(
         lifecycle=500,
@@ -95,6 +99,7 @@ SIZES = {
         floor=2_000,
         pgqueuer=1_000,
         within=180,
+        rounds=3,
     ),
     "mid": Size(
         lifecycle=2_000,
@@ -108,6 +113,7 @@ SIZES = {
         floor=5_000,
         pgqueuer=2_000,
         within=600,
+        rounds=3,
     ),
     "full": Size(
         lifecycle=5_000,
@@ -121,6 +127,7 @@ SIZES = {
         floor=5_000,
         pgqueuer=5_000,
         within=1_200,
+        rounds=3,
     ),
 }
 
@@ -182,16 +189,26 @@ class Run:
         self.workdir = workdir
         self.measures = Measures()
         self.results: dict[str, Any] = {}
+        self.rounds: dict[str, list[dict[str, Any]]] = {}
         self.dsn = ""
         self.farm = FarmClient(workdir / "farm.sock")
         self.watcher = Watcher()
         self.stats: asyncpg.Connection | None = None
         self.config: phases.BenchConfig | None = None
 
-    async def step(self, name: str, work: Callable[[], Awaitable[Any]]) -> Any:
-        """Run one part; a failure is recorded under its name and the run goes on."""
+    async def step(
+        self,
+        name: str,
+        work: Callable[[], Awaitable[Any]],
+        *,
+        combine: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+    ) -> Any:
+        """Run one part; a failure is recorded under its name and the run goes on. A part run
+        once per round has ``combine``, which makes its result of every round so far."""
         if self.args.only and name.split("_", maxsplit=1)[0] not in self.args.only:
             return None
+        if "error" in self.results.get(name, {}):
+            return None  # failed in an earlier round: the failure stands
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         started = time.monotonic()
         try:
@@ -200,7 +217,11 @@ class Run:
             traceback.print_exc()
             self.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
             return None
-        self.results[name] = result
+        if combine is None:
+            self.results[name] = result
+        else:
+            self.rounds.setdefault(name, []).append(result)
+            self.results[name] = combine(self.rounds[name])
         print(f"bench: {name} done in {time.monotonic() - started:.1f} s", file=sys.stderr)
         return result
 
@@ -210,9 +231,10 @@ class Run:
         await daemon.start()
         return daemon
 
-    async def claims_phase(self, claims: int) -> dict[str, Any]:
+    async def claims_phase(self, claims: int, *, first: bool = True) -> dict[str, Any]:
         """On a fresh daemon: idle commits, then the counted lifecycle, which ends with the
-        daemon's exit; at the first claim count, latency on another fresh daemon."""
+        daemon's exit; at the first claim count of the first round, latency on another fresh
+        daemon (and the profile, if asked for, of the lifecycle)."""
         assert self.stats is not None
         result: dict[str, Any] = {}
         await self.watcher.mute()
@@ -225,7 +247,7 @@ class Run:
             # only their own.
             await asyncio.sleep(phases.STATS_LAG)
             result["idle"] = await phases.idle_commits(self.stats, seconds=self.size.idle_seconds)
-            if self.args.profile and claims == CLAIMS[0]:
+            if self.args.profile and claims == CLAIMS[0] and first:
                 profiler = await _start_profiler(daemon.pid, self.args.profile)
 
             async def stop() -> None:
@@ -267,7 +289,7 @@ class Run:
             cycle["commits_raw"] - result["idle"]["rate"] * cycle["window_seconds"]
         ) / self.size.lifecycle
         result["lifecycle"] = cycle
-        if claims == CLAIMS[0]:
+        if claims == CLAIMS[0] and first:
             daemon = await self.daemon(claims)
             try:
                 await asyncio.sleep(1)
@@ -307,6 +329,45 @@ class Run:
         # Less the bench's own: schema, fill, ANALYZE, one statistics read.
         result["commits_per_lifecycle"] = (after - before - 4) / self.size.floor
         return result
+
+
+def combine_rates(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A baseline over its rounds: the first round's result with the median rate (and commits
+    per lifecycle), and each round's own."""
+    if any("skipped" in each for each in rounds):
+        return rounds[0]
+    combined = dict(rounds[0])
+    kept = [key for key in ("rate", "commits_per_lifecycle") if key in combined]
+    for key in kept:
+        combined[key] = statistics.median(each[key] for each in rounds)
+    combined["rounds"] = [{key: each[key] for key in kept} for each in rounds]
+    return combined
+
+
+def combine_claims(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A claim count over its rounds: the first round's details (latency, ledger steps,
+    statements) with the median rates and commits per lifecycle, the idle windows pooled, and
+    each round's own figures."""
+    combined = dict(rounds[0])
+    cycles = [each["lifecycle"] for each in rounds]
+    lifecycle = dict(cycles[0])
+    for key in ("ready_rate", "lifecycle_rate", "commits_per_lifecycle"):
+        lifecycle[key] = statistics.median(cycle[key] for cycle in cycles)
+    combined["lifecycle"] = lifecycle
+    seconds = sum(each["idle"]["seconds"] for each in rounds)
+    commits = sum(each["idle"]["commits"] for each in rounds)
+    combined["idle"] = {"seconds": seconds, "commits": commits, "rate": commits / seconds}
+    combined["rounds"] = [
+        {
+            "ready_rate": each["lifecycle"]["ready_rate"],
+            "lifecycle_rate": each["lifecycle"]["lifecycle_rate"],
+            "commits_per_lifecycle": each["lifecycle"]["commits_per_lifecycle"],
+            "idle_rate": each["idle"]["rate"],
+            "cpu_ms": each["lifecycle"]["cpu_ms"],
+        }
+        for each in rounds
+    ]
+    return combined
 
 
 def _statements(metrics: dict[str, float], n: int) -> dict[str, float]:
@@ -364,6 +425,8 @@ def _size(args: argparse.Namespace) -> Size:
         size = attrs.evolve(size, sockets=tuple(args.sockets))
     if args.storms:
         size = attrs.evolve(size, storms=args.storms)
+    if args.rounds:
+        size = attrs.evolve(size, rounds=args.rounds)
     return size
 
 
@@ -398,10 +461,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await bench_run.watcher.start(bench_run.dsn)
         await bench_run.farm.start()
         try:
-            await bench_run.step("floor", bench_run.floor)
-            await bench_run.step(
-                "pgqueuer", lambda: baselines.pgqueuer_drain(pgq_dsn, n=size.pgqueuer)
-            )
+            # The baselines and hubd in turn, round after round, so that what else the machine
+            # does at a given moment falls on both alike; each rate is the median of its rounds.
+            for index in range(size.rounds):
+                await bench_run.step("floor", bench_run.floor, combine=combine_rates)
+                await bench_run.step(
+                    "pgqueuer",
+                    lambda: baselines.pgqueuer_drain(pgq_dsn, n=size.pgqueuer),
+                    combine=combine_rates,
+                )
+                for claims in CLAIMS:
+                    await bench_run.step(
+                        f"claims_{claims}",
+                        functools.partial(bench_run.claims_phase, claims, first=index == 0),
+                        combine=combine_claims,
+                    )
             await bench_run.step(
                 "statements",
                 lambda: scale.statement_costs(
@@ -412,10 +486,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     reps=size.statement_reps,
                 ),
             )
-            for claims in CLAIMS:
-                await bench_run.step(
-                    f"claims_{claims}", functools.partial(bench_run.claims_phase, claims)
-                )
             for n in size.sockets:
                 await bench_run.step(f"sockets_{n}", functools.partial(bench_run.socket_phase, n))
         finally:
@@ -452,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--storms", type=int, help="reconnect storms per socket count (the median is reported)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of the floor, PgQueuer and the claim counts, in turn (medians reported)",
     )
     parser.add_argument(
         "--only",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -85,11 +86,14 @@ async def _tiny_run(
 async def test_the_smallest_run_reports_every_measure_with_numbers(
     postgres_server: PostgresServer, tmp_path: Path
 ) -> None:
-    """A tiny run on the tests' PostgreSQL exits 0, prints the table, and writes JSON in which
-    every measure has a numeric hubd value (and baseline where it has one), every part ran
-    without error, and the lifecycles finished every allocation."""
+    """A tiny run of two rounds on the tests' PostgreSQL exits 0, prints the table, and writes
+    JSON in which every measure has a numeric hubd value (and baseline where it has one), every
+    part ran without error, the lifecycles of every round finished every allocation, and the
+    rates reported are the medians of the rounds'."""
     output = tmp_path / "bench.json"
-    process = await _tiny_run(postgres_server, output, stdout=asyncio.subprocess.PIPE)
+    process = await _tiny_run(
+        postgres_server, output, "--rounds", "2", stdout=asyncio.subprocess.PIPE
+    )
     stdout, stderr = await process.communicate()
     text = stdout.decode()
     assert process.returncode == 0, text + stderr.decode()[-4000:]
@@ -109,9 +113,21 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
             assert isinstance(row["baseline"], float), key
             assert isinstance(row["ratio"], float), key
     for claims in (16, 64, 256):
-        cycle = report["results"][f"claims_{claims}"]["lifecycle"]
+        result = report["results"][f"claims_{claims}"]
+        cycle = result["lifecycle"]
         assert cycle["complete"], cycle
         assert cycle["ready"] == cycle["released"] == report["parameters"]["lifecycle"]
+        rates = [each["lifecycle_rate"] for each in result["rounds"]]
+        assert len(rates) == 2
+        assert cycle["lifecycle_rate"] == statistics.median(rates)
+        assert set(cycle["cpu_ms"]["ready"]) == {"daemon", "postgres", "farm", "bench"}
+        assert [step["step"] for step in cycle["ledger_steps"]][:2] == [
+            "request:committed",
+            "bind_sidecar:committed",
+        ]
+    floor = report["results"]["floor"]
+    assert floor["rate"] == statistics.median(each["rate"] for each in floor["rounds"])
+    assert len(floor["rounds"]) == 2
     machine = report["machine"]
     assert machine["nproc"] >= 1
     assert len(machine["load_average"]) == 3
