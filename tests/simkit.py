@@ -184,10 +184,9 @@ class SimProvisioner:
         clock = self.clock
 
         async def hang() -> None:
-            # Let the claim's timer start on the manual clock, then move past it: the call is
-            # abandoned as timed out and cancelled here.
-            for _ in range(3):
-                await asyncio.sleep(0)
+            # Wait for the claim's timer on this call to start on the manual clock, then move
+            # past it: the call is abandoned as timed out and cancelled here.
+            await clock.next_sleeper(clock.monotonic() + limit)
             clock.advance(limit + 0.01)
             await asyncio.Event().wait()
 

@@ -67,6 +67,23 @@ async def test_on_virtual_time_only_the_clock_ends_the_wait() -> None:
     await task
 
 
+async def test_next_sleeper_waits_for_a_timer_started_after_it_that_wakes_in_time() -> None:
+    """A sleep already running, or one that wakes too late, does not end the wait; the first
+    sleep started afterwards that wakes by the given time does."""
+    clock = ManualClock()
+    early = asyncio.ensure_future(clock.sleep(1.0))
+    await eventually(lambda: clock.sleepers == 1, what="the early sleeper")
+    armed = asyncio.ensure_future(clock.next_sleeper(clock.monotonic() + 5.0))
+    late = asyncio.ensure_future(clock.sleep(60.0))
+    await eventually(lambda: clock.sleepers == 2, what="the late sleeper")
+    assert not armed.done()
+    timer = asyncio.ensure_future(clock.sleep(5.0))
+    await armed
+    assert not timer.done()
+    clock.advance(60.0)
+    await asyncio.gather(early, late, timer)
+
+
 @pytest.mark.parametrize("clock", [SystemClock(), ManualClock()], ids=["loop", "manual"])
 async def test_a_failed_task_counts_as_settled(clock: Clock) -> None:
     async def fail() -> None:

@@ -63,6 +63,8 @@ class ManualClock:
         self._now = start
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
+        # Waiters of next_sleeper: each for a sleeper that wakes by its time.
+        self._arming: list[tuple[float, asyncio.Future[None]]] = []
 
     def monotonic(self) -> float:
         return self._now
@@ -72,8 +74,22 @@ class ManualClock:
             await asyncio.sleep(0)
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self._now + seconds, next(self._order), future))
+        wake = self._now + seconds
+        heapq.heappush(self._sleepers, (wake, next(self._order), future))
+        for until, waiter in self._arming:
+            if wake <= until and not waiter.done():
+                waiter.set_result(None)
         await future
+
+    async def next_sleeper(self, until: float) -> None:
+        """Wait until a sleep starts, from now on, that wakes by ``until`` (a timer of the code
+        under test is armed, so advancing past it now times it out)."""
+        entry = (until, asyncio.get_running_loop().create_future())
+        self._arming.append(entry)
+        try:
+            await entry[1]
+        finally:
+            self._arming.remove(entry)
 
     async def settle(self, task: asyncio.Future[Any], limit: float) -> bool:
         timer = asyncio.ensure_future(self.sleep(limit))
