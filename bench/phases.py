@@ -185,12 +185,12 @@ async def lifecycle(
     within: float,
     stats: asyncpg.Connection,
     stop: Callable[[], Awaitable[None]],
-    cpu: Callable[[], dict[str, float]] | None = None,
+    cpu: Callable[[], dict[str, float]],
 ) -> dict[str, Any]:
     """``n`` allocations requested in one transaction, timed until all are ready, then released
     in one transaction, timed until all are released; commits counted around both, up to the
-    daemon's exit (``stop``); with ``cpu`` (CPU seconds so far by process group), the CPU each
-    group spent per allocation in each phase.
+    daemon's exit (``stop``); and, from ``cpu`` (CPU seconds so far by process group), the CPU
+    each group spent per allocation in each phase.
 
     PostgreSQL reports a backend's counts when it goes idle at least a second after its last
     report, and otherwise keeps them until its next statement or its exit: an idle pool
@@ -200,18 +200,18 @@ async def lifecycle(
     everything it ran before (a statement at least a second after its previous report does)."""
     commits_before = await xact_commit(stats)
     since = await stats.fetchval("SELECT now()")
-    cpu_start = cpu() if cpu else {}
+    cpu_start = cpu()
     started = time.monotonic()
     ids = await _request(store, dsn, n)
     committed = time.monotonic()
     all_ready, ready, ready_polls = await _poll_until(stats, ids, since, ready=True, within=within)
     ready_at = time.monotonic()
-    cpu_ready = cpu() if cpu else {}
+    cpu_ready = cpu()
     await _release(store, dsn, ids)
     release_committed = time.monotonic()
     all_done, done, done_polls = await _poll_until(stats, ids, since, ready=False, within=within)
     done_at = time.monotonic()
-    cpu_done = cpu() if cpu else {}
+    cpu_done = cpu()
     await stop()
     stopped = time.monotonic()
     await asyncio.sleep(STATS_LAG)
@@ -431,8 +431,7 @@ async def backend_pid(db: Any) -> int:
 async def _postgres(db: Any) -> list[int]:
     """The database server's processes, read again after each storm (pool connections come
     and go); empty when the server runs on another machine."""
-    async with db.pool.acquire() as conn:
-        return server_processes(await conn.fetchval("SELECT pg_backend_pid()"))
+    return server_processes(await backend_pid(db))
 
 
 def cpu(**groups: list[int]) -> dict[str, float]:

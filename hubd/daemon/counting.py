@@ -49,14 +49,11 @@ class AllocationCounts:
         self._counted_at: float | None = None
         # Scrapes that arrive during a count wait for it and then reuse its answer.
         self._lock = asyncio.Lock()
-        self.counts_run = 0
-        """Counts run against the database so far."""
 
     async def refresh(self) -> None:
         async with self._lock:
             if self._counted_at is not None and self._clock() - self._counted_at < self._max_age:
                 return
-            self.counts_run += 1
             try:
                 async with asyncio.timeout(self._timeout):
                     counts = await self._count()
