@@ -25,7 +25,7 @@ from hubd.errors import (
     InvalidRequest,
     PluginLoadError,
 )
-from hubd.logs import configure_logging
+from hubd.logs import configure_logging, flush_logs
 from hubd.store import Status
 
 __all__ = ["main"]
@@ -202,8 +202,14 @@ def _run_daemon(config: Config, args: argparse.Namespace) -> int:
         return asyncio.run(Daemon(config).run())
     except ExceptionGroup:
         # A supervised background task died; the daemon logged which one and why.
-        print("hubd: stopped because a background task failed (see the log)", file=sys.stderr)
+        _say_error("hubd: stopped because a background task failed (see the log)")
         return EXIT_FAILED
+
+
+def _say_error(text: str) -> None:
+    # After the log lines the command wrote, which may still be held back.
+    flush_logs()
+    print(text, file=sys.stderr)
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -247,16 +253,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "alloc":
             return asyncio.run(cmd_alloc(config, args))
     except (InvalidRequest, ConfigError, PluginLoadError) as exc:
-        print(f"hubd: {exc}", file=sys.stderr)
+        _say_error(f"hubd: {exc}")
         return EXIT_USAGE
     except AllocationNotFound as exc:
-        print(f"hubd: {exc}", file=sys.stderr)
+        _say_error(f"hubd: {exc}")
         return EXIT_FAILED
     except (DatabaseUnavailable, EmbeddedPostgresError) as exc:
-        print(f"hubd: database unreachable: {exc}", file=sys.stderr)
+        _say_error(f"hubd: database unreachable: {exc}")
         return EXIT_UNREACHABLE
     except HubdError as exc:
-        print(f"hubd: {exc}", file=sys.stderr)
+        _say_error(f"hubd: {exc}")
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

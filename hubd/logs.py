@@ -15,13 +15,14 @@ import logging
 import sys
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Final, TextIO
+from typing import Any, Final, TextIO, cast
 
 import structlog
 
+from hubd.logstream import CoalescingStream
 from hubd.redaction import REDACTED, scrub
 
-__all__ = ["Sampler", "configure_logging", "redact_event", "render_json"]
+__all__ = ["Sampler", "configure_logging", "flush_logs", "redact_event", "render_json"]
 
 _SECRET_KEYS: Final = frozenset({"token", "authorization", "password", "hubd_token", "secret"})
 _LEVELS: Final = {
@@ -78,7 +79,9 @@ def configure_logging(
     *, fmt: str = "json", level: str = "info", stream: TextIO | None = None
 ) -> None:
     renderer: Any = structlog.dev.ConsoleRenderer(colors=False) if fmt == "console" else render_json
-    output = stream or sys.stderr
+    flush_logs()
+    output = CoalescingStream(stream or sys.stderr)
+    _outputs[:] = [output]
     threshold = _LEVELS.get(level, logging.INFO)
     structlog.configure(
         processors=[
@@ -92,16 +95,26 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.PrintLoggerFactory(output),
+        logger_factory=structlog.PrintLoggerFactory(cast(TextIO, output)),
         cache_logger_on_first_use=False,
     )
     _route_stdlib(renderer, output, threshold)
 
 
-def _route_stdlib(renderer: Any, stream: TextIO, level: int) -> None:
+_outputs: Final[list[CoalescingStream]] = []
+"""The stream the latest :func:`configure_logging` set up."""
+
+
+def flush_logs() -> None:
+    """Write out the lines held back (before a message printed straight to standard error)."""
+    for output in _outputs:
+        output.write_out()
+
+
+def _route_stdlib(renderer: Any, stream: CoalescingStream, level: int) -> None:
     """Send the standard library's records through structlog's processors (redaction
     included) to the same stream; replaces whatever an earlier call installed."""
-    handler = logging.StreamHandler(stream)
+    handler = logging.StreamHandler(cast(TextIO, stream))
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[

@@ -198,10 +198,34 @@ class TestRequestAndRelease:
             with pytest.raises(AllocationNotFound):
                 await store.get(allocation.id)
             # A committed request afterwards proves the listener works; only it arrives.
-            committed = await store.request(provisioner_id="fake")
+            await store.request(provisioner_id="fake-after")
             async with asyncio.timeout(5):
-                assert await notes.get() == committed.id
+                assert await notes.get() == "fake-after"
             assert notes.empty()
+        finally:
+            await conn.close()
+            await listener.close()
+
+    async def test_requests_committed_together_wake_once_per_provisioner(
+        self, store: AllocationStore, database_url: str
+    ) -> None:
+        """A wake-up names the provisioner, so the many requests of one transaction reach each
+        listener as one notification per provisioner, not one per allocation."""
+        listener = await asyncpg.connect(database_url)
+        notes: asyncio.Queue[str] = asyncio.Queue()
+        await listener.add_listener("hubd_wake", lambda *args: notes.put_nowait(args[3]))
+        conn = await asyncpg.connect(database_url)
+        try:
+            async with conn.transaction():
+                for n in range(30):
+                    await store.request(provisioner_id=f"batch-{n % 2}", conn=conn)
+            # Sent after the batch committed: once it arrives, everything before it has.
+            await conn.execute("SELECT pg_notify('hubd_wake', 'marker')")
+            heard: list[str] = []
+            async with asyncio.timeout(5):
+                while not heard or heard[-1] != "marker":
+                    heard.append(await notes.get())
+            assert sorted(heard) == ["batch-0", "batch-1", "marker"]
         finally:
             await conn.close()
             await listener.close()

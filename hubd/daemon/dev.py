@@ -23,6 +23,7 @@ import attrs
 
 from hubd.config import Config, LogConfig, ProvisionerConfig, StateConfig, default_state_dir
 from hubd.daemon.service import Daemon
+from hubd.logs import flush_logs
 from hubd.redaction import redact_dsn
 from hubd.store.models import Status
 
@@ -90,6 +91,8 @@ def _command(config: Config, config_path: str | None) -> str:
 
 
 def _say(text: str) -> None:
+    # In order with the log lines of this loop iteration, which are held back until its end.
+    flush_logs()
     print(text, file=sys.stderr, flush=True)
 
 

@@ -21,7 +21,9 @@ __all__ = [
 ]
 
 WAKE_CHANNEL: Final = "hubd_wake"
-"""Something became due (a request, a release, a sidecar connected); payload: an allocation id."""
+"""Something became due (a request, a release, a sidecar connected); payload: the provisioner id
+of the allocation, so that PostgreSQL delivers one notification for the many alike of one
+transaction (a batch of requests, a batch of connection records)."""
 
 SELFCHECK_CHANNEL: Final = "hubd_selfcheck"
 """A listener's own probe, sent through the ordinary pool; payload: a nonce."""

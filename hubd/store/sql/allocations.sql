@@ -11,7 +11,9 @@
 
 -- name: insert_allocation
 -- A new request, due at once; the wake-up is delivered when the caller's transaction commits.
--- The :spec arrives as JSON text, so callers' connections need no codec.
+-- The :spec arrives as JSON text, so callers' connections need no codec. Wake-ups carry the
+-- provisioner id, not the allocation's: PostgreSQL delivers one notification for identical ones
+-- of a transaction, so a thousand requests committed together wake each daemon once.
 WITH inserted AS (
     INSERT INTO hubd_allocations (id, provisioner_id, tenant_id, session_id, spec, next_attempt_at)
     VALUES (:allocation_id, :provisioner_id, :tenant_id, :session_id, :spec::text::jsonb, now())
@@ -21,7 +23,7 @@ WITH inserted AS (
         (allocation_id, generation, instance_id, kind, to_status, phase)
     SELECT id, generation, :instance_id, 'request', status, 'committed' FROM inserted
 ), woken AS (
-    SELECT pg_notify('hubd_wake', :allocation_id)
+    SELECT pg_notify('hubd_wake', :provisioner_id)
 )
 SELECT inserted.* FROM inserted, woken;
 
@@ -52,7 +54,8 @@ WITH prior AS (
     SELECT id, generation, :instance_id, 'release', from_status, status, 'committed', :reason
     FROM updated
 ), woken AS (
-    SELECT pg_notify('hubd_wake', :allocation_id)
+    -- One per provisioner and transaction (see insert_allocation); nothing when no row moved.
+    SELECT pg_notify('hubd_wake', provisioner_id) FROM updated
 )
 SELECT updated.* FROM updated, woken;
 
@@ -576,9 +579,9 @@ WITH updated AS (
     WHERE id = :allocation_id AND generation = :generation
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
       AND (next_attempt_at IS NULL OR next_attempt_at > now())
-    RETURNING id
+    RETURNING id, provisioner_id
 ), woken AS (
-    SELECT pg_notify('hubd_wake', id) FROM updated
+    SELECT pg_notify('hubd_wake', provisioner_id) FROM updated
 )
 SELECT count(*) > 0 FROM updated, woken;
 

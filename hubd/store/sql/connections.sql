@@ -136,7 +136,7 @@ WITH input AS (
     FROM prior
     WHERE a.id = prior.id AND a.id = ANY (:allocation_ids::text[])
     RETURNING a.id, a.generation, a.connection_seq, prior.ready_now, prior.connection_id,
-              prior.sidecar_id
+              prior.sidecar_id, a.provisioner_id
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
@@ -159,7 +159,7 @@ WITH input AS (
     SELECT pg_notify('hubd_connected',
                      w.allocation_id || ':' || w.generation || ':' || w.seq || ':'
                      || w.connection_id),
-           CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', w.allocation_id) END
+           CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', alloc.provisioner_id) END
     FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
 SELECT i.connection_id, current.status, current.generation, w.seq,
@@ -189,7 +189,7 @@ WITH alloc AS (
       AND status IN ('provisioning', 'allocated')
       AND NOT EXISTS (SELECT 1 FROM hubd_sidecar_connections
                       WHERE allocation_id = :allocation_id AND connection_id <> :connection_id)
-    RETURNING id, generation, connection_seq
+    RETURNING id, generation, connection_seq, provisioner_id
 ), written AS (
     INSERT INTO hubd_sidecar_connections
         (connection_id, allocation_id, generation, sidecar_id, instance_id, seq)
@@ -202,9 +202,10 @@ WITH alloc AS (
     RETURNING allocation_id, generation, seq, connection_id
 ), notified AS (
     SELECT pg_notify('hubd_connected',
-                     allocation_id || ':' || generation || ':' || seq || ':' || connection_id),
-           pg_notify('hubd_wake', allocation_id)
-    FROM written
+                     w.allocation_id || ':' || w.generation || ':' || w.seq || ':'
+                     || w.connection_id),
+           pg_notify('hubd_wake', alloc.provisioner_id)
+    FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
 SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 
