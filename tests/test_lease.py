@@ -29,6 +29,7 @@ class Leases:
         self.renewals: list[asyncio.Task[Any]] = []
         self.batches: list[list[tuple[str, str]]] = []
         self.tasks: list[asyncio.Task[Any]] = []
+        self.keepers: list[LeaseKeeper] = []
 
         async def renew_many(leases: list[tuple[str, str]]) -> frozenset[str]:
             self.batches.append(leases)
@@ -53,15 +54,18 @@ class Leases:
             started=self.clock.monotonic(),
             on_lost=lost.append,
         )
-        self.tasks.append(asyncio.ensure_future(keeper.run()))
+        keeper.watch()
+        self.keepers.append(keeper)
         self.renewer.register(keeper)
         return keeper
 
     async def sleeping(self, count: int) -> None:
-        """Wait until ``count`` tasks are parked on the manual clock."""
+        """Wait until ``count`` deadline watches and tasks are parked on the manual clock."""
         await poll_until(lambda: _is(self.clock.sleepers == count))
 
     def stop(self) -> None:
+        for keeper in self.keepers:
+            keeper.stop()
         for task in self.tasks:
             task.cancel()
 
@@ -128,6 +132,27 @@ class TestLeaseRenewal:
         assert [str(e) for e in leases.lost[taken]] == ["lease renewal was refused"]
         assert leases.lost[kept] == []
         assert keeper.deadline == 1000 + LEASE / 3 + LEASE
+        leases.stop()
+
+    async def test_deadline_watch_follows_renewals(self, store: AllocationStore) -> None:
+        """The deadline watch is a timer set for the deadline it saw: when it goes off after a
+        renewal moved the deadline, it watches the new one instead of losing the lease."""
+        allocation_id, lease = await claim(store)
+        leases = Leases(store)
+        keeper = leases.keep(allocation_id, lease)
+        await leases.sleeping(2)  # the deadline watch and the renewer
+        leases.clock.advance(LEASE / 3)
+        await poll_until(lambda: _is(len(leases.renewals) == 1 and leases.renewals[0].done()))
+        assert keeper.deadline == 1000 + LEASE / 3 + LEASE
+        # Past the first deadline: the watch goes off, finds the lease renewed, and re-arms.
+        leases.renewer.unregister(keeper)
+        leases.clock.advance(LEASE * 2 / 3 + 1)
+        await leases.sleeping(1)
+        assert leases.lost[allocation_id] == []
+        leases.clock.advance(LEASE / 3)
+        await poll_until(lambda: _is(bool(leases.lost[allocation_id])))
+        assert [str(e) for e in leases.lost[allocation_id]] == ["the local lease deadline passed"]
+        await leases.sleeping(0)
         leases.stop()
 
     async def test_unanswered_renewal_loses_at_the_local_deadline(

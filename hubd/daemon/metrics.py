@@ -62,6 +62,11 @@ class Metrics:
             ["provisioner", "operation", "outcome"],
             registry=r,
         )
+        # The labelled children the hot path uses, by their labels: each allocation makes
+        # several transitions and plugin calls, and ``labels()`` validates and locks per call.
+        # The label sets are bounded (statuses, provisioners, operations, outcome types).
+        self._transitions: dict[tuple[str, str], Counter] = {}
+        self._plugin_calls: dict[tuple[str, str, str], tuple[Histogram, Counter]] = {}
         self.lease_losses = Counter(
             "hubd_lease_losses", "Claims stopped because their lease was lost", registry=r
         )
@@ -162,12 +167,27 @@ class Metrics:
         self.lease_losses.inc()
 
     def transition(self, from_status: str, to_status: str) -> None:
-        self.transitions.labels(from_status=from_status, to_status=to_status).inc()
+        key = (from_status, to_status)
+        child = self._transitions.get(key)
+        if child is None:
+            child = self._transitions[key] = self.transitions.labels(
+                from_status=from_status, to_status=to_status
+            )
+        child.inc()
 
     def plugin_call(self, plugin: str, operation: str, seconds: float, outcome: str) -> None:
-        # The label names the provisioner id (allocations name it), not the plugin module.
-        self.plugin_seconds.labels(provisioner=plugin, operation=operation).observe(seconds)
-        self.plugin_outcomes.labels(provisioner=plugin, operation=operation, outcome=outcome).inc()
+        key = (plugin, operation, outcome)
+        children = self._plugin_calls.get(key)
+        if children is None:
+            # The label names the provisioner id (allocations name it), not the plugin module.
+            children = self._plugin_calls[key] = (
+                self.plugin_seconds.labels(provisioner=plugin, operation=operation),
+                self.plugin_outcomes.labels(
+                    provisioner=plugin, operation=operation, outcome=outcome
+                ),
+            )
+        children[0].observe(seconds)
+        children[1].inc()
 
 
 class _ListenerCollector(Collector):

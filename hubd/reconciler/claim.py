@@ -96,7 +96,9 @@ class ClaimRun:
     bound_token: str | None = attrs.field(default=None, repr=False)
     """The raw token of the identity the claim statement bound (never durable)."""
     lost: LeaseLost | None = None
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[Any] | None = None
+    """The task the claim's steps run in, while they run: a lost lease cancels it."""
+    _cancelled: bool = attrs.field(default=False, init=False)
 
     @property
     def fence(self) -> Fence:
@@ -173,9 +175,26 @@ class ClaimRun:
             self.lost = cause
         task = self.task
         # Inside the claim's own task the caller raises instead: cancelling ourselves would
-        # surface at some unrelated await further down the error path.
-        if task is not None and not task.done() and task is not asyncio.current_task():
+        # surface at some unrelated await further down the error path. Cancelled once at most,
+        # so that uncancel_abort can tell this cancellation from any other.
+        if (
+            task is not None
+            and not self._cancelled
+            and not task.done()
+            and task is not asyncio.current_task()
+        ):
+            self._cancelled = True
             task.cancel()
+
+    def uncancel_abort(self) -> bool:
+        """Called where the claim's task caught a cancellation: whether it was only this
+        claim's abort (then it is withdrawn, and the task goes on to end the claim); ``False``
+        when the task was cancelled from outside too, or only from outside."""
+        task = self.task
+        if not self._cancelled or task is None:
+            return False
+        self._cancelled = False
+        return task.uncancel() == 0
 
     async def queue_step(self, step: Callable[[], Awaitable[None]]) -> None:
         """Run ``step`` in the allocation's queue, after connection events queued before it."""

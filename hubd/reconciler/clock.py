@@ -11,17 +11,26 @@ import contextlib
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Clock", "ManualClock", "SystemClock", "wait_settled"]
+__all__ = ["Clock", "ManualClock", "SystemClock", "Timer", "wait_settled"]
 
 T = TypeVar("T")
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
 
 
 class Clock(Protocol):
     def monotonic(self) -> float: ...
 
     async def sleep(self, seconds: float) -> None: ...
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Timer:
+        """Call ``callback`` on the running loop once this clock reads ``when``: a deadline
+        watched without a task of its own."""
 
     async def settle(self, task: asyncio.Future[Any], limit: float) -> bool:
         """Wait up to ``limit`` seconds of this clock for ``task``; ``True`` if it settled.
@@ -34,6 +43,11 @@ class SystemClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Timer:
+        # Relative to this clock, not to the loop's: the two need not share an origin.
+        delay = max(0.0, when - time.monotonic())
+        return asyncio.get_running_loop().call_later(delay, callback)
 
     async def settle(self, task: asyncio.Future[Any], limit: float) -> bool:
         # A timer handle and a callback on the task, not a sleeping task and asyncio.wait:
@@ -56,12 +70,24 @@ class SystemClock:
         return task.done()
 
 
+class _ManualTimer:
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback: Callable[[], None] | None = callback
+
+    def cancel(self) -> None:
+        self.callback = None
+
+    def done(self) -> bool:
+        return self.callback is None
+
+
 class ManualClock:
     """A clock that stands still until :meth:`advance` is called."""
 
     def __init__(self, start: float = 1000.0) -> None:
         self._now = start
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        # Sleeps (their futures) and timers, by the time they wake.
+        self._sleepers: list[tuple[float, int, asyncio.Future[None] | _ManualTimer]] = []
         self._order = itertools.count()
         # Waiters of next_sleeper: each for a sleeper that wakes by its time.
         self._arming: list[tuple[float, asyncio.Future[None]]] = []
@@ -80,6 +106,13 @@ class ManualClock:
             if wake <= until and not waiter.done():
                 waiter.set_result(None)
         await future
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Timer:
+        """A timer counts as a sleeper (it waits on this clock) but is never a ``next_sleeper``:
+        it is no sleep of a task."""
+        timer = _ManualTimer(callback)
+        heapq.heappush(self._sleepers, (when, next(self._order), timer))
+        return timer
 
     async def next_sleeper(self, until: float) -> None:
         """Wait until a sleep starts, from now on, that wakes by ``until`` (a timer of the code
@@ -105,13 +138,20 @@ class ManualClock:
         """Move time forward and wake every sleeper whose time has come."""
         self._now += seconds
         while self._sleepers and self._sleepers[0][0] <= self._now:
-            _, _, future = heapq.heappop(self._sleepers)
-            if not future.done():
-                future.set_result(None)
+            _, _, waiting = heapq.heappop(self._sleepers)
+            if isinstance(waiting, _ManualTimer):
+                callback = waiting.callback
+                if callback is not None:
+                    waiting.cancel()
+                    # On the loop, as a sleeper woken here runs: after this call returns.
+                    asyncio.get_running_loop().call_soon(callback)
+            elif not waiting.done():
+                waiting.set_result(None)
 
     @property
     def sleepers(self) -> int:
-        return sum(1 for _, _, future in self._sleepers if not future.done())
+        """Sleeps and timers still waiting on this clock."""
+        return sum(1 for _, _, waiting in self._sleepers if not waiting.done())
 
 
 async def wait_settled(clock: Clock, task: asyncio.Future[Any], limit: float) -> bool:

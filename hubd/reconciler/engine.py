@@ -308,24 +308,32 @@ class Reconciler:
         self._active[aid] = claim
         self._renewer.register(lease)
         self._observer.claimed()
-        body = self._work.spawn(reconcile(claim), allocation_id=aid, name="claim body")
-        claim.task = body
-        keeper = self._work.spawn(lease.run(), allocation_id=None, name="lease deadline")
+        # The claim's steps run in this task, and the lease's deadline is a timer: a task for
+        # each cost more than a quick claim's own work. A lost lease cancels this task (see
+        # ClaimRun.abort), which is told apart from a cancellation from outside (shutdown).
+        claim.task = asyncio.current_task()
+        lease.watch()
         try:
+            failure: BaseException | None = None
             try:
-                await asyncio.wait({body})
-            except asyncio.CancelledError:
-                body.cancel()
-                raise
-            failure = None if body.cancelled() else body.exception()
-            if body.cancelled() or isinstance(failure, LeaseLost):
+                await reconcile(claim)
+            except asyncio.CancelledError as cancelled:
+                if not claim.uncancel_abort():
+                    raise
+                failure = cancelled
+            except Exception as exc:  # noqa: BLE001 -- every failure parks the row or is a loss
+                failure = exc
+            finally:
+                # From here on a loss only marks the claim lost: nothing is left to interrupt.
+                claim.task = None
+            if isinstance(failure, LeaseLost | asyncio.CancelledError):
                 self._observer.lease_lost()
                 cause = claim.lost or failure
                 claim.log.info("claim_stopped_lease_lost", reason=str(cause))
             elif failure is not None:
                 await self._park_after_error(claim, failure)
         finally:
-            keeper.cancel()
+            lease.stop()
             self._renewer.unregister(lease)
             del self._active[aid]
 

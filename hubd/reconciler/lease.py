@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Protocol, TypeVar
 
 from hubd.errors import LeaseLost
-from hubd.reconciler.clock import Clock, wait_settled
+from hubd.reconciler.clock import Clock, Timer, wait_settled
 
 __all__ = ["LeaseKeeper", "LeaseRenewer"]
 
@@ -55,6 +55,7 @@ class LeaseKeeper:
         self.lost: LeaseLost | None = None
         self.renewing = False
         """A renewal that includes this lease is in flight."""
+        self._timer: Timer | None = None
 
     @property
     def expired(self) -> bool:
@@ -70,16 +71,31 @@ class LeaseKeeper:
             self.lost = LeaseLost(reason)
             self._on_lost(self.lost)
 
-    async def run(self) -> None:
-        """Watch the local deadline until cancelled or until the lease is lost."""
-        while self.lost is None:
-            await self._clock.sleep(self.deadline - self._clock.monotonic())
-            if self.lost is None and self.expired:
-                self.lose(
-                    "lease renewal did not answer before the local deadline"
-                    if self.renewing
-                    else "the local lease deadline passed"
-                )
+    def watch(self) -> None:
+        """Watch the local deadline from now on, until :meth:`stop` or the loss: a timer on the
+        clock, not a task (a claim is short, and a task per claim cost more than the claim's
+        own steps)."""
+        if self.lost is None and self._timer is None:
+            self._timer = self._clock.call_at(self.deadline, self._check)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = None
+        if self.lost is not None:
+            return
+        if not self.expired:
+            # Renewed since the timer was set: watch the new deadline.
+            self.watch()
+            return
+        self.lose(
+            "lease renewal did not answer before the local deadline"
+            if self.renewing
+            else "the local lease deadline passed"
+        )
 
 
 class LeaseRenewer:
