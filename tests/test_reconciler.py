@@ -741,6 +741,34 @@ class TestLeases:
         assert gate.cancelled.is_set()
         assert await store.get(allocation.id) == before
 
+    async def test_a_cancellation_from_outside_is_not_taken_for_the_lease_loss(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A claim whose lease deadline passes and whose task is cancelled from outside (a
+        shutdown) in the same instant ends cancelled: the claim withdraws only its own
+        cancellation. Its plugin call is cancelled and it writes nothing."""
+        clock = ManualClock()
+        reconciler = make_reconciler(db, router, provisioner, clock=clock)
+        gate = Gate()
+        provisioner.ensure_script.append(gate)
+        allocation = await store.request(provisioner_id="fake")
+        claim = asyncio.create_task(reconciler.reconcile_next())
+        await gate.started.wait()
+        before = await store.get(allocation.id)
+        clock.advance(SETTINGS.lease_duration + 1)
+        # The deadline's timer goes off on the loop, after this; the shutdown's cancel is first.
+        claim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await claim
+        assert gate.cancelled.is_set()
+        await reconciler.drain()
+        assert await store.get(allocation.id) == before
+        assert reconciler.active_claims == 0
+
     async def test_renewal_error_aborts_the_claim(
         self,
         store: AllocationStore,
