@@ -19,7 +19,7 @@ from typing import Any, Final, TextIO, cast
 
 import structlog
 
-from hubd.logstream import CoalescingStream
+from hubd.logstream import CoalescingStream, LineLogger
 from hubd.redaction import REDACTED, scrub
 
 __all__ = ["Sampler", "configure_logging", "flush_logs", "redact_event", "render_json"]
@@ -33,8 +33,22 @@ _LEVELS: Final = {
 }
 
 
+# Whether a field name is a secret's, by name as given: the names are few (the code's own and
+# the standard library's record attributes), and lower-casing each on every line added up.
+_SECRET_NAMES: dict[str, bool] = {}
+
+
+def _secret_name(key: str) -> bool:
+    secret = _SECRET_NAMES.get(key)
+    if secret is None:
+        secret = key.lower() in _SECRET_KEYS
+        if len(_SECRET_NAMES) < 4096:
+            _SECRET_NAMES[key] = secret
+    return secret
+
+
 def _redact_value(key: str, value: Any) -> Any:
-    if key.lower() in _SECRET_KEYS:
+    if _secret_name(key):
         return REDACTED
     # Exact types first: most values are plain strings and numbers.
     kind = type(value)
@@ -62,7 +76,19 @@ def redact_event(
     _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
     """structlog processor: replace secret-named fields and token-shaped text."""
-    return {key: _redact_value(key, value) for key, value in event_dict.items()}
+    redacted: dict[str, Any] = {}
+    for key, value in event_dict.items():
+        # The common fields (ids, numbers) without a call each; the rest as _redact_value says.
+        kind = type(value)
+        if _secret_name(key):
+            redacted[key] = REDACTED
+        elif kind is str:
+            redacted[key] = scrub(value)
+        elif kind is int or kind is bool or value is None:
+            redacted[key] = value
+        else:
+            redacted[key] = _redact_value(key, value)
+    return redacted
 
 
 # One encoder for every line: ``json.dumps`` with an argument builds a new one per call. The
@@ -95,10 +121,15 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.PrintLoggerFactory(cast(TextIO, output)),
+        logger_factory=_shared(LineLogger(output)),
         cache_logger_on_first_use=False,
     )
     _route_stdlib(renderer, output, threshold)
+
+
+def _shared(logger: LineLogger) -> Any:
+    """A logger factory that hands out one logger: it holds nothing but the stream."""
+    return lambda *_args: logger
 
 
 _outputs: Final[list[CoalescingStream]] = []

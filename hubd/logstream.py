@@ -21,7 +21,7 @@ import atexit
 import threading
 from typing import Final, TextIO
 
-__all__ = ["LIMIT", "CoalescingStream"]
+__all__ = ["LIMIT", "CoalescingStream", "LineLogger"]
 
 LIMIT: Final = 64 * 1024
 """Characters held back at most; more are written at once."""
@@ -51,6 +51,11 @@ class CoalescingStream:
             self._pending.append(text)
             self._size += len(text)
         return len(text)
+
+    def write_line(self, line: str) -> None:
+        """``line`` and its newline, then :meth:`flush`."""
+        self.write(line + "\n")
+        self.flush()
 
     def flush(self) -> None:
         """What loggers call after each line: the write is deferred to the end of the loop's
@@ -86,3 +91,16 @@ class CoalescingStream:
                 # The reader went away (a closed pipe) or the stream was closed at exit:
                 # there is nowhere left to say so.
                 return
+
+
+class LineLogger:
+    """structlog's logger for hubd: a rendered line goes to the stream in one call (structlog's
+    own ``PrintLogger`` prints, a line and its newline apart, under a lock of its own)."""
+
+    def __init__(self, stream: CoalescingStream) -> None:
+        self._stream = stream
+
+    def msg(self, message: str) -> None:
+        self._stream.write_line(message)
+
+    debug = info = warning = warn = error = err = critical = exception = failure = fatal = log = msg

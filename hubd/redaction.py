@@ -41,7 +41,9 @@ def scrub(text: str) -> str:
         len(text) < _SECRET_LENGTH
         and "hubd_" not in text
         and "://" not in text
-        and _SPACE.search(text) is None
+        # No whitespace: every whitespace character but the space is unprintable.
+        and " " not in text
+        and (text.isprintable() or _SPACE.search(text) is None)
     ):
         return text
     # A URL keeps its user name, so a message still says who connected where.
