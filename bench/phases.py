@@ -366,7 +366,8 @@ async def socket_phase(
 ) -> dict[str, Any]:
     """On a fresh daemon: ``n`` allocations provisioned while the farm holds their sockets back,
     daemon RSS measured, all sockets opened, RSS measured once all are ready. Then, ``storms``
-    times: every socket is dropped at once; once the daemon has recorded every loss, all
+    times: every socket is dropped at once (the time until the daemon has recorded every loss
+    is the loss rate); once it has, all
     reconnect ``concurrency`` at a time, timed until every welcome, with the CPU the daemon, the
     farm and PostgreSQL spent meanwhile. Finally all are released. The storm's rate is the
     median of its repetitions: one storm of a few seconds on a shared 2-core machine varies by
@@ -391,15 +392,24 @@ async def socket_phase(
         postgres = await _postgres(db)
         runs: list[dict[str, Any]] = []
         for _ in range(storms):
+            dropping = time.monotonic()
             dropped = (await farm.call("drop", kind="hubd"))["dropped"]
             if not await watcher.until(lambda: len(watcher.lost) >= n, within=within):
                 raise RuntimeError(f"the daemon recorded {len(watcher.lost)} of {n} losses")
-            say(f"{dropped} dropped, every loss recorded; storm")
+            loss_seconds = time.monotonic() - dropping
+            say(f"{dropped} dropped, every loss recorded in {loss_seconds:.2f} s; storm")
             before = cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres)
             storm = await farm.call("reconnect", kind="hubd", n=n)
             spent = _spent(before, cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres))
             say(f"storm done in {storm['seconds']:.2f} s")
-            runs.append({**storm, "dropped": dropped, "cpu_ms": _per(spent, storm["count"])})
+            runs.append(
+                {
+                    **storm,
+                    "dropped": dropped,
+                    "loss_seconds": loss_seconds,
+                    "cpu_ms": _per(spent, storm["count"]),
+                }
+            )
             if not await watcher.until(lambda: len(watcher.ready) >= n, within=within):
                 raise RuntimeError(f"only {len(watcher.ready)} of {n} were ready again")
             postgres = await _postgres(db)
@@ -417,6 +427,10 @@ async def socket_phase(
         "storm_rates": [run["count"] / run["seconds"] for run in runs],
         "storm_rate": statistics.median(run["count"] / run["seconds"] for run in runs),
         "storm_refusals": sum(run["refusals"] for run in runs),
+        # From the drop until the database says every sidecar is lost (each row's connection
+        # record cleared and its connect deadline set), through the watcher's notifications.
+        "loss_rates": [n / run["loss_seconds"] for run in runs],
+        "loss_rate": statistics.median(n / run["loss_seconds"] for run in runs),
         "storm_cpu_ms": _median_each([run["cpu_ms"] for run in runs]),
     }
 

@@ -192,6 +192,13 @@ class Measures:
                 Target(on="ratio", op=">=", value=0.6),
                 "handshakes/s",
             )
+            row(
+                f"loss_rate_{count}",
+                f"losses recorded after all {count:,} sockets dropped",
+                _get(results, phase, "hubd", "loss_rate"),
+                None,
+                unit="losses/s",
+            )
             # Where the storm's CPU went, per handshake (medians over the storms): the daemon
             # and the farm against the bare server and the farm serving it, and PostgreSQL.
             for key, label, ours, theirs in (

@@ -73,6 +73,11 @@ class PausingConnections(ConnectionStore):
         await self.pauses.at("disconnect")
         return await super().disconnect(allocation_id, connection_id, **kw)
 
+    async def disconnect_many(self, closed: Any, **kw: Any) -> Any:
+        # The router's path: its closed sockets' records are cleared in batches.
+        await self.pauses.at("disconnect")
+        return await super().disconnect_many(closed, **kw)
+
     async def record(self, *args: Any, **options: Any) -> Any:
         await self.pauses.at("record")
         return await super().record(*args, **options)

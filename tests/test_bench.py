@@ -46,6 +46,7 @@ EVERY_MEASURE = {
     "status_estimate_cost",
     "rss_per_socket_30",
     "reconnect_storm_30",
+    "loss_rate_30",
     "storm_cpu_daemon_30",
     "storm_cpu_farm_30",
     "storm_cpu_postgres_30",
@@ -58,6 +59,7 @@ WITH_BASELINE = EVERY_MEASURE - {
     "connect_ready_p99",
     "dial_ready_p50",
     "dial_ready_p99",
+    "loss_rate_30",
     "storm_cpu_postgres_30",
 }
 

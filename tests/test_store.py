@@ -25,7 +25,7 @@ from hubd.store import (
     Phase,
     Status,
 )
-from hubd.store.connections import ConnectionStore
+from hubd.store.connections import ConnectionStore, Disconnect
 from hubd.store.counts import status_counts
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id
@@ -1044,6 +1044,87 @@ class TestTransitions:
         )
         assert parked is not None
         assert parked.next_attempt_at == parked.connect_deadline
+
+    async def test_disconnects_in_one_statement_each_as_if_alone(
+        self, store: AllocationStore, db: Database
+    ) -> None:
+        """disconnect_many clears each closed connection's record and marks its sidecar lost
+        exactly as disconnect does alone: of twin allocations in the same state, one is
+        disconnected alone and the other in one batch with every other case, and the twins
+        end alike (answer, record, status, readiness, schedule, lease, ledger)."""
+        await InstanceStore(db).register("in_test", "here", 1, None)
+        connections = ConnectionStore(db, instance_id="in_test")
+
+        async def prepared(case: str, twin: str) -> Disconnect:
+            status = Status.PROVISIONING if case == "provisioning" else Status.ALLOCATED
+            fence = await drive_to(store, db, status)
+            row = await store.get(fence.allocation_id)
+            assert row.sidecar_id is not None
+            target = Target(fence.allocation_id, fence.generation)
+            closed = f"cn_{case}_{twin}"
+            if case != "gone":
+                await connections.record(closed, target, row.sidecar_id)
+            if case == "superseded":
+                await connections.record(f"cn_newer_{twin}", target, row.sidecar_id)
+            if case != "leased":
+                # Parked: no claim holds the row, so a loss reschedules it.
+                async with db.pool.acquire() as conn:
+                    await conn.execute(
+                        "UPDATE hubd_allocations SET lease_id = NULL, lease_expires_at = NULL, "
+                        "next_attempt_at = now() + interval '1 hour', "
+                        "connect_deadline = now() + interval '1 hour' WHERE id = $1",
+                        fence.allocation_id,
+                    )
+            return Disconnect(fence.allocation_id, closed)
+
+        async def shape(closed: Disconnect, seq_before: int) -> tuple[object, ...]:
+            row = await store.get(closed.allocation_id)
+            async with db.pool.acquire() as conn:
+                record = await conn.fetchval(
+                    "SELECT connection_id FROM hubd_sidecar_connections WHERE allocation_id = $1",
+                    closed.allocation_id,
+                )
+            history = await LedgerStore(db, instance_id="in_test").history(closed.allocation_id)
+            return (
+                str(row.status),
+                row.connection_ready,
+                row.connection_seq - seq_before,
+                row.lease_id is None,
+                row.next_attempt_at is not None and row.next_attempt_at == row.connect_deadline,
+                None if record is None else record.split("_")[1],
+                history[-1].kind,
+            )
+
+        cases = ["parked", "leased", "superseded", "provisioning", "gone"]
+        alone = {case: await prepared(case, "a") for case in cases}
+        batched = {case: await prepared(case, "b") for case in cases}
+        seqs = {
+            closed: (await store.get(closed.allocation_id)).connection_seq
+            for closed in (*alone.values(), *batched.values())
+        }
+        answers_alone = {
+            case: await connections.disconnect(
+                closed.allocation_id, closed.connection_id, connect_timeout=30
+            )
+            for case, closed in alone.items()
+        }
+        answers = await connections.disconnect_many(list(batched.values()), connect_timeout=30)
+        assert {case: answers[closed] for case, closed in batched.items()} == answers_alone
+        assert answers_alone == {
+            "parked": True,
+            "leased": True,
+            "superseded": False,
+            "provisioning": True,
+            "gone": False,
+        }
+        for case in cases:
+            assert await shape(batched[case], seqs[batched[case]]) == await shape(
+                alone[case], seqs[alone[case]]
+            ), case
+        parked = await shape(alone["parked"], seqs[alone["parked"]])
+        assert parked == ("allocated", False, 1, True, True, None, "connection_lost")
+        leased = await shape(alone["leased"], seqs[alone["leased"]])
+        assert leased[3] is False, "a disconnect never touches a claim's lease"
 
     async def test_replacement_only_if_initialization_incomplete(
         self, store: AllocationStore, db: Database

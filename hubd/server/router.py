@@ -56,6 +56,7 @@ from hubd.server.sockets import (
 from hubd.store.connections import (
     ConnectedNotice,
     ConnectionStore,
+    Disconnect,
     Record,
     RecordOutcome,
     RecordRequest,
@@ -92,13 +93,19 @@ class SocketRouter:
         self._events = events
         self._instance_ttl = instance_ttl
         self._event_timeout = event_timeout
+        # Sockets that close while one clearing statement runs go in the next: a network blip
+        # closes thousands at once, and one statement each held the socket pool's connections
+        # while the sidecars were already reconnecting (their records use the same pool).
+        self._clears: Batcher[Disconnect, bool] = Batcher(
+            functools.partial(connections.disconnect_many, connect_timeout=connect_timeout),
+            name="connection-clears",
+            timeout=event_timeout,
+            max_waiting=16384,
+            concurrency=2,
+        )
         # Clears a record and marks the sidecar lost, retrying within the clear budget.
         self._clear = functools.partial(
-            clear_record,
-            connections,
-            connect_timeout=connect_timeout,
-            attempt_timeout=event_timeout,
-            budget=clear_budget,
+            clear_record, self._clears, attempt_timeout=event_timeout, budget=clear_budget
         )
         self._sockets: dict[str, dict[str, SocketEntry]] = {}
         self._arrivals = Arrivals()
@@ -399,6 +406,7 @@ class SocketRouter:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._acknowledgements.close()
         await self._records.close()
+        await self._clears.close()
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -416,7 +424,7 @@ class SocketRouter:
 
     @property
     def batchers(self) -> tuple[Batcher[Any, Any], ...]:
-        return (self._records, self._acknowledgements)
+        return (self._records, self._acknowledgements, self._clears)
 
     @property
     def busy_allocations(self) -> int:

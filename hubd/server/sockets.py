@@ -17,7 +17,7 @@ from hubd.redaction import describe_error
 from hubd.routing import Target
 from hubd.server.batching import Batcher
 from hubd.server.handshake import CloseCode
-from hubd.store.connections import ConnectionStore, RecordOutcome
+from hubd.store.connections import Disconnect, RecordOutcome
 from hubd.store.secrets import Acknowledgement
 
 __all__ = [
@@ -137,31 +137,28 @@ class TrackedTasks:
 
 
 async def clear_record(
-    connections: ConnectionStore,
+    clears: Batcher[Disconnect, bool],
     holder: SocketEntry,
     *,
-    connect_timeout: float,
     attempt_timeout: float,
     budget: float,
     log: Any,
 ) -> bool | None:
-    """Clear ``holder``'s connection record and mark the sidecar lost in the same statement,
-    retrying a failing database for up to ``budget`` seconds. Whether the
-    record was still ``holder``'s; ``None`` when it could not be cleared: the record then
-    outlives the socket until its instance stops heartbeating, so that is logged as an error.
+    """Clear ``holder``'s connection record and mark the sidecar lost in the same statement
+    (shared with the other sockets that closed meanwhile), retrying a failing database for up
+    to ``budget`` seconds. Whether the record was still ``holder``'s; ``None`` when it could
+    not be cleared: the record then outlives the socket until its instance stops heartbeating,
+    so that is logged as an error.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget
     retries = Retries.doubling(0.05, 2.0)
+    closed = Disconnect(holder.target.allocation_id, holder.connection_id)
     while True:
         delay = retries.next_delay()
         try:
             async with asyncio.timeout(attempt_timeout):
-                return await connections.disconnect(
-                    holder.target.allocation_id,
-                    holder.connection_id,
-                    connect_timeout=connect_timeout,
-                )
+                return bool(await clears.request(closed))
         except (StoreError, TimeoutError) as exc:
             if loop.time() + delay >= deadline:
                 # The message says it all; a traceback would add nothing.

@@ -254,6 +254,57 @@ WITH locked AS (
 )
 SELECT (SELECT count(*) FROM cleared) > 0 AS cleared, (SELECT count(*) FROM updated) > 0 AS lost;
 
+-- name: disconnect_many
+-- disconnect for every closed connection :connection_ids[i] of :allocation_ids[i] (one per
+-- allocation), in one statement: a network blip closes thousands of sockets at once. Each pair
+-- is cleared, and its sidecar marked lost, exactly as disconnect would alone: only while the record
+-- is still that connection's (one replaced while this statement waited for the allocation's row
+-- is re-checked as the new record and kept), never touching a claim's lease. The allocation rows
+-- are locked in id order before any record is deleted, as sweep_stale does. Returns the
+-- connection ids whose records were cleared.
+WITH closed AS (
+    -- Only pairs whose record is there to clear: the close of a socket already taken over
+    -- waits on no row.
+    SELECT i.allocation_id, i.connection_id
+    FROM unnest(:allocation_ids::text[], :connection_ids::text[]) AS i(allocation_id, connection_id)
+    WHERE EXISTS (SELECT 1 FROM hubd_sidecar_connections AS c
+                  WHERE c.allocation_id = i.allocation_id AND c.connection_id = i.connection_id)
+), locked AS (
+    SELECT a.id FROM hubd_allocations AS a
+    WHERE a.id IN (SELECT allocation_id FROM closed)
+    ORDER BY a.id
+    FOR NO KEY UPDATE
+), cleared AS (
+    DELETE FROM hubd_sidecar_connections AS c
+    USING closed AS s
+    WHERE c.allocation_id = s.allocation_id AND c.connection_id = s.connection_id
+      AND c.allocation_id IN (SELECT id FROM locked)
+    RETURNING c.allocation_id, c.generation, c.connection_id
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        connection_seq = a.connection_seq + 1,
+        connection_ready = false,
+        connect_deadline = CASE WHEN a.status = 'allocated'
+                                THEN now() + make_interval(secs => :connect_timeout)
+                                ELSE a.connect_deadline END,
+        next_attempt_at = CASE WHEN a.status = 'allocated'
+                                    AND (a.lease_expires_at IS NULL
+                                         OR a.lease_expires_at <= clock_timestamp())
+                               THEN now() + make_interval(secs => :connect_timeout)
+                               ELSE a.next_attempt_at END,
+        updated_at = now()
+    FROM cleared
+    WHERE a.id = cleared.allocation_id AND a.generation = cleared.generation
+      AND a.status IN ('provisioning', 'allocated')
+    RETURNING a.id, a.generation, a.status
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
+    SELECT id, generation, :instance_id, 'connection_lost', status, status, 'committed'
+    FROM updated WHERE status = 'allocated'
+)
+SELECT connection_id FROM cleared;
+
 -- name: sweep_stale
 -- Records held by instances that are gone or whose heartbeat is older than :ttl seconds (never the
 -- caller's own, :instance_id: it knows its own sockets are open) are cleared, and their sidecars
