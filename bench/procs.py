@@ -86,10 +86,11 @@ def children(parent: int, *, live: bool = False) -> list[int]:
     return found
 
 
-def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def _child_env(extra: dict[str, str] | None = None, *, root: Path | None = None) -> dict[str, str]:
+    """The environment of a child: this checkout's (or ``root``'s) packages first on its path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HUBD_")}
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+    tree = str(root or Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH", "")]))
     env.pop("PYTHONASYNCIODEBUG", None)
     env.update(extra or {})
     return env
@@ -112,9 +113,11 @@ async def _stop(process: asyncio.subprocess.Process, within: float = 30) -> None
 class DaemonProcess:
     """``hubd run`` (through ``bench.launch``), its stderr kept in memory."""
 
-    def __init__(self, config: Path, *, max_sockets: int) -> None:
+    def __init__(self, config: Path, *, max_sockets: int, root: Path | None = None) -> None:
         self.config = config
         self.max_sockets = max_sockets
+        self.root = root
+        """The checkout whose ``hubd`` runs; ``None``: this one."""
         self.process: asyncio.subprocess.Process | None = None
         self.running: dict[str, Any] = {}
         self.lines: list[str] = []
@@ -134,7 +137,9 @@ class DaemonProcess:
             "run",
             "--config",
             str(self.config),
-            env=_child_env({"BENCH_MAX_SOCKETS": str(self.max_sockets)}),
+            env=_child_env({"BENCH_MAX_SOCKETS": str(self.max_sockets)}, root=self.root),
+            # ``-m`` puts the working directory first on the path, before PYTHONPATH.
+            cwd=self.root,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,

@@ -196,6 +196,8 @@ class Run:
         self.watcher = Watcher()
         self.stats: asyncpg.Connection | None = None
         self.config: phases.BenchConfig | None = None
+        self.daemon_root: Path | None = None
+        """Another checkout whose daemon runs (``bench.compare``); ``None``: this one."""
 
     async def step(
         self,
@@ -228,7 +230,9 @@ class Run:
 
     async def daemon(self, claims: int, *, max_sockets: int = 0) -> DaemonProcess:
         assert self.config is not None
-        daemon = DaemonProcess(self.config.write(claims=claims), max_sockets=max_sockets)
+        daemon = DaemonProcess(
+            self.config.write(claims=claims), max_sockets=max_sockets, root=self.daemon_root
+        )
         await daemon.start()
         return daemon
 

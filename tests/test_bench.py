@@ -178,3 +178,50 @@ async def test_a_terminated_run_stops_its_processes_and_drops_its_databases(
     finally:
         await conn.close()
     assert left == []
+
+
+async def test_compare_runs_each_tree_in_turn_and_reports_medians(
+    postgres_server: PostgresServer, tmp_path: Path
+) -> None:
+    """bench.compare against a checkout (this one) runs a daemon of each tree per pair and
+    writes every pair and the medians of both; a directory that is no checkout is refused."""
+    root = Path(procs.__file__).parent.parent
+    output = tmp_path / "compare.json"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.compare",
+        str(root),
+        "--pairs",
+        "1",
+        "--lifecycle",
+        "20",
+        "--database-url",
+        postgres_server.maintenance_dsn,
+        "--json",
+        str(output),
+        env=hubd_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    assert process.returncode == 0, stdout.decode() + stderr.decode()[-4000:]
+    report = json.loads(output.read_text())
+    assert len(report["pairs"]) == 1
+    for tree in ("other", "this"):
+        assert report["medians"][tree]["lifecycle_rate"] > 0
+        assert report["medians"][tree]["daemon_cpu_ready_ms"] > 0
+    assert "this/other" in stdout.decode()
+
+    refused = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.compare",
+        str(tmp_path),
+        env=hubd_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await refused.communicate()
+    assert refused.returncode != 0
+    assert "is not a checkout of hubd" in (out + err).decode()
