@@ -69,12 +69,8 @@ class PausingConnections(ConnectionStore):
         super().__init__(db, instance_id=instance_id)
         self.pauses = Pauses()
 
-    async def disconnect(self, allocation_id: str, connection_id: str, **kw: Any) -> bool:
-        await self.pauses.at("disconnect")
-        return await super().disconnect(allocation_id, connection_id, **kw)
-
     async def disconnect_many(self, closed: Any, **kw: Any) -> Any:
-        # The router's path: its closed sockets' records are cleared in batches.
+        # Every disconnect goes through here, the router's batches and single calls alike.
         await self.pauses.at("disconnect")
         return await super().disconnect_many(closed, **kw)
 

@@ -583,13 +583,13 @@ class TestParkOrReady:
         closer = await asyncpg.connect(database_url)
         try:
             async with closer.transaction():
-                gone = CONNECTION_SQL.disconnect(
-                    allocation_id=sidecar.allocation_id,
-                    connection_id="cn_a",
+                gone = CONNECTION_SQL.disconnect_many(
+                    allocation_ids=[sidecar.allocation_id],
+                    connection_ids=["cn_a"],
                     instance_id="in_a",
                     connect_timeout=60.0,
                 )
-                assert (await closer.fetchrow(gone.sql, *gone.args))["cleared"]
+                assert (await closer.fetchrow(gone.sql, *gone.args))["connection_id"] == "cn_a"
                 park = asyncio.create_task(
                     store.park(
                         fence,

@@ -323,17 +323,8 @@ class ConnectionStore:
     ) -> bool:
         """Connection ``connection_id`` closed: clear its record and mark the sidecar lost, both
         only if it is still the current record. ``True`` when it was."""
-        row = await self._db.fetchrow(
-            "record disconnect",
-            SQL.disconnect(
-                allocation_id=allocation_id,
-                connection_id=connection_id,
-                instance_id=self.instance_id,
-                connect_timeout=float(connect_timeout),
-            ),
-            pool=Pool.SOCKETS,
-        )
-        return bool(row is not None and row["cleared"])
+        closed = Disconnect(allocation_id, connection_id)
+        return (await self.disconnect_many([closed], connect_timeout=connect_timeout))[closed]
 
     async def disconnect_many(
         self, closed: Collection[Disconnect], *, connect_timeout: float

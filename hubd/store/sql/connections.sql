@@ -209,59 +209,17 @@ WITH alloc AS (
 )
 SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 
--- name: disconnect
--- Connection :connection_id of :allocation_id closed. Only if it is still the current record (a
--- takeover, on any replica, replaced it otherwise) is it cleared and, for an allocated row of the
--- record's generation, the sidecar marked lost: not ready, a new connect deadline :connect_timeout
--- seconds away. A row that a claim holds keeps its schedule: that claim's connection-fenced write
--- sees the bumped number and decides again; its lease is never touched. :instance_id is the
--- instance for the ledger.
-WITH locked AS (
-    -- Only when this connection's record is there to clear (the delete reads the same snapshot):
-    -- the close of a socket already taken over waits on no row.
-    SELECT id FROM hubd_allocations
-    WHERE id = :allocation_id
-      AND EXISTS (SELECT 1 FROM hubd_sidecar_connections
-                  WHERE allocation_id = :allocation_id AND connection_id = :connection_id)
-    FOR NO KEY UPDATE
-), cleared AS (
-    DELETE FROM hubd_sidecar_connections
-    WHERE allocation_id = :allocation_id AND connection_id = :connection_id
-      AND EXISTS (SELECT 1 FROM locked)  -- evaluated before any record is touched
-    RETURNING allocation_id, generation
-), updated AS (
-    UPDATE hubd_allocations AS a SET
-        connection_seq = a.connection_seq + 1,
-        connection_ready = false,
-        connect_deadline = CASE WHEN a.status = 'allocated'
-                                THEN now() + make_interval(secs => :connect_timeout)
-                                ELSE a.connect_deadline END,
-        next_attempt_at = CASE WHEN a.status = 'allocated'
-                                    AND (a.lease_expires_at IS NULL
-                                         OR a.lease_expires_at <= clock_timestamp())
-                               THEN now() + make_interval(secs => :connect_timeout)
-                               ELSE a.next_attempt_at END,
-        updated_at = now()
-    FROM cleared
-    WHERE a.id = cleared.allocation_id AND a.generation = cleared.generation
-      AND a.status IN ('provisioning', 'allocated')
-    RETURNING a.id, a.generation, a.status
-), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :instance_id, 'connection_lost', status, status, 'committed'
-    FROM updated WHERE status = 'allocated'
-)
-SELECT (SELECT count(*) FROM cleared) > 0 AS cleared, (SELECT count(*) FROM updated) > 0 AS lost;
-
 -- name: disconnect_many
--- disconnect for every closed connection :connection_ids[i] of :allocation_ids[i] (one per
--- allocation), in one statement: a network blip closes thousands of sockets at once. Each pair
--- is cleared, and its sidecar marked lost, exactly as disconnect would alone: only while the record
--- is still that connection's (one replaced while this statement waited for the allocation's row
--- is re-checked as the new record and kept), never touching a claim's lease. The allocation rows
--- are locked in id order before any record is deleted, as sweep_stale does. Returns the
--- connection ids whose records were cleared.
+-- Connections :connection_ids[i] of :allocation_ids[i] closed (one per allocation; a network blip
+-- closes thousands at once, and they share a statement). Each record is cleared only while it is
+-- still that connection's: a takeover on any replica replaced it otherwise, and one replaced while
+-- this statement waited for the allocation's row is re-checked as the new record and kept. For an
+-- allocated row of the record's generation the sidecar is then marked lost: not ready, a new
+-- connect deadline :connect_timeout seconds away. A row that a claim holds keeps its schedule:
+-- that claim's connection-fenced write sees the bumped number and decides again; its lease is
+-- never touched. The allocation rows are locked in id order before any record is deleted, as
+-- sweep_stale does. :instance_id is the instance for the ledger. Returns the connection ids whose
+-- records were cleared.
 WITH closed AS (
     -- Only pairs whose record is there to clear: the close of a socket already taken over
     -- waits on no row.
