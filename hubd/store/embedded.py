@@ -80,6 +80,11 @@ class EmbeddedPostgres:
             _refuse_private_ancestors(self.state_dir)
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+            # The library makes a missing data directory outside its inter-process lock and
+            # fails if it exists by then: a second hubd starting on a fresh state dir at the same
+            # moment (a service and an operator's migrate) lost with "File exists". Made here,
+            # where another maker is no error; initdb takes an empty directory as it finds it.
+            self.data_dir.mkdir(exist_ok=True)
             with library.PostgresServer._lock:
                 self._forget_dead_users()
             self._server = library.get_server(self.data_dir, cleanup_mode="stop")
