@@ -16,7 +16,7 @@ from hubd.routing import Target
 from hubd.store import AllocationStore, Database, Fence, LedgerStore, ParkMode, Status
 from hubd.store.allocations import SQL as ALLOCATION_SQL
 from hubd.store.connections import SQL as CONNECTION_SQL
-from hubd.store.connections import ConnectionStore, RecordOutcome, RecordRequest
+from hubd.store.connections import ConnectionStore, Disconnect, RecordOutcome, RecordRequest
 from hubd.store.instances import InstanceStore
 from hubd.store.models import effects_json
 from tests.polling import eventually
@@ -147,6 +147,43 @@ class TestRacingStatements:
         kept = await record_row(db, sidecar.allocation_id)
         assert kept is not None
         assert kept["connection_id"] == "cn_b"
+
+    async def test_batched_disconnects_one_blocked_behind_a_reconnect(
+        self, db: Database, database_url: str, store: AllocationStore
+    ) -> None:
+        """Two of A's sockets close in one batch while one sidecar's reconnect is being
+        recorded on B: once B commits, that allocation keeps B's record and stays ready, and the
+        other is cleared and marked lost, each as it would be alone."""
+        instances = InstanceStore(db)
+        await instances.register("in_a", "a", 1, None)
+        await instances.register("in_b", "b", 2, None)
+        a = ConnectionStore(db, instance_id="in_a")
+        sidecars = []
+        for _ in range(2):
+            sidecar, fence = await sidecar_in(store, db)
+            record = await a.record(
+                "cn_a_" + sidecar.allocation_id, sidecar.target, sidecar.sidecar_id
+            )
+            assert record.seq is not None
+            assert await store.mark_connection_ready(fence, connection_seq=record.seq)
+            sidecars.append(sidecar)
+        moved, left = sidecars
+        closed = [Disconnect(s.allocation_id, "cn_a_" + s.allocation_id) for s in sidecars]
+        async with record_held_open(database_url, "cn_b", moved.target, moved.sidecar_id, "in_b"):
+            batch = asyncio.create_task(a.disconnect_many(closed, connect_timeout=60))
+            await blocked_on_a_lock(database_url)
+        answers = await batch
+        assert [answers[each] for each in closed] == [False, True]
+        kept = await store.get(moved.allocation_id)
+        assert kept.ready
+        kept_record = await record_row(db, moved.allocation_id)
+        assert kept_record is not None
+        assert kept_record["connection_id"] == "cn_b"
+        lost = await store.get(left.allocation_id)
+        assert lost.status is Status.ALLOCATED
+        assert not lost.connection_ready
+        assert lost.connect_deadline is not None
+        assert await record_row(db, left.allocation_id) is None
 
     async def test_release_blocked_behind_a_connect_deletes_its_record(
         self, db: Database, database_url: str, store: AllocationStore
