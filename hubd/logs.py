@@ -48,8 +48,11 @@ def _secret_name(key: str) -> bool:
 
 
 def _redact_value(key: str, value: Any) -> Any:
-    if _secret_name(key):
-        return REDACTED
+    return REDACTED if _secret_name(key) else _redact_plain(key, value)
+
+
+def _redact_plain(key: str, value: Any) -> Any:
+    """``value`` of a field whose name is no secret's."""
     # Exact types first: most values are plain strings and numbers.
     kind = type(value)
     if kind is str:
@@ -87,7 +90,7 @@ def redact_event(
         elif kind is int or kind is bool or value is None:
             redacted[key] = value
         else:
-            redacted[key] = _redact_value(key, value)
+            redacted[key] = _redact_plain(key, value)
     return redacted
 
 

@@ -180,6 +180,22 @@ async def test_a_terminated_run_stops_its_processes_and_drops_its_databases(
     assert left == []
 
 
+async def _compare(*args: str) -> tuple[int, str, str]:
+    """``python -m bench.compare`` with ``args``: its exit code, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.compare",
+        *args,
+        env=hubd_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
 async def test_compare_runs_each_tree_in_turn_and_reports_medians(
     postgres_server: PostgresServer, tmp_path: Path
 ) -> None:
@@ -187,10 +203,7 @@ async def test_compare_runs_each_tree_in_turn_and_reports_medians(
     writes every pair and the medians of both; a directory that is no checkout is refused."""
     root = Path(procs.__file__).parent.parent
     output = tmp_path / "compare.json"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "bench.compare",
+    code, out, err = await _compare(
         str(root),
         "--pairs",
         "1",
@@ -200,28 +213,15 @@ async def test_compare_runs_each_tree_in_turn_and_reports_medians(
         postgres_server.maintenance_dsn,
         "--json",
         str(output),
-        env=hubd_env(),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
     )
-    stdout, stderr = await process.communicate()
-    assert process.returncode == 0, stdout.decode() + stderr.decode()[-4000:]
+    assert code == 0, out + err[-4000:]
     report = json.loads(output.read_text())
     assert len(report["pairs"]) == 1
     for tree in ("other", "this"):
         assert report["medians"][tree]["lifecycle_rate"] > 0
         assert report["medians"][tree]["daemon_cpu_ready_ms"] > 0
-    assert "this/other" in stdout.decode()
+    assert "this/other" in out
 
-    refused = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "bench.compare",
-        str(tmp_path),
-        env=hubd_env(),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await refused.communicate()
-    assert refused.returncode != 0
-    assert "is not a checkout of hubd" in (out + err).decode()
+    code, out, err = await _compare(str(tmp_path))
+    assert code != 0
+    assert "is not a checkout of hubd" in out + err

@@ -104,9 +104,7 @@ class SocketRouter:
             concurrency=2,
         )
         # Clears a record and marks the sidecar lost, retrying within the clear budget.
-        self._clear = functools.partial(
-            clear_record, self._clears, attempt_timeout=event_timeout, budget=clear_budget
-        )
+        self._clear = functools.partial(clear_record, self._clears, budget=clear_budget)
         self._sockets: dict[str, dict[str, SocketEntry]] = {}
         self._arrivals = Arrivals()
         self._serial = KeyedFifo()

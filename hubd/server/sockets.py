@@ -140,7 +140,6 @@ async def clear_record(
     clears: Batcher[Disconnect, bool],
     holder: SocketEntry,
     *,
-    attempt_timeout: float,
     budget: float,
     log: Any,
 ) -> bool | None:
@@ -157,8 +156,8 @@ async def clear_record(
     while True:
         delay = retries.next_delay()
         try:
-            async with asyncio.timeout(attempt_timeout):
-                return bool(await clears.request(closed))
+            # Each attempt is bounded by the batcher's own timeout.
+            return bool(await clears.request(closed))
         except (StoreError, TimeoutError) as exc:
             if loop.time() + delay >= deadline:
                 # The message says it all; a traceback would add nothing.
