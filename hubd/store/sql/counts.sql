@@ -2,8 +2,9 @@
 -- each costs what the active rows cost, however many finished rows the table holds.
 
 -- name: count_active
--- Exact counts of the active statuses. Served by hubd_allocations_active_idx (the active rows
--- only), so the cost follows the number of active rows, not the table's.
+-- Exact counts of the active statuses: an index-only scan of hubd_allocations_active_idx (the
+-- active rows only, keyed by status), so the cost follows the number of active rows, not the
+-- table's.
 SELECT status, count(*) AS n FROM hubd_allocations
 WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
 GROUP BY status;
