@@ -398,9 +398,11 @@ async def socket_phase(
                 raise RuntimeError(f"the daemon recorded {len(watcher.lost)} of {n} losses")
             loss_seconds = time.monotonic() - dropping
             say(f"{dropped} dropped, every loss recorded in {loss_seconds:.2f} s; storm")
+            counted = await daemon.metrics()
             before = cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres)
             storm = await farm.call("reconnect", kind="hubd", n=n)
             spent = _spent(before, cpu(daemon=[daemon.pid], farm=[farm.pid], postgres=postgres))
+            batches = _batches(counted, await daemon.metrics(), storm["count"])
             say(f"storm done in {storm['seconds']:.2f} s")
             runs.append(
                 {
@@ -408,6 +410,7 @@ async def socket_phase(
                     "dropped": dropped,
                     "loss_seconds": loss_seconds,
                     "cpu_ms": _per(spent, storm["count"]),
+                    "statements": batches,
                 }
             )
             if not await watcher.until(lambda: len(watcher.ready) >= n, within=within):
@@ -432,6 +435,24 @@ async def socket_phase(
         "loss_rates": [n / run["loss_seconds"] for run in runs],
         "loss_rate": statistics.median(n / run["loss_seconds"] for run in runs),
         "storm_cpu_ms": _median_each([run["cpu_ms"] for run in runs]),
+        # Per handshake of the storm, each batcher's statements (the batch size is the inverse).
+        "storm_statements": _median_each([run["statements"] for run in runs]),
+    }
+
+
+STORM_BATCHERS = ("identity-lookups", "connection-records")
+
+
+def _batches(
+    before: dict[str, float], after: dict[str, float], handshakes: int
+) -> dict[str, float]:
+    """Statements per handshake of each batcher a storm goes through, from two reads of the
+    daemon's ``hubd_batched_statements_total``."""
+    key = "hubd_batched_statements_total{{{}}}"
+    return {
+        name: (after.get(key.format(name), 0.0) - before.get(key.format(name), 0.0))
+        / max(handshakes, 1)
+        for name in STORM_BATCHERS
     }
 
 
