@@ -26,9 +26,9 @@ from bench.watch import Watcher, xact_commit
 from hubd.store import AllocationStore, connect_database
 
 __all__ = [
+    "BareSockets",
     "BenchConfig",
     "backend_pid",
-    "bare_sockets",
     "cpu",
     "daemon_config",
     "idle_commits",
@@ -363,10 +363,12 @@ async def socket_phase(
     n: int,
     within: float,
     storms: int = 1,
+    before_storm: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
     """On a fresh daemon: ``n`` allocations provisioned while the farm holds their sockets back,
     daemon RSS measured, all sockets opened, RSS measured once all are ready. Then, ``storms``
-    times: every socket is dropped at once (the time until the daemon has recorded every loss
+    times: ``before_storm`` (the baseline's storm, so the two are taken side by side), then
+    every socket is dropped at once (the time until the daemon has recorded every loss
     is the loss rate); once it has, all
     reconnect ``concurrency`` at a time, timed until every welcome, with the CPU the daemon, the
     farm and PostgreSQL spent meanwhile. Finally all are released. The storm's rate is the
@@ -392,6 +394,8 @@ async def socket_phase(
         postgres = await _postgres(db)
         runs: list[dict[str, Any]] = []
         for _ in range(storms):
+            if before_storm is not None:
+                await before_storm()
             dropping = time.monotonic()
             dropped = (await farm.call("drop", kind="hubd"))["dropped"]
             if not await watcher.until(lambda: len(watcher.lost) >= n, within=within):
@@ -506,36 +510,58 @@ async def _provisioned(dsn: str, ids: list[str], *, within: float) -> bool:
         await conn.close()
 
 
-async def bare_sockets(farm: FarmClient, *, n: int, storms: int = 1) -> dict[str, Any]:
-    """The same for a bare websockets server: RSS before and after ``n`` idle sockets, then,
-    ``storms`` times, all dropped and reopened ``concurrency`` at a time, with the CPU the server
-    and the farm spent meanwhile."""
-    server = BareServer()
-    await server.start()
-    runs: list[dict[str, Any]] = []
-    try:
+class BareSockets:
+    """The same for a bare websockets server: RSS before and after ``n`` idle sockets, then a
+    storm at each :meth:`storm` (all dropped and reopened ``concurrency`` at a time), with the
+    CPU the server and the farm spent meanwhile.
+
+    Its storms are run in turn with hubd's (``socket_phase``'s ``before_storm``): on this shared
+    2-core machine the bare server's storm rate moved by a fifth between runs minutes apart
+    (2,296 to 2,852 handshakes/s at 2,000), so storms taken before hubd's were, like single
+    samples of the floor, a draw on the machine's state.
+    """
+
+    def __init__(self, farm: FarmClient, *, n: int) -> None:
+        self._farm = farm
+        self._n = n
+        self._server = BareServer()
+        self._runs: list[dict[str, Any]] = []
+        self._measured: dict[str, float] = {}
+
+    async def start(self) -> None:
+        """Start the server and open the ``n`` idle sockets, RSS read before and after."""
+        await self._server.start()
         await asyncio.sleep(0.5)
-        rss_before = rss_kib(server.pid)
-        opened = await farm.call("reconnect", kind="bare", url=server.url, n=n)
+        rss_before = rss_kib(self._server.pid)
+        opened = await self._farm.call("reconnect", kind="bare", url=self._server.url, n=self._n)
         await asyncio.sleep(2)
-        rss_after = rss_kib(server.pid)
-        for _ in range(storms):
-            await farm.call("drop", kind="bare")
-            await asyncio.sleep(2)  # the server sees every close before the storm
-            before = cpu(server=[server.pid], farm=[farm.pid])
-            storm = await farm.call("reconnect", kind="bare", url=server.url, n=n)
-            spent = _spent(before, cpu(server=[server.pid], farm=[farm.pid]))
-            runs.append({**storm, "cpu_ms": _per(spent, n)})
+        self._measured = {
+            "rss_before_kib": rss_before,
+            "rss_after_kib": rss_kib(self._server.pid),
+            "first_connect_rate": self._n / opened["seconds"],
+        }
+
+    async def storm(self) -> None:
+        """Drop every socket and open them all again, timed, with the CPU spent."""
+        server, farm = self._server, self._farm
         await farm.call("drop", kind="bare")
-    finally:
-        await server.stop()
-    return {
-        "n": n,
-        "rss_before_kib": rss_before,
-        "rss_after_kib": rss_after,
-        "kib_per_socket": (rss_after - rss_before) / n,
-        "first_connect_rate": n / opened["seconds"],
-        "storm_rates": [n / run["seconds"] for run in runs],
-        "storm_rate": statistics.median(n / run["seconds"] for run in runs),
-        "storm_cpu_ms": _median_each([run["cpu_ms"] for run in runs]),
-    }
+        await asyncio.sleep(2)  # the server sees every close before the storm
+        before = cpu(server=[server.pid], farm=[farm.pid])
+        storm = await farm.call("reconnect", kind="bare", url=server.url, n=self._n)
+        spent = _spent(before, cpu(server=[server.pid], farm=[farm.pid]))
+        self._runs.append({**storm, "cpu_ms": _per(spent, self._n)})
+
+    async def stop(self) -> None:
+        await self._farm.call("drop", kind="bare")
+        await self._server.stop()
+
+    def result(self) -> dict[str, Any]:
+        n, runs, measured = self._n, self._runs, self._measured
+        return {
+            "n": n,
+            **measured,
+            "kib_per_socket": (measured["rss_after_kib"] - measured["rss_before_kib"]) / n,
+            "storm_rates": [n / run["seconds"] for run in runs],
+            "storm_rate": statistics.median(n / run["seconds"] for run in runs),
+            "storm_cpu_ms": _median_each([run["cpu_ms"] for run in runs]),
+        }

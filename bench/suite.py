@@ -307,23 +307,29 @@ class Run:
         return result
 
     async def socket_phase(self, n: int) -> dict[str, Any]:
-        storms = self.size.storms
-        bare = await phases.bare_sockets(self.farm, n=n, storms=storms)
-        daemon = await self.daemon(CLAIMS[0], max_sockets=n + 1_000)
+        # The bare server's sockets stay open (idle, in their own process) while hubd's are
+        # measured, so that each of its storms can run just before one of hubd's.
+        bare = phases.BareSockets(self.farm, n=n)
+        await bare.start()
         try:
-            hubd = await phases.socket_phase(
-                self.dsn,
-                self.watcher,
-                self.farm,
-                daemon,
-                n=n,
-                within=self.size.within,
-                storms=storms,
-            )
-            hubd["listener_refusals"] = await daemon.refusals()
+            daemon = await self.daemon(CLAIMS[0], max_sockets=n + 1_000)
+            try:
+                hubd = await phases.socket_phase(
+                    self.dsn,
+                    self.watcher,
+                    self.farm,
+                    daemon,
+                    n=n,
+                    within=self.size.within,
+                    storms=self.size.storms,
+                    before_storm=bare.storm,
+                )
+                hubd["listener_refusals"] = await daemon.refusals()
+            finally:
+                await daemon.stop()
         finally:
-            await daemon.stop()
-        return {"bare": bare, "hubd": hubd}
+            await bare.stop()
+        return {"bare": bare.result(), "hubd": hubd}
 
     async def floor(self) -> dict[str, Any]:
         # A database of its own: in hubd's, the floor's churn (its tables dropped and made
