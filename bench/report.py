@@ -165,6 +165,11 @@ class Measures:
             ("renewal", "lease renewal (16 leases)"),
             ("status_count", "active status count"),
             ("status_estimate", "terminal status estimate"),
+            ("repair", "repair sweep (mark_unconnected)"),
+            ("stale_sweep", "stale record sweep"),
+            ("socket_check", "socket check (16 sockets)"),
+            ("heartbeat", "instance heartbeat"),
+            ("dead_instances", "dead instance deletion"),
         ):
             row(
                 f"{name}_cost",

@@ -1,5 +1,6 @@
 """What the daemon's periodic statements cost as history grows: 10,000 terminal rows against
-many more, in two databases of their own with the same 1,000 active rows due in each.
+many more, in two databases of their own with the same 1,000 active rows due in each, and the
+same 200 allocated, connected ones (half of them on an instance that stopped heartbeating).
 
 A statement's cost is the server's execution time of it, as ``EXPLAIN (ANALYZE, TIMING OFF)``
 reports it: what grows with the table when a plan reads more than the active rows. The time
@@ -32,6 +33,7 @@ from hubd.store.database import SESSION_SETTINGS
 __all__ = ["ACTIVE_ROWS", "periodic_statements", "statement_costs"]
 
 ACTIVE_ROWS = 1_000
+READY_ROWS = 200
 
 
 def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]]:
@@ -41,7 +43,9 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     or status counts change shape, change them here too.
     """
     from hubd.store.allocations import SQL
+    from hubd.store.connections import SQL as CONNECTIONS
     from hubd.store.counts import SQL as COUNTS
+    from hubd.store.instances import SQL as INSTANCES
 
     def claim() -> tuple[Any, ...]:
         # The dispatcher's statement, claiming for 16 free slots at once, with an identity per
@@ -67,12 +71,33 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
         )
         return tuple(bound.args)
 
+    def bound(statement: Any) -> tuple[str, Callable[[], tuple[Any, ...]]]:
+        """A statement whose arguments are the same each time."""
+        args = tuple(statement.args)
+        return statement.sql, lambda: args
+
     sample_renewal = SQL.renew_leases(allocation_ids=[], lease_ids=[], lease_duration=60.0)
+    # The repair sweep's, the socket check's and the heartbeat's, as the daemon binds them
+    # (instance TTL 20 s, connect timeout 60 s, dead instances after ten TTLs).
+    held = [f"al_bench_ready_{g}" for g in range(2, 34, 2)]
     return {
         "claim": (SQL.claim_due.sql, claim),
         "renewal": (sample_renewal.sql, renewal),
         "status_count": (COUNTS.count_active().sql, tuple),
         "status_estimate": (COUNTS.estimate_statuses().sql, tuple),
+        "repair": bound(
+            SQL.mark_unconnected(instance_ttl=20.0, connect_timeout=60.0, instance_id="bench")
+        ),
+        "stale_sweep": bound(
+            CONNECTIONS.sweep_stale(ttl=20.0, instance_id="bench", connect_timeout=60.0)
+        ),
+        "socket_check": bound(
+            CONNECTIONS.check_sockets(
+                allocation_ids=held, connection_ids=[f"cn_bench_{g}" for g in range(2, 34, 2)]
+            )
+        ),
+        "heartbeat": bound(INSTANCES.heartbeat(instance_id="bench")),
+        "dead_instances": bound(INSTANCES.delete_dead(older_than=200.0)),
     }
 
 
@@ -129,6 +154,36 @@ async def _prepare(dsn: str, terminal: int) -> asyncpg.Connection:
         """,
         ACTIVE_ROWS,
     )
+    # Connected sidecars for the repair and the sweeps to find: READY_ROWS allocated, ready
+    # rows, half recorded on a live instance and half on one that stopped heartbeating an hour
+    # ago (the stale sweep clears those, the repair marks them lost, the dead instance goes).
+    await conn.execute(
+        """
+        INSERT INTO hubd_instances (id, hostname, pid, heartbeat_at) VALUES
+            ('bench', 'bench', 1, now()),
+            ('bench_dead', 'bench', 2, now() - interval '1 hour')
+        """
+    )
+    await conn.execute(
+        """
+        INSERT INTO hubd_allocations
+            (id, status, provisioner_id, sidecar_id, token_hash, connection_ready)
+        SELECT 'al_bench_ready_' || g, 'allocated', 'bench', 'sc_bench_' || g,
+               sha256(g::text::bytea), true
+        FROM generate_series(1, $1::int) AS g
+        """,
+        READY_ROWS,
+    )
+    await conn.execute(
+        """
+        INSERT INTO hubd_sidecar_connections
+            (connection_id, allocation_id, generation, sidecar_id, instance_id)
+        SELECT 'cn_bench_' || g, 'al_bench_ready_' || g, 1, 'sc_bench_' || g,
+               CASE WHEN g % 2 = 0 THEN 'bench' ELSE 'bench_dead' END
+        FROM generate_series(1, $1::int) AS g
+        """,
+        READY_ROWS,
+    )
     await _fill_terminal(conn, 1, terminal)
     return conn
 
@@ -154,6 +209,18 @@ async def statement_costs(
         }
         per_round = max(1, reps // ROUNDS)
         for _ in range(ROUNDS):
+            # Each rolled-back write leaves dead row versions and index entries behind (the
+            # repair and the stale sweep, 100 rows a run): left to pile up over hundreds of runs
+            # in seconds, they slowed every later statement, the index-only status count most
+            # (0.10 -> 0.7-1.1 ms). So every round starts clean at both sizes. INDEX_CLEANUP ON:
+            # by default VACUUM leaves the index entries of so few dead rows in place when they
+            # are on under 2% of the table's pages, which they are at 1,000,000 rows and not at
+            # 10,000, and the large table alone kept its dead entries (the count 0.13 -> 0.42 ms).
+            for conn in conns:
+                await conn.execute(
+                    "VACUUM (INDEX_CLEANUP ON)"
+                    " hubd_allocations, hubd_sidecar_connections, hubd_instances"
+                )
             for name, (sql, args) in statements.items():
                 for conn, taken in zip(conns, samples[name], strict=True):
                     taken.extend(await _samples(conn, sql, args, per_round))
