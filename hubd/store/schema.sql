@@ -57,9 +57,9 @@ CREATE INDEX hubd_allocations_due_idx ON hubd_allocations (next_attempt_at, id)
 -- reads this index alone (an index-only scan, grouped in index order), so it costs what the
 -- active rows cost whatever the history; keyed by id only, it read each row's heap tuple in id
 -- order once the table was large and a bitmap scan of the same rows while it was small, 1.15x
--- apart at 1,000,000 against 10,000 finished rows (docs/performance.md). The id after the status keeps a transition's
--- "id = ... AND status IN (...)", which implies the predicate, an exact descent should the
--- planner ever take this index for it rather than the primary key.
+-- apart at 1,000,000 against 10,000 finished rows (docs/performance.md). The id after the
+-- status keeps a transition's "id = ... AND status IN (...)", which implies the predicate, an
+-- exact descent should the planner ever take this index for it rather than the primary key.
 CREATE INDEX hubd_allocations_active_idx ON hubd_allocations (status, id)
     WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
 
