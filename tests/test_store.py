@@ -954,13 +954,17 @@ class TestClaims:
                 json.loads(await conn.fetchval("EXPLAIN (FORMAT JSON) " + bound.sql))
                 for bound in (SQL.count_active(), SQL.estimate_statuses())
             ]
-        assert all("Seq Scan on hubd_allocations" not in str(plan) for plan in plans), plans
-        scans = [
-            (node["Node Type"], node.get("Index Name"))
-            for node in _plan_nodes(plans[0][0]["Plan"])
-            if node.get("Relation Name") == "hubd_allocations"
-        ]
-        assert scans == [("Index Only Scan", "hubd_allocations_active_idx")], scans
+        count_scans, estimate_scans = (
+            [
+                (node["Node Type"], node.get("Index Name"))
+                for node in _plan_nodes(plan[0]["Plan"])
+                if node.get("Relation Name") == "hubd_allocations"
+            ]
+            for plan in plans
+        )
+        assert count_scans == [("Index Only Scan", "hubd_allocations_active_idx")], count_scans
+        # The estimate reads the planner's statistics, never the table.
+        assert estimate_scans == [], estimate_scans
         counts = await status_counts(db)
         assert counts[Status.PENDING] == 300
         assert counts[Status.ALLOCATED] == 0
