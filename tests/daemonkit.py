@@ -81,15 +81,12 @@ def new_marker() -> str:
 
 
 MARKER_VARIABLE = "HUBD_TEST_MARKER"
-DEV_MARKER_VARIABLE = "DEV_TEST_MARKER"
-"""``hubd dev`` configures its own ``local`` provisioner, so its sidecars carry a marker only
-through the environment they inherit (which drops ``HUBD_*`` variables)."""
 
 
 def sidecar_pids(marker: str) -> set[int]:
-    """Live processes whose environment carries ``marker`` (under either marker variable)."""
+    """Live processes whose environment carries ``marker``."""
     found: set[int] = set()
-    needles = {f"{name}={marker}".encode() for name in (MARKER_VARIABLE, DEV_MARKER_VARIABLE)}
+    needles = {f"{MARKER_VARIABLE}={marker}".encode()}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -126,6 +123,32 @@ def sidecar_generations(marker: str) -> list[tuple[str, str]]:
 
 def kill_sidecars(marker: str) -> None:
     for pid in sidecar_pids(marker):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def pids_writing_under(directory: Path) -> set[int]:
+    """Live processes whose standard output is a file under ``directory``: the sidecars a
+    ``local`` provisioner with that state dir started (each writes to its log there). ``hubd
+    dev`` configures its own provisioner, and the provisioner passes a sidecar only PATH, HOME,
+    LANG and TZ of its own environment, so a marker cannot reach them."""
+    found: set[int] = set()
+    prefix = str(directory.resolve()) + os.sep
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            target = os.readlink(entry / "fd" / "1")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if target.startswith(prefix) and ") Z " not in stat:
+            found.add(int(entry.name))
+    return found
+
+
+def kill_writing_under(directory: Path) -> None:
+    for pid in pids_writing_under(directory):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 

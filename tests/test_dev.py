@@ -17,7 +17,7 @@ from hubd.config import Config, StateConfig
 from hubd.daemon.dev import dev_config
 from hubd.store import AllocationStore, Status
 from tests.clikit import run_hubd
-from tests.daemonkit import DEV_MARKER_VARIABLE, DaemonProcess
+from tests.daemonkit import DaemonProcess, kill_writing_under
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,7 +30,12 @@ ANY_PORTS = {"HUBD_SERVER_LISTEN": "127.0.0.1:0", "HUBD_ADMIN_LISTEN": "127.0.0.
 def home() -> Iterator[Path]:
     # Short: the embedded server's Unix socket lives under it.
     with tempfile.TemporaryDirectory(prefix="hubd-v") as path:
-        yield Path(path)
+        try:
+            yield Path(path)
+        finally:
+            # Sidecars of a dev that ended without releasing its work (one test stops it on
+            # purpose) keep dialling a hub that is gone; their logs are under its state dir.
+            kill_writing_under(Path(path))
 
 
 def demo_id(process: DaemonProcess) -> str:
@@ -79,13 +84,13 @@ class TestStateDir:
 
 
 class TestOwnWork:
-    async def test_follow_up_commands_reach_its_database(self, home: Path, marker: str) -> None:
+    async def test_follow_up_commands_reach_its_database(self, home: Path) -> None:
         """dev prints follow-up commands that reach its own database (the state dir, the
         config file), and Ctrl-C releases its demo and exits 0."""
         state = home  # its parents must be world-searchable for a root-run embedded server
         config = home / "hubd.toml"
         config.write_text('[log]\nlevel = "info"\n')
-        env = {"HUBD_STATE_DIR": str(state), DEV_MARKER_VARIABLE: marker, **ANY_PORTS}
+        env = {"HUBD_STATE_DIR": str(state), **ANY_PORTS}
         dev = DaemonProcess(None, env, args=("dev", "--config", str(config)))
         try:
             await dev.start(ready_text=READY)
@@ -110,7 +115,7 @@ class TestOwnWork:
         ]
 
     async def test_releases_only_what_it_requested(
-        self, database_url: str, observer: AllocationStore, marker: str, home: Path
+        self, database_url: str, observer: AllocationStore, home: Path
     ) -> None:
         """On a shared database (allowed explicitly) dev's Ctrl-C releases its own demo and
         leaves an allocation someone else requested active, saying so."""
@@ -118,7 +123,6 @@ class TestOwnWork:
         env = {
             "HUBD_DATABASE_URL": database_url,
             "HUBD_STATE_DIR": str(home),
-            DEV_MARKER_VARIABLE: marker,
             **ANY_PORTS,
         }
         dev = DaemonProcess(None, env, args=("dev", "--allow-external-database"))
@@ -137,7 +141,7 @@ class TestOwnWork:
         assert f"did not request active: {theirs.id}" in dev.output
 
     async def test_stranded_release_exits_1_naming_the_mismatch(
-        self, database_url: str, observer: AllocationStore, marker: str, home: Path
+        self, database_url: str, observer: AllocationStore, home: Path
     ) -> None:
         """When dev's demo is bound to another binding than dev's local provisioner, Ctrl-C
         does not wait out the grace: dev names the mismatch (both fingerprints) and what was
@@ -145,7 +149,6 @@ class TestOwnWork:
         env = {
             "HUBD_DATABASE_URL": database_url,
             "HUBD_STATE_DIR": str(home),
-            DEV_MARKER_VARIABLE: marker,
             **ANY_PORTS,
         }
         dev = DaemonProcess(None, env, args=("dev", "--allow-external-database"))
