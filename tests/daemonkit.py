@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,21 +83,31 @@ def new_marker() -> str:
 MARKER_VARIABLE = "HUBD_TEST_MARKER"
 
 
-def sidecar_pids(marker: str) -> set[int]:
-    """Live processes whose environment carries ``marker``."""
+def _live_pids(matches: Callable[[Path], bool]) -> set[int]:
+    """Live (not zombie) processes whose ``/proc`` entry ``matches``; one that vanishes or
+    cannot be read while it is looked at does not."""
     found: set[int] = set()
-    needles = {f"{MARKER_VARIABLE}={marker}".encode()}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
-            stat = (entry / "stat").read_text()
+            if matches(entry) and ") Z " not in (entry / "stat").read_text():
+                found.add(int(entry.name))
         except OSError:
             continue
-        if needles & set(environ.split(b"\0")) and ") Z " not in stat:
-            found.add(int(entry.name))
     return found
+
+
+def _kill(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def sidecar_pids(marker: str) -> set[int]:
+    """Live processes whose environment carries ``marker``."""
+    needle = f"{MARKER_VARIABLE}={marker}".encode()
+    return _live_pids(lambda entry: needle in (entry / "environ").read_bytes().split(b"\0"))
 
 
 def sidecar_generations(marker: str) -> list[tuple[str, str]]:
@@ -122,9 +132,7 @@ def sidecar_generations(marker: str) -> list[tuple[str, str]]:
 
 
 def kill_sidecars(marker: str) -> None:
-    for pid in sidecar_pids(marker):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    _kill(sidecar_pids(marker))
 
 
 def pids_writing_under(directory: Path) -> set[int]:
@@ -132,25 +140,12 @@ def pids_writing_under(directory: Path) -> set[int]:
     ``local`` provisioner with that state dir started (each writes to its log there). ``hubd
     dev`` configures its own provisioner, and the provisioner passes a sidecar only PATH, HOME,
     LANG and TZ of its own environment, so a marker cannot reach them."""
-    found: set[int] = set()
     prefix = str(directory.resolve()) + os.sep
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            target = os.readlink(entry / "fd" / "1")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if target.startswith(prefix) and ") Z " not in stat:
-            found.add(int(entry.name))
-    return found
+    return _live_pids(lambda entry: os.readlink(entry / "fd" / "1").startswith(prefix))
 
 
 def kill_writing_under(directory: Path) -> None:
-    for pid in pids_writing_under(directory):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    _kill(pids_writing_under(directory))
 
 
 class DaemonProcess:

@@ -369,23 +369,19 @@ async def _literal(conn: asyncpg.Connection, value: object) -> str:
     return str(await conn.fetchval("SELECT quote_nullable($1::text)", text))
 
 
-def _subplan(node: dict[str, Any], name: str) -> dict[str, Any]:
-    """The node of an EXPLAIN (FORMAT JSON) tree that heads the subplan ``name``."""
-    if node.get("Subplan Name") == name:
-        return node
-    for child in node.get("Plans", []):
-        try:
-            return _subplan(child, name)
-        except LookupError:
-            continue
-    raise LookupError(name)
-
-
 def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Every node of an EXPLAIN (FORMAT JSON) tree, ``node`` first."""
     yield node
     for child in node.get("Plans", []):
         yield from _plan_nodes(child)
+
+
+def _subplan(node: dict[str, Any], name: str) -> dict[str, Any]:
+    """The node of an EXPLAIN (FORMAT JSON) tree that heads the subplan ``name``."""
+    for found in _plan_nodes(node):
+        if found.get("Subplan Name") == name:
+            return found
+    raise LookupError(name)
 
 
 class TestClaims:
