@@ -47,6 +47,8 @@ class Sidecar:
 
     def __init__(self, creds: dict[str, Any]) -> None:
         self.creds = creds
+        # Worked out once, as a sidecar does from its environment, not on every dial.
+        self.url = connect_urls(str(creds["url"]))[0]
         self.ws: ClientConnection | None = None
         self.task: asyncio.Task[None] | None = None
         self.stopped = False
@@ -64,7 +66,8 @@ class Farm:
         self.refusals: dict[str, int] = {}
         self.sources = itertools.cycle(_SOURCES)
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.welcomed = asyncio.Event()
+        self.awaited: tuple[int, asyncio.Future[None]] | None = None
+        """While a storm runs: the count of welcomes it waits for, and its future."""
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -116,7 +119,7 @@ class Farm:
             async with self.handshakes:
                 self.dialed[str(creds["allocation_id"])] = time.time()
                 ws = await connect(
-                    connect_urls(str(creds["url"]))[0],
+                    sidecar.url,
                     additional_headers={
                         "Authorization": f"Bearer {creds['token']}",
                         "Hubd-Allocation-Id": str(creds["allocation_id"]),
@@ -139,7 +142,7 @@ class Farm:
                 return None
             sidecar.ws = ws
             self.welcomes.append((str(creds["allocation_id"]), welcomed_at))
-            self.welcomed.set()
+            self.count_welcome()
             await ws.wait_closed()
             code = ws.close_code
         except InvalidStatus as exc:
@@ -159,6 +162,11 @@ class Farm:
         if sidecar.stopped or code in _STOP_CODES:
             return None
         return 0.2
+
+    def count_welcome(self) -> None:
+        awaited = self.awaited
+        if awaited is not None and len(self.welcomes) >= awaited[0] and not awaited[1].done():
+            awaited[1].set_result(None)
 
     def connected(self) -> int:
         return sum(1 for s in self.sidecars.values() if s.ws is not None)
@@ -233,10 +241,14 @@ class Farm:
             for sidecar in pending:
                 sidecar.stopped = False
                 sidecar.task = self.spawn(self.run_sidecar(sidecar))
-            self.welcomed.clear()
-            while len(self.welcomes) - before < len(pending):
-                await self.welcomed.wait()
-                self.welcomed.clear()
+            # Woken once, by the last welcome, not by each of them.
+            everyone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.awaited = (before + len(pending), everyone)
+            self.count_welcome()
+            try:
+                await everyone
+            finally:
+                self.awaited = None
             opened = len(pending)
         return {
             "count": opened,
