@@ -118,12 +118,14 @@ class SocketRouter:
             max_waiting=16384,
         )
         # Records arriving while one statement runs go in the next (one per allocation: FIFO).
+        # One statement at a time: every record notifies, and PostgreSQL commits one notifying
+        # transaction at a time (the notification queue's lock), so a second statement would
+        # only wait on the first's commit; alone, each carries twice as many records.
         self._records: Batcher[RecordRequest, Record] = Batcher(
             connections.record_many,
             name="connection-records",
             timeout=event_timeout,
             max_waiting=16384,
-            concurrency=2,
         )
         self._closing = False
         self.remote_closes = 0

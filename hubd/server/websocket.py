@@ -83,7 +83,7 @@ class SidecarServer:
         limits: ListenerLimits | None = None,
         max_connections: int | None = None,
         max_waiting_lookups: int = 256,
-        lookup_concurrency: int = 2,
+        lookup_concurrency: int = 1,
         lookup_timeout: float = 5.0,
         retry_after: int = 5,
         message_rate: float = 20.0,
@@ -113,7 +113,10 @@ class SidecarServer:
         # A flood is one line per kind every few seconds, with the count of the lines it
         # stands for, never a line per refused socket.
         self._sampler = Sampler()
-        # One budget for queue and query; statements at once: the identity pool's connections.
+        # One budget for queue and query. One statement at a time: whatever arrives meanwhile
+        # goes in the next, and a storm's CPU goes further in fewer, larger statements than in
+        # two at once (docs/performance.md). The identity pool's second connection is a spare,
+        # for the statement after one that timed out while its connection is being reset.
         self.lookups: Batcher[str, SidecarIdentity] = Batcher(
             connections.identities,
             name="identity-lookups",
