@@ -279,8 +279,33 @@ class TestBatchedHandshakes:
                 await eventually(lambda: blocked_on_the_lock(database_url))
             statuses = [await task for task in tasks]
             assert statuses == [101, 101, 101, 401, 101, 101]
-            # Two statements at most at once (the identity pool's size), the rest shared.
-            assert lookups.batches < len(sidecars)
+            # One statement at a time: the first, and the one the rest shared.
+            assert lookups.batches <= 2
+
+    async def test_the_hubs_records_and_lookups_run_one_statement_at_a_time(
+        self, db: Database, store: AllocationStore, database_url: str
+    ) -> None:
+        """While one record statement (or look-up statement) of the hub runs, the requests
+        that arrive wait for the next one rather than start a second: every record notifies,
+        and PostgreSQL commits notifying transactions one at a time, so a second statement
+        would only wait for the first's commit (docs/performance.md)."""
+        sidecars = await several(store, db, 4)
+        async with running_hub(db, lookup_timeout=60) as hub:
+            (records,) = (b for b in hub.router.batchers if b.name == "connection-records")
+            requests = [
+                RecordRequest(new_connection_id(), each.target, each.sidecar_id)
+                for each in sidecars
+            ]
+            table = "hubd_sidecar_connections"
+            written = await first_waits_rest_queue(records, requests, database_url, table)
+            assert [r and r.outcome for r in written] == [RecordOutcome.RECORDED] * len(requests)
+            assert records.batches == 2
+
+            lookups = hub.server.lookups
+            keys = [each.allocation_id for each in sidecars]
+            found = await first_waits_rest_queue(lookups, keys, database_url, "hubd_allocations")
+            assert [i and i.sidecar_id for i in found] == [each.sidecar_id for each in sidecars]
+            assert lookups.batches == 2
 
     async def test_every_waiting_handshake_is_503_while_the_database_is_down(
         self, db: Database, store: AllocationStore, database_url: str
