@@ -368,12 +368,11 @@ async def socket_phase(
     """On a fresh daemon: ``n`` allocations provisioned while the farm holds their sockets back,
     daemon RSS measured, all sockets opened, RSS measured once all are ready. Then, ``storms``
     times: ``before_storm`` (the baseline's storm, so the two are taken side by side), then
-    every socket is dropped at once (the time until the daemon has recorded every loss
-    is the loss rate); once it has, all
-    reconnect ``concurrency`` at a time, timed until every welcome, with the CPU the daemon, the
-    farm and PostgreSQL spent meanwhile. Finally all are released. The storm's rate is the
-    median of its repetitions: one storm of a few seconds on a shared 2-core machine varies by
-    a third from one run to the next."""
+    every socket is dropped at once (the time until the daemon has recorded every loss is the
+    loss rate); once it has, all reconnect ``concurrency`` at a time, timed until every welcome,
+    with the CPU the daemon, the farm and PostgreSQL spent meanwhile. Finally all are released.
+    The storm's rate is the median of its repetitions: one storm of a few seconds on a shared
+    2-core machine varies by a third from one run to the next."""
     db, store = await open_store(dsn)
     try:
         watcher.reset()
