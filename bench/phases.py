@@ -162,6 +162,20 @@ DONE_COUNT = (
 )
 
 
+def next_poll(reached: int, wanted: int, elapsed: float) -> float:
+    """Seconds until the next progress poll, with ``reached`` of ``wanted`` rows there after
+    ``elapsed`` seconds.
+
+    Polled every 50 ms, the end was seen 25 ms late on average, and a phase lasts one to three
+    seconds; PgQueuer's drain, the baseline, ends the moment its queue is empty. The last polls
+    come when the rate so far says the rest will be done: a few more polls, each a cheap count,
+    and the end is seen within about 5 ms."""
+    if reached <= 0 or elapsed <= 0:
+        return POLL_INTERVAL
+    left = (wanted - reached) * elapsed / reached
+    return min(POLL_INTERVAL, max(FINAL_POLL, left))
+
+
 async def _poll_until(
     stats: asyncpg.Connection, ids: list[str], since: datetime, *, ready: bool, within: float
 ) -> tuple[bool, int, int]:
@@ -179,13 +193,7 @@ async def _poll_until(
         now = time.monotonic()
         if reached >= len(ids) or now >= deadline:
             return reached >= len(ids), reached, polls
-        # Polled every 50 ms, the end was seen 25 ms late on average, and a phase lasts one to
-        # three seconds; PgQueuer's drain, the baseline, ends the moment its queue is empty.
-        # The last polls come when the rate so far says the rest will be done: a few more
-        # polls, each a cheap count, and the end is seen within about 5 ms.
-        rate = reached / (now - started)
-        left = (len(ids) - reached) / rate if rate > 0 else POLL_INTERVAL
-        await asyncio.sleep(min(POLL_INTERVAL, max(FINAL_POLL, left)))
+        await asyncio.sleep(next_poll(reached, len(ids), now - started))
 
 
 async def lifecycle(
