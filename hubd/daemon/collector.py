@@ -19,14 +19,14 @@ Every 50,000 is better still. A claim, a handshake and a close each leave object
 few milliseconds (tasks, futures, rows, log events); collected every 10,000 allocations, many
 were still alive, survived into the middle generation and were walked again there. In one run
 of the bench's 16-claim phase (a 2,000-allocation lifecycle, then latency samples) the
-collections took 155 ms at 10,000 (59 young, 5 middle at about
-20 ms each, 1 full at 46 ms) and 77 ms at 50,000 (32 young, up to 11 ms each, 3 middle, no
-full). In interleaved pairs (``bench.compare``) the lifecycle ran 1.03x and the 2,000-socket
-reconnect storm 1.05x as fast, the memory per idle socket unchanged (1.07x bare websockets at
-2,000 sockets, 1.09x at 5,000). A young collection walks at most the objects still alive among
-the last 50,000, and cyclic garbage (a dropped socket's objects refer to each other) waits for
-the same collections: an idle daemon allocates little, so it can hold an earlier storm's
-garbage for longer, as the default pace also does once the heap stops growing.
+collections took 155 ms at 10,000 (59 young, 5 middle at about 20 ms each, 1 full at 46 ms)
+and 77 ms at 50,000 (32 young, up to 11 ms each, 3 middle, no full). In interleaved pairs
+(``bench.compare``) the lifecycle ran 1.03x and the 2,000-socket reconnect storm 1.05x as
+fast, the memory per idle socket unchanged (1.07x bare websockets at 2,000 sockets, 1.09x at
+5,000). A young collection walks at most the objects still alive among the last 50,000, and
+cyclic garbage (a dropped socket's objects refer to each other) waits for the same
+collections: an idle daemon allocates little, so it can hold an earlier storm's garbage for
+longer, as the default pace also does once the heap stops growing.
 """
 
 from __future__ import annotations
