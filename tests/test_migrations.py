@@ -11,7 +11,8 @@ from tests.conftest import PostgresServer, drop_database, fresh_database
 
 DESCRIBE = {
     "columns": """
-        SELECT table_name, column_name, data_type, is_nullable, column_default, is_identity
+        SELECT table_name, column_name, data_type, domain_name, is_nullable, column_default,
+            is_identity
         FROM information_schema.columns WHERE table_schema = 'public'
           AND table_name <> 'hubd_schema_migrations'
         ORDER BY 1, 2""",

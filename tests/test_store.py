@@ -1228,6 +1228,52 @@ class TestTransitions:
                     "VALUES ('al_z', 0, 'fake')"
                 )
 
+    @pytest.mark.parametrize(
+        ("table", "column", "value"),
+        [
+            ("hubd_allocations", "ensure_attempts", "-1"),
+            ("hubd_allocations", "destroy_attempts", "-1"),
+            ("hubd_allocations", "spec", "'[]'::jsonb"),
+            ("hubd_allocations", "token_hash", "'\\x00'::bytea"),
+            ("hubd_allocation_ledger", "phase", "'done'"),
+            ("hubd_allocation_ledger", "generation", "0"),
+            ("hubd_allocation_ledger", "error_code", "repeat('x', 65)"),
+            ("hubd_allocation_ledger", "message", "repeat('x', 501)"),
+            ("hubd_allocation_ledger", "duration_ms", "-0.5"),
+            ("hubd_sidecar_secrets", "generation", "0"),
+            ("hubd_sidecar_secrets", "secret_hash", "'\\x00'::bytea"),
+            ("hubd_sidecar_secrets", "previous_hash", "'\\x00'::bytea"),
+        ],
+    )
+    async def test_each_column_rule_refuses_a_bad_value(
+        self, store: AllocationStore, db: Database, table: str, column: str, value: str
+    ) -> None:
+        """Each rule about one column (a domain since migration 11) refuses a value that breaks
+        it, in an update that assigns only that column, and the row keeps what it had."""
+        allocation = await store.request(provisioner_id="fake")
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "INSERT INTO hubd_allocation_ledger (allocation_id, generation, kind, phase) "
+                "VALUES ($1, 1, 'test', 'committed')",
+                allocation.id,
+            )
+            await conn.execute(
+                "INSERT INTO hubd_sidecar_secrets (allocation_id, generation, sidecar_id) "
+                "VALUES ($1, 1, 'sc_x')",
+                allocation.id,
+            )
+            key = "allocation_id" if table != "hubd_allocations" else "id"
+            # The names and values are this test's own parameters, not input.
+            read = f"SELECT {column}::text FROM {table} WHERE {key} = $1"  # noqa: S608
+            before = await conn.fetchval(read, allocation.id)
+            with pytest.raises(asyncpg.CheckViolationError):
+                await conn.execute(
+                    f"UPDATE {table} SET {column} = {value} WHERE {key} = $1",  # noqa: S608
+                    allocation.id,
+                )
+            after = await conn.fetchval(read, allocation.id)
+            assert after == before
+
 
 class TestLedger:
     async def test_effects_are_fenced(
