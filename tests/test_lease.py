@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -203,3 +205,43 @@ class TestLeaseRenewal:
         await leases.sleeping(0)
         leases.clock.advance(LEASE)
         assert leases.batches == []
+
+
+class TestStoppedKeeper:
+    def test_a_stopped_keeper_reports_nothing_and_lets_its_claim_go(self) -> None:
+        """A keeper stopped when its claim ends drops its loss callback: a loss reported late
+        (a renewal answering after the claim ended) reaches nobody, and the claim, which the
+        callback refers to and which refers to the keeper, is freed as its last reference
+        goes, not when the garbage collector next runs."""
+
+        class Claim:
+            def __init__(self) -> None:
+                self.lost: list[LeaseLost] = []
+                # As the reconciler's: the keeper's callback reaches the claim that holds it.
+                self.keeper = LeaseKeeper(
+                    allocation_id="al_1",
+                    lease_id="ls_1",
+                    clock=ManualClock(),
+                    lease_duration=LEASE,
+                    started=0.0,
+                    on_lost=self.report,
+                )
+
+            def report(self, cause: LeaseLost) -> None:
+                self.lost.append(cause)
+
+        claim = Claim()
+        reports = claim.lost
+        keeper = claim.keeper
+        ended = weakref.ref(claim)
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            keeper.stop()
+            keeper.lose("the renewal answered late")
+            del claim
+            assert ended() is None
+        finally:
+            if was_enabled:
+                gc.enable()
+        assert reports == []

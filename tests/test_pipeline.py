@@ -5,6 +5,7 @@ kept to the request they belong to."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import secrets
 
 import pytest
@@ -203,3 +204,28 @@ async def test_a_batch_behind_another_replicas_release_writes_nothing_for_it(
         assert await bind(store_b, x, sidecar_id="sc_x_of_b_later") is None
     finally:
         await db_b.close()
+
+
+async def test_a_batch_lets_its_requests_go_as_their_callers_return(
+    db: Database, store: AllocationStore
+) -> None:
+    """A request and its batch refer to each other; once the batch has ended the requests
+    (their rows, their futures) are freed as their callers return, not when the garbage
+    collector next runs."""
+    fences = await pending_claims(store, 8)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        results = await asyncio.gather(*(bind(store, fence) for fence in fences))
+        assert all(result is not None for result in results)
+        pipeline = store.pipelines[BIND]
+        assert pipeline.carried == 8
+        del results
+        # The callers have their rows; the runner lets the batch go once it has seen it end.
+        await eventually(
+            lambda: not any(type(o).__name__ == "_Request" for o in gc.get_objects()),
+            what="the batch's requests freed",
+        )
+    finally:
+        if was_enabled:
+            gc.enable()

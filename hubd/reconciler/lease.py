@@ -79,9 +79,14 @@ class LeaseKeeper:
             self._timer = self._clock.call_at(self.deadline, self._check)
 
     def stop(self) -> None:
+        """Stop watching the deadline, and stop reporting a loss: the claim has ended. The
+        callback goes too. It refers to the claim, which refers to this keeper: dropped here,
+        that cycle no longer waits for the garbage collector, and a claim's objects are freed
+        as it ends."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._on_lost = _ignore_loss
 
     def _check(self) -> None:
         self._timer = None
@@ -96,6 +101,10 @@ class LeaseKeeper:
             if self.renewing
             else "the local lease deadline passed"
         )
+
+
+def _ignore_loss(_cause: LeaseLost) -> None:
+    """The loss callback of a stopped keeper."""
 
 
 class LeaseRenewer:

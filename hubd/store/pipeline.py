@@ -126,6 +126,11 @@ class Pipeline:
                 # The batch's own task, so that cancelling it (all its requests gave up)
                 # leaves this runner to carry the requests that came meanwhile.
                 await asyncio.wait({batch.task})
+                # Each request refers to its batch and the batch to its requests: emptied, the
+                # requests (their rows, their futures) are freed as their callers return,
+                # without waiting for the garbage collector. A request cancelled from now on
+                # finds its batch ended, with nothing left to abandon.
+                batch.requests = []
         finally:
             self._runner = None
 
