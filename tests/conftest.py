@@ -8,6 +8,7 @@ databases) to test against an external PostgreSQL instead.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import shutil
@@ -119,6 +120,19 @@ def store(db: Database) -> AllocationStore:
 @pytest.fixture
 def ledger(db: Database) -> LedgerStore:
     return LedgerStore(db, instance_id="in_test")
+
+
+@pytest.fixture
+def collector_off() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the test: whatever is freed meanwhile was freed
+    by reference counting alone."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # -- fixtures of the tests that run hubd processes ---------------------------------------------

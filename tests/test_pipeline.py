@@ -206,6 +206,7 @@ async def test_a_batch_behind_another_replicas_release_writes_nothing_for_it(
         await db_b.close()
 
 
+@pytest.mark.usefixtures("collector_off")
 async def test_a_batch_lets_its_requests_go_as_their_callers_return(
     db: Database, store: AllocationStore
 ) -> None:
@@ -214,26 +215,20 @@ async def test_a_batch_lets_its_requests_go_as_their_callers_return(
     collector next runs."""
     fences = await pending_claims(store, 8)
     ours = {fence.allocation_id for fence in fences}
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        results = await asyncio.gather(*(bind(store, fence) for fence in fences))
-        assert all(result is not None for result in results)
-        pipeline = store.pipelines[BIND]
-        assert pipeline.carried == 8
-        del results
-        # The callers have their rows; the runner lets the batch go once it has seen it end.
-        # Only this test's requests: earlier tests may have left theirs to the collector (a
-        # request whose statement failed is held by its exception's traceback).
-        await eventually(
-            lambda: (
-                not any(
-                    type(o).__name__ == "_Request" and getattr(o, "allocation_id", None) in ours
-                    for o in gc.get_objects()
-                )
-            ),
-            what="the batch's requests freed",
-        )
-    finally:
-        if was_enabled:
-            gc.enable()
+    results = await asyncio.gather(*(bind(store, fence) for fence in fences))
+    assert all(result is not None for result in results)
+    pipeline = store.pipelines[BIND]
+    assert pipeline.carried == 8
+    del results
+    # The callers have their rows; the runner lets the batch go once it has seen it end.
+    # Only this test's requests: earlier tests may have left theirs to the collector (a
+    # request whose statement failed is held by its exception's traceback).
+    await eventually(
+        lambda: (
+            not any(
+                type(o).__name__ == "_Request" and getattr(o, "allocation_id", None) in ours
+                for o in gc.get_objects()
+            )
+        ),
+        what="the batch's requests freed",
+    )

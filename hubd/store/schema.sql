@@ -2,7 +2,7 @@
 
 -- A rule about one column is a domain, not a table constraint. PostgreSQL reads a table's CHECK
 -- constraints from their stored text and plans them again in every statement that writes the
--- table, whichever columns it writes: 21 us a statement for the allocations' nine, more than the
+-- table, whichever columns it writes: 20 us a statement for the allocations' nine, more than the
 -- update itself, paid by every park and release of a pipelined batch. A domain's rule is read
 -- once per connection, and checked only where a statement assigns the column. The rules that
 -- tie columns together stay table constraints.
