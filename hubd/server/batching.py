@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from hubd.errors import BatchFull
 
@@ -89,10 +89,13 @@ class Batcher(Generic[K, V]):
         if len(self._runners) < self._concurrency:
             # Owned here and awaited by close(); each ends on its own once nobody waits.
             self._runners.add(loop.create_task(self._drain(), name=self._name))
+        # The deadline fails the future itself: one timer, where ``asyncio.timeout`` would add
+        # a context object and the task's cancel-and-uncancel to each of a storm's requests.
+        expiry = loop.call_at(loop.time() + self._timeout, _expire, future)
         try:
-            async with asyncio.timeout(self._timeout):
-                return await future
+            return await future
         finally:
+            expiry.cancel()
             # Timed out or cancelled before its batch was taken: leave the queue, so the key
             # is not asked for nobody and the slot counts for someone else.
             self._forget(key, future)
@@ -163,3 +166,8 @@ class Batcher(Generic[K, V]):
                 for future in futures:
                     if not future.done():
                         future.set_result(answers.get(key))
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())

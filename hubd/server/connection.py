@@ -11,10 +11,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from websockets.asyncio.server import Server, ServerConnection
-from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
-from websockets.http11 import Request, Response
 from websockets.protocol import Event
 from websockets.server import ServerProtocol
 
@@ -91,11 +89,9 @@ class SidecarConnection(ServerConnection):
         the socket is open, the request's include the token and the reconnect secret, and
         together they would cost a few KiB for as long as the socket lives."""
         if self.request is not None:
-            self.request = Request(self.request.path, Headers())
+            self.request.headers.clear()
         if self.response is not None:
-            self.response = Response(
-                self.response.status_code, self.response.reason_phrase, Headers()
-            )
+            self.response.headers.clear()
 
     # -- admission ------------------------------------------------------------------------------
 

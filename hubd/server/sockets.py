@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import attrs
 import structlog
@@ -42,8 +43,15 @@ REFUSED_RECORD_CLOSES = {
 }
 
 
+# A connection id names a socket in records, notifications and logs, and is never a
+# credential: a random prefix per process and a counter keep it unique across processes and
+# restarts without a call to the system's random source per handshake.
+_CONNECTION_PREFIX: Final = secrets.token_hex(8)
+_connection_numbers = itertools.count(1)
+
+
 def new_connection_id() -> str:
-    return f"cn_{secrets.token_hex(16)}"
+    return f"cn_{_CONNECTION_PREFIX}{next(_connection_numbers):016x}"
 
 
 class SidecarSocket(Protocol):

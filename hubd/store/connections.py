@@ -166,7 +166,8 @@ class Record:
     """The allocation became ready in the same statement."""
 
 
-@attrs.frozen
+# Batcher keys, hashed at each step of their way through a batch: each hash is kept.
+@attrs.frozen(cache_hash=True)
 class RecordRequest:
     """A connection to record: socket ``connection_id`` of ``target``'s sidecar ``sidecar_id``,
     with the secret rotation of its handshake (``None``: none)."""
@@ -177,7 +178,7 @@ class RecordRequest:
     rotation: Rotation | None = None
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Disconnect:
     """A closed socket whose record is to be cleared: connection ``connection_id`` of
     allocation ``allocation_id``."""
