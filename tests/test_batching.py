@@ -246,6 +246,33 @@ class TestBatcher:
                 await batcher.request(sidecar.allocation_id)
         assert await batcher.request(sidecar.allocation_id) is not None
 
+    async def test_each_request_times_out_at_its_own_deadline(
+        self, db: Database, store: AllocationStore, database_url: str
+    ) -> None:
+        """Requests share one timer: the first request times out with its statement, and the
+        one that queued behind it times out at its own deadline, while the statement that
+        took it after the first timed out still waits; the batcher then answers again."""
+        first, queued = await several(store, db, 2)
+        counted = Counted(ConnectionStore(db, instance_id="in_test"))
+        batcher = Batcher(counted, name="test-lookups", timeout=0.5)
+
+        async def running_when_it_timed_out(allocation_id: str) -> int:
+            with pytest.raises(TimeoutError):
+                await batcher.request(allocation_id)
+            return batcher.running
+
+        async with table_locked(database_url):
+            leading = asyncio.create_task(running_when_it_timed_out(first.allocation_id))
+            await eventually(lambda: len(counted.calls) == 1)
+            behind = asyncio.create_task(running_when_it_timed_out(queued.allocation_id))
+            await leading
+            # Its own deadline, not its statement's timeout half a second later.
+            assert await behind == 1
+            assert counted.calls == [[first.allocation_id], [queued.allocation_id]]
+        answer = await batcher.request(queued.allocation_id)
+        assert answer is not None
+        assert answer.allocation_id == queued.allocation_id
+
 
 async def connect_spare(database_url: str) -> Database:
     """Pools of their own, for a test to take away."""

@@ -17,8 +17,9 @@ dropped. An error of a batch's statement reaches every request still waiting for
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from hubd.errors import BatchFull
 
@@ -55,6 +56,14 @@ class Batcher(Generic[K, V]):
         self._count = 0
         self._running = 0
         self._runners: set[asyncio.Task[None]] = set()
+        # Every request has the same timeout, so deadlines come due in the order requests
+        # arrived: one timer, set for the oldest request still waiting, fails each future in
+        # turn. A storm's requests then cost no timer each, nor a timeout block's
+        # cancel-and-uncancel of their tasks.
+        self._deadlines: collections.deque[tuple[float, asyncio.Future[V | None]]] = (
+            collections.deque()
+        )
+        self._expiry: asyncio.TimerHandle | None = None
         self.batches = 0
         """Statements run so far (each carries one or more keys)."""
         self.carried = 0
@@ -89,19 +98,41 @@ class Batcher(Generic[K, V]):
         if len(self._runners) < self._concurrency:
             # Owned here and awaited by close(); each ends on its own once nobody waits.
             self._runners.add(loop.create_task(self._drain(), name=self._name))
-        # The deadline fails the future itself: one timer, where ``asyncio.timeout`` would add
-        # a context object and the task's cancel-and-uncancel to each of a storm's requests.
-        expiry = loop.call_at(loop.time() + self._timeout, _expire, future)
+        deadlines = self._deadlines
+        # Answered requests leave from the front (statements answer in arrival order), so the
+        # queue holds about as many as wait, not every request of the last ``timeout``.
+        while deadlines and deadlines[0][1].done():
+            deadlines.popleft()
+        deadlines.append((loop.time() + self._timeout, future))
+        if self._expiry is None:
+            self._expire_due()
         try:
             return await future
         finally:
-            expiry.cancel()
             # Timed out or cancelled before its batch was taken: leave the queue, so the key
             # is not asked for nobody and the slot counts for someone else.
             self._forget(key, future)
 
+    def _expire_due(self) -> None:
+        """Fail the futures whose deadline has passed; set the timer for the next one."""
+        self._expiry = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadlines = self._deadlines
+        while deadlines:
+            deadline, future = deadlines[0]
+            if not future.done():
+                if deadline > now:
+                    self._expiry = loop.call_at(deadline, self._expire_due)
+                    return
+                future.set_exception(TimeoutError())
+            deadlines.popleft()
+
     async def close(self) -> None:
         """Cancel the running statements, if any, and every waiting request."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         runners = list(self._runners)
         for runner in runners:
             runner.cancel()
@@ -166,8 +197,3 @@ class Batcher(Generic[K, V]):
                 for future in futures:
                     if not future.done():
                         future.set_result(answers.get(key))
-
-
-def _expire(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.set_exception(TimeoutError())
