@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import logging
@@ -19,6 +20,7 @@ import pytest
 import structlog
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.http11 import Request
 
 from hubd.backoff import Backoff
 from hubd.config import ServerConfig
@@ -129,6 +131,16 @@ class TestHandshake:
             assert held.response.status_code == 101
             assert list(held.request.headers.raw_items()) == []
             assert list(held.response.headers.raw_items()) == []
+            # Nor anywhere else: websockets' parser keeps the request it parsed for as long as
+            # the socket lives, so a request replaced on the connection would keep the token.
+            kept = [
+                request.path  # the path alone: a failure must not print the token
+                for request in gc.get_objects()
+                if isinstance(request, Request)
+                and request is not ws.request
+                and any(sidecar.token in value for _, value in request.headers.raw_items())
+            ]
+            assert kept == []
 
     async def test_provisioning_accepted(
         self, db: Database, store: AllocationStore, hub: Hub
