@@ -9,9 +9,11 @@ import gc
 import itertools
 import json
 import logging
+import os
 import resource
 import secrets
 import ssl
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from hubd.routing import SidecarNotConnected, Target
 from hubd.server import HandshakeRequest, SidecarServer, SocketRouter
 from hubd.server.connection import SidecarConnection
 from hubd.server.limits import ListenerLimits
+from hubd.server.sockets import new_connection_id
 from hubd.sidecar.client import SidecarClient, SidecarConfigError, SidecarSettings
 from hubd.store import AllocationStore, Database, Failure, Status, connect_database
 from hubd.store.connections import (
@@ -1114,3 +1117,28 @@ async def records_of(db: Database, allocation_id: str) -> list[str]:
         allocation_id,
     )
     return [row["connection_id"] for row in rows]
+
+
+def test_connection_ids_are_unique_and_a_forked_child_names_its_own_apart() -> None:
+    """Connection ids count up under a random prefix per process; a child forked from the
+    daemon draws a prefix of its own instead of counting on from its parent's."""
+    first, second = new_connection_id(), new_connection_id()
+    assert first != second
+    assert first[:19] == second[:19]
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        # Python 3.12 warns about forking a process that has threads; the child only writes.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover -- the child
+        os.write(write, new_connection_id().encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        child = os.read(read, 64).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert child.startswith("cn_")
+    assert len(child) == len(first)
+    assert child[:19] != first[:19]

@@ -87,7 +87,11 @@ class SidecarConnection(ServerConnection):
     def forget_handshake(self) -> None:
         """Drop the headers websockets keeps of the opening handshake: nothing reads them once
         the socket is open, the request's include the token and the reconnect secret, and
-        together they would cost a few KiB for as long as the socket lives."""
+        together they would cost a few KiB for as long as the socket lives.
+
+        Emptied in place, not replaced: websockets' parser keeps the request it parsed (in its
+        generator's frame) for as long as the socket lives, so a new request on the connection
+        would leave the original headers, the token among them, where they were."""
         if self.request is not None:
             self.request.headers.clear()
         if self.response is not None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import secrets
 from collections.abc import Coroutine, Iterator
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import attrs
 import structlog
@@ -45,12 +46,22 @@ REFUSED_RECORD_CLOSES = {
 # A connection id names a socket in records, notifications and logs, and is never a
 # credential: a random prefix per process and a counter keep it unique across processes and
 # restarts without a call to the system's random source per handshake.
-_CONNECTION_PREFIX: Final = secrets.token_hex(8)
+_connection_prefix = secrets.token_hex(8)
 _connection_numbers = itertools.count(1)
 
 
+def _new_connection_prefix() -> None:
+    # A forked child would otherwise count on from its parent's prefix and number.
+    global _connection_prefix, _connection_numbers  # noqa: PLW0603
+    _connection_prefix = secrets.token_hex(8)
+    _connection_numbers = itertools.count(1)
+
+
+os.register_at_fork(after_in_child=_new_connection_prefix)
+
+
 def new_connection_id() -> str:
-    return f"cn_{_CONNECTION_PREFIX}{next(_connection_numbers):016x}"
+    return f"cn_{_connection_prefix}{next(_connection_numbers):016x}"
 
 
 class SidecarSocket(Protocol):
@@ -128,7 +139,7 @@ class _Held:
         slot.users += 1
         self._slot = slot
         try:
-            await self._slot.lock.acquire()
+            await slot.lock.acquire()
         except BaseException:
             self._leave()
             raise
