@@ -210,6 +210,7 @@ class Measures:
                 ("daemon", "daemon (vs bare server)", "daemon", "server"),
                 ("farm", "sidecar farm (vs farm, bare)", "farm", "farm"),
                 ("postgres", "PostgreSQL", "postgres", None),
+                ("bench", "the bench itself (vs bench, bare)", "bench", "bench"),
             ):
                 row(
                     f"storm_cpu_{key}_{count}",

@@ -100,6 +100,13 @@ class Watcher:
             self.lost.discard(allocation)
         self._changed.set()
 
+    def polled_ready(self, ids: list[str]) -> None:
+        """Rows a poll found ready while the watcher was muted (no notification said so)."""
+        now = time.time()
+        for allocation in ids:
+            self.ready[allocation] = (now, now)
+            self.lost.discard(allocation)
+
     def reset(self) -> None:
         self.ready.clear()
         self.lost.clear()

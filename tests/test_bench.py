@@ -55,6 +55,7 @@ EVERY_MEASURE = {
     "storm_cpu_daemon_30",
     "storm_cpu_farm_30",
     "storm_cpu_postgres_30",
+    "storm_cpu_bench_30",
 }
 WITH_BASELINE = EVERY_MEASURE - {
     "idle_commits_16",
