@@ -341,9 +341,10 @@ class SocketRouter:
             self.notify_connected(entry.target)
             if entry.closed_by_hub is not None:
                 return False
+            # No timer of its own: a socket's writes are bounded where they are made (see
+            # SidecarSocket), and a timeout block per handshake cost a storm measurably.
             try:
-                async with asyncio.timeout(self._event_timeout):
-                    await entry.ws.send(welcome)
+                await entry.ws.send(welcome)
             except Exception as exc:  # noqa: BLE001 -- a peer that vanished is not an error
                 entry.log.info("welcome_not_sent", error=describe_error(exc))
                 return False

@@ -67,7 +67,11 @@ def new_connection_id() -> str:
 class SidecarSocket(Protocol):
     """What the router needs of a websocket connection."""
 
-    async def send(self, message: str) -> None: ...
+    async def send(self, message: str) -> None:
+        """Send one text message. Bounded by the socket itself, never waiting for ever: the
+        listener's :class:`~hubd.server.connection.SidecarConnection` aborts a socket whose
+        writes stall (its peer stopped reading), and websockets bounds a send that meets a
+        closing socket by its close timeout."""
 
     async def close(self, code: int, reason: str) -> None: ...
 
