@@ -67,6 +67,7 @@ WITH_BASELINE = EVERY_MEASURE - {
     "dial_ready_p99",
     "loss_rate_30",
     "storm_cpu_postgres_30",
+    "storm_cpu_bench_30",
 }
 
 
