@@ -523,8 +523,7 @@ async def _postgres(db: Any) -> list[int]:
 def _storm_groups(
     daemon: DaemonProcess, farm: FarmClient, postgres: list[int]
 ) -> dict[str, list[int]]:
-    # The bench's own process too: what it spends during a storm (reading the daemon's log
-    # pipe, mostly) is on the same two cores.
+    # The bench's own process too: whatever it spends during a storm is on the same two cores.
     return {
         "daemon": [daemon.pid],
         "farm": [farm.pid],
