@@ -505,7 +505,8 @@ class TestReadyOnConnect:
                     connection_seq=bound.connection_seq,
                     ready_within=30.0,
                 )
-                parked_row = await claim.fetchrow(park.sql, *park.args)
+                # The statement is in set form: each parameter an array, here of one row.
+                parked_row = await claim.fetchrow(park.sql, *([arg] for arg in park.args))
                 assert parked_row["status"] == "allocated"
                 assert not parked_row["connection_ready"]
                 connections = ConnectionStore(db, instance_id="in_a", ready_on_connect=True)

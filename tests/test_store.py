@@ -853,20 +853,22 @@ class TestClaims:
                 "lease_expires_at = now() + interval '1 minute' WHERE id = $1",
                 wanted[1],
             )
+            # In set form, one row: each parameter an array of one, written as text for the
+            # literals of EXECUTE (the statement's casts read them).
             park = ALLOCATIONS.park(
-                allocation_id=wanted[1],
-                lease_id="ls_park",
-                generation=1,
-                instance_id="test",
-                effects="[]",
-                accept=False,
-                external_ref=None,
-                mode="await_connection",
-                delay=1.0,
-                failure_code=None,
-                failure_message=None,
-                connection_seq=0,
-                ready_within=20.0,
+                allocation_id=[wanted[1]],
+                lease_id=["ls_park"],
+                generation=["1"],
+                instance_id=["test"],
+                effects=["[]"],
+                accept=["false"],
+                external_ref=[None],
+                mode=["await_connection"],
+                delay=["1.0"],
+                failure_code=[None],
+                failure_message=[None],
+                connection_seq=["0"],
+                ready_within=["20.0"],
             )
             readiness = CONNECTIONS.readiness(
                 allocation_id=wanted[2], generation=1, ttl=20.0, instance_id="test"

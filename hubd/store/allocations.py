@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import asyncpg
 
@@ -42,6 +42,10 @@ from hubd.store.values import (
 __all__ = ["AllocationStore", "AttemptKind", "Claimed", "ParkMode"]
 
 SQL = load_queries("allocations.sql")
+
+# The fenced transitions whose statements are written in set form (each parameter an array, one
+# element per row): a batch of them is one execution (hubd.store.pipeline).
+_SET_FORM: Final = frozenset({SQL.park.name, SQL.mark_released.name})
 
 Effects = Sequence[EffectRow]
 """The rows of the plugin call a transition brackets (``:effects``)."""
@@ -467,7 +471,9 @@ class AllocationStore(SweepQueries):
             params["effects"] = effects_json(effects)
         pipeline = self._pipelines.get(statement.name)
         if pipeline is None:
-            pipeline = self._pipelines[statement.name] = Pipeline(self._db, statement)
+            pipeline = self._pipelines[statement.name] = Pipeline(
+                self._db, statement, set_form=statement.name in _SET_FORM
+            )
         query = statement(**fence.parameters(self.instance_id), **params)
         row = await pipeline.fetchrow(what, fence.allocation_id, query)
         return Allocation.from_row(row) if row is not None else None

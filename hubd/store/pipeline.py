@@ -9,16 +9,26 @@ still its own fenced statement, with its own fence checked at the moment it runs
 :mod:`hubd.server.batching`, no timer decides when a batch goes: the first request finds
 nothing running and goes at once.
 
+Pipelined, each execution still pays PostgreSQL's executor set-up, which for these
+multi-part statements is about as much as the row's own work. A transition whose statement is
+written in set form (each parameter an array, one element per row: ``park``, ``mark_released``)
+runs a whole batch, or a single request, as one execution of it. Such a statement checks each
+row's fence on that row alone, locks the rows one by one in allocation id order before it
+writes, and returns the rows it wrote.
+
 Why a batch is safe:
 
-- **Fences.** Each execution is the single-row statement, unchanged: it matches only while its
+- **Fences.** Each execution is the single-row statement, unchanged (in set form, each row's
+  part of the statement, with the conditions of its own fence): it matches only while its
   lease is live and its generation current. A row it updated stays locked until the batch
   commits, so nobody can claim or write that row between the check and the commit: the same
   argument as for one statement, over a longer transaction.
 - **Lock order.** A batch holds one row per allocation and runs them in allocation id order,
   so it takes allocation rows in id order and each allocation's connection record (through the
   socket-control trigger) after its allocation: the order every multi-row statement keeps
-  (``sql/connections.sql``). Two requests for the same allocation never share a batch.
+  (``sql/connections.sql``). A set form locks every row of its batch in id order before it
+  writes, and the trigger's records follow at the statement's end, as ``disconnect_many`` and
+  ``sweep_stale`` take theirs. Two requests for the same allocation never share a batch.
 - **Failures.** An error of one execution aborts the batch's transaction, so nothing of it
   commits; each request is then run again on its own, so an error reaches only the request
   that caused it. An error of the connection or the server reaches every request of the batch:
@@ -65,9 +75,15 @@ class Pipeline:
     """Runs ``statement`` (a fenced transition returning at most the allocation's row) for
     every request made while the previous batch ran."""
 
-    def __init__(self, db: Database, statement: Statement, *, max_batch: int = 32) -> None:
+    def __init__(
+        self, db: Database, statement: Statement, *, set_form: bool = False, max_batch: int = 32
+    ) -> None:
+        """``set_form``: ``statement`` takes each of its parameters as an array, element i for
+        the batch's row i, so a batch of any size is one execution of it; a request's query
+        holds its own row's values. Otherwise a batch is ``statement`` pipelined once per row."""
         self._db = db
         self._statement = statement
+        self._set_form = set_form
         self._max_batch = max_batch
         self._waiting: deque[_Request] = deque()
         self._runner: asyncio.Task[None] | None = None
@@ -75,6 +91,8 @@ class Pipeline:
         """Batches run so far."""
         self.carried = 0
         """Requests those batches carried."""
+        self.executions = 0
+        """Statements those batches executed: one a batch in the set form, else one a row."""
 
     @property
     def name(self) -> str:
@@ -149,21 +167,20 @@ class Pipeline:
         return [taken[key] for key in sorted(taken)]
 
     async def _carry(self, what: str, batch: list[_Request]) -> None:
-        sql = self._statement.sql
         try:
             async with self._db.connection(what) as conn:
                 if len(batch) == 1:
                     only = batch[0]
-                    _answer(only, await conn.fetchrow(sql, *only.query.args))
+                    _answer(only, await self._fetchrow(conn, only))
                     return
                 try:
-                    rows = await conn.fetchmany(sql, [request.query.args for request in batch])
+                    rows = await self._execute(conn, batch)
                 except asyncpg.PostgresError as exc:
                     if is_unavailable(exc):
                         raise
-                    # One execution failed and took the batch's transaction with it: run each
-                    # on its own, so its error reaches only the request that caused it.
-                    await _one_by_one(what, conn, sql, batch)
+                    # One row's error took the batch's transaction with it: run each on its
+                    # own, so its error reaches only the request that caused it.
+                    await self._one_by_one(what, conn, batch)
                     return
                 by_id = {row["id"]: row for row in rows}
                 for request in batch:
@@ -177,18 +194,41 @@ class Pipeline:
                 request.future.cancel()
             raise
 
+    async def _execute(self, conn: asyncpg.Connection, batch: list[_Request]) -> list[Record]:
+        """The batch's rows: in the set form one execution (each execution pays PostgreSQL's
+        executor set-up, for these statements about as much as a row's own work), else the
+        statement once per row, pipelined."""
+        rows: list[Record]
+        if not self._set_form:
+            self.executions += len(batch)
+            rows = await conn.fetchmany(
+                self._statement.sql, [request.query.args for request in batch]
+            )
+            return rows
+        columns = zip(*(request.query.args for request in batch), strict=True)
+        self.executions += 1
+        rows = await conn.fetch(self._statement.sql, *map(list, columns))
+        return rows
 
-async def _one_by_one(what: str, conn: asyncpg.Connection, sql: str, batch: list[_Request]) -> None:
-    for request in batch:
-        try:
-            row = await conn.fetchrow(sql, *request.query.args)
-        except asyncpg.PostgresError as exc:
-            if is_unavailable(exc):
-                raise
-            if not request.future.done():
-                request.future.set_exception(_translated(what, exc))
-            continue
-        _answer(request, row)
+    async def _fetchrow(self, conn: asyncpg.Connection, request: _Request) -> Record | None:
+        if self._set_form:
+            rows = await self._execute(conn, [request])
+            return rows[0] if rows else None
+        self.executions += 1
+        row: Record | None = await conn.fetchrow(self._statement.sql, *request.query.args)
+        return row
+
+    async def _one_by_one(self, what: str, conn: asyncpg.Connection, batch: list[_Request]) -> None:
+        for request in batch:
+            try:
+                row = await self._fetchrow(conn, request)
+            except asyncpg.PostgresError as exc:
+                if is_unavailable(exc):
+                    raise
+                if not request.future.done():
+                    request.future.set_exception(_translated(what, exc))
+                continue
+            _answer(request, row)
 
 
 def _translated(what: str, exc: Exception) -> Exception:

@@ -355,67 +355,84 @@ SELECT * FROM updated;
 -- on :instance_id itself) becomes ready here instead, as mark_connection_ready would make it: the
 -- look at the record and the write are one statement. The look reads this statement's snapshot;
 -- a record or clear that commits while this statement waits for the row lock moves the row's
--- connection number past the one the look saw (live.seq), and then the row is not made ready.
+-- connection number past the one the look saw (live_seq), and then the row is not made ready.
 -- With :accept, a provisioning row becomes allocated first (ensure accepted, :external_ref), in
 -- the same statement: acceptance, the ensure's outcome and the park or ready commit together
 -- (the caller puts the acceptance's own ledger row in :effects, after the outcome).
-WITH live AS (
-    SELECT a.connection_seq AS seq,
-           hubd_sidecar_live(a.id, a.generation, :ready_within::float8, :instance_id)
-               AS connected
-    FROM hubd_allocations AS a
-    WHERE a.id = :allocation_id AND :ready_within::float8 IS NOT NULL
-      AND :mode::text = 'await_connection'
+-- In set form (hubd.store.pipeline): each parameter is an array, element i for row i, at most one
+-- row per allocation; each row is fenced, looked at, written and logged on its own. The rows are
+-- locked one by one in allocation id order before any is written (LIMIT 1 keeps each look-up on
+-- its key), as every multi-row statement takes them. Returns the rows written; a row whose fence
+-- failed is absent.
+WITH input AS (
+    SELECT i.*, l.seq AS live_seq, l.connected AS live_connected
+    FROM unnest(:ready_within::float8[], :instance_id::text[], :allocation_id::text[],
+                :mode::text[], :accept::boolean[], :lease_id::text[], :generation::integer[],
+                :external_ref::text[], :connection_seq::bigint[], :delay::float8[],
+                :failure_code::text[], :failure_message::text[], :effects::text[])
+        AS i (ready_within, instance_id, allocation_id, mode, accept, lease_id, generation,
+              external_ref, connection_seq, delay, failure_code, failure_message, effects)
+    LEFT JOIN LATERAL (
+        SELECT a.connection_seq AS seq,
+               hubd_sidecar_live(a.id, a.generation, i.ready_within, i.instance_id) AS connected
+        FROM hubd_allocations AS a
+        WHERE a.id = i.allocation_id AND i.ready_within IS NOT NULL
+          AND i.mode = 'await_connection'
+        LIMIT 1
+    ) AS l ON true
+    ORDER BY i.allocation_id
 ), prior AS (
-    -- Under the row lock, the row as it now stands: a write committed since the snapshot is
-    -- seen here, and its connection number then differs from live.seq.
-    SELECT a.id,
-           (live.connected IS TRUE AND a.connection_seq = live.seq
-            AND (a.status = 'allocated' OR :accept::boolean)
+    SELECT a.id, i.lease_id, i.instance_id, i.mode, i.accept, i.external_ref, i.connection_seq,
+           i.delay, i.failure_code, i.failure_message, i.effects,
+           (i.live_connected IS TRUE AND a.connection_seq = i.live_seq
+            AND (a.status = 'allocated' OR i.accept)
             AND a.initialization_lease_id IS NULL) AS ready_now
-    FROM hubd_allocations AS a LEFT JOIN live ON true
-    WHERE a.id = :allocation_id AND a.lease_id = :lease_id AND a.generation = :generation
-      AND a.lease_expires_at > clock_timestamp()
-      AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
-      AND (NOT :accept::boolean OR a.status = 'provisioning')
-    FOR UPDATE OF a
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT id, connection_seq, status, initialization_lease_id FROM hubd_allocations
+        WHERE id = i.allocation_id AND lease_id = i.lease_id AND generation = i.generation
+          AND lease_expires_at > clock_timestamp()
+          AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+          AND (NOT i.accept OR status = 'provisioning')
+        LIMIT 1
+        FOR UPDATE
+    ) AS a
 ), updated AS (
     UPDATE hubd_allocations AS a SET
-        status = CASE WHEN :accept::boolean THEN 'allocated' ELSE a.status END,
-        external_ref = CASE WHEN :accept::boolean THEN :external_ref ELSE a.external_ref END,
-        connection_ready = a.connection_ready OR prior.ready_now,
+        status = CASE WHEN p.accept THEN 'allocated' ELSE a.status END,
+        external_ref = CASE WHEN p.accept THEN p.external_ref ELSE a.external_ref END,
+        connection_ready = a.connection_ready OR p.ready_now,
         next_attempt_at = CASE
-            WHEN prior.ready_now THEN NULL
-            WHEN :mode::text = 'await_connection' AND a.connection_seq <> :connection_seq::bigint
+            WHEN p.ready_now THEN NULL
+            WHEN p.mode = 'await_connection' AND a.connection_seq <> p.connection_seq
                 THEN now()
-            WHEN :mode::text = 'await_connection'
-                THEN COALESCE(a.connect_deadline, now() + make_interval(secs => :delay))
-            ELSE now() + make_interval(secs => :delay) END,
-        connect_deadline = CASE WHEN prior.ready_now THEN NULL ELSE a.connect_deadline END,
-        ensure_attempts = CASE WHEN prior.ready_now THEN 0 ELSE a.ensure_attempts END,
-        destroy_attempts = CASE WHEN prior.ready_now THEN 0 ELSE a.destroy_attempts END,
-        failure_code = CASE WHEN prior.ready_now THEN NULL
-                            ELSE COALESCE(:failure_code, a.failure_code) END,
-        failure_message = CASE WHEN prior.ready_now THEN NULL
-                               WHEN :failure_code::text IS NULL THEN a.failure_message
-                               ELSE :failure_message END,
+            WHEN p.mode = 'await_connection'
+                THEN COALESCE(a.connect_deadline, now() + make_interval(secs => p.delay))
+            ELSE now() + make_interval(secs => p.delay) END,
+        connect_deadline = CASE WHEN p.ready_now THEN NULL ELSE a.connect_deadline END,
+        ensure_attempts = CASE WHEN p.ready_now THEN 0 ELSE a.ensure_attempts END,
+        destroy_attempts = CASE WHEN p.ready_now THEN 0 ELSE a.destroy_attempts END,
+        failure_code = CASE WHEN p.ready_now THEN NULL
+                            ELSE COALESCE(p.failure_code, a.failure_code) END,
+        failure_message = CASE WHEN p.ready_now THEN NULL
+                               WHEN p.failure_code IS NULL THEN a.failure_message
+                               ELSE p.failure_message END,
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    FROM prior
-    WHERE a.id = prior.id AND a.id = :allocation_id
+    FROM prior AS p
+    WHERE a.id = p.id AND a.id = ANY (:allocation_id::text[])
     RETURNING a.*
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT updated.id, generation, :lease_id, :instance_id, r.*
-    FROM updated JOIN prior ON prior.id = updated.id,
-        hubd_ledger_rows(:effects::text::jsonb,
-            CASE WHEN prior.ready_now THEN 'mark_ready'
-                 WHEN :mode::text = 'await_connection'
-                      AND connection_seq <> :connection_seq::bigint
-                 THEN 'follow_up' ELSE 'park_' || :mode::text END,
-            status, status, :failure_code, :failure_message) AS r
+    SELECT u.id, u.generation, p.lease_id, p.instance_id, r.*
+    FROM updated AS u JOIN prior AS p ON p.id = u.id,
+        hubd_ledger_rows(p.effects::jsonb,
+            CASE WHEN p.ready_now THEN 'mark_ready'
+                 WHEN p.mode = 'await_connection' AND u.connection_seq <> p.connection_seq
+                 THEN 'follow_up' ELSE 'park_' || p.mode END,
+            u.status, u.status, p.failure_code, p.failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -549,9 +566,30 @@ WITH prior AS (
 SELECT updated.* FROM updated;
 
 -- name: mark_released
--- releasing → released once the sidecar is destroyed.
-WITH updated AS (
-    UPDATE hubd_allocations SET
+-- releasing → released once the sidecar is destroyed. In set form (hubd.store.pipeline): each
+-- parameter is an array, element i for row i, at most one row per allocation; each row is
+-- fenced, written and logged on its own. The rows are locked one by one in allocation id order
+-- before any is written (LIMIT 1 keeps each look-up on its key), as every multi-row statement
+-- takes them. Returns the rows written; a row whose fence failed is absent.
+WITH input AS (
+    SELECT *
+    FROM unnest(:allocation_id::text[], :lease_id::text[], :generation::integer[],
+                :instance_id::text[], :effects::text[])
+        AS i (allocation_id, lease_id, generation, instance_id, effects)
+    ORDER BY allocation_id
+), fenced AS (
+    SELECT a.id, i.lease_id, i.generation, i.instance_id, i.effects
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT id FROM hubd_allocations
+        WHERE id = i.allocation_id AND lease_id = i.lease_id AND generation = i.generation
+          AND lease_expires_at > clock_timestamp()
+          AND status = 'releasing'
+        LIMIT 1
+        FOR UPDATE
+    ) AS a
+), updated AS (
+    UPDATE hubd_allocations AS a SET
         status = 'released',
         connection_ready = false,
         next_attempt_at = NULL,
@@ -559,15 +597,16 @@ WITH updated AS (
         lease_expires_at = NULL,
         finished_at = now(),
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
-      AND status = 'releasing'
-    RETURNING *
+    FROM fenced AS f
+    WHERE a.id = f.id AND a.id = ANY (:allocation_id::text[])
+      AND a.lease_id = f.lease_id AND a.generation = f.generation AND a.status = 'releasing'
+    RETURNING a.*
 ), logged AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
-        hubd_ledger_rows(:effects::text::jsonb, 'mark_released', 'releasing', status) AS r
+    SELECT u.id, u.generation, f.lease_id, f.instance_id, r.*
+    FROM updated AS u JOIN fenced AS f ON f.id = u.id,
+        hubd_ledger_rows(f.effects::jsonb, 'mark_released', 'releasing', u.status) AS r
 )
 SELECT * FROM updated;
 
