@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Measures", "profile_summary", "render"]
+__all__ = ["Measures", "profile_summary", "render", "round_ratios"]
 
 _COMPARE: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le}
 
@@ -235,6 +235,35 @@ def _number(value: float | None) -> str:
     return f"{value:.2f}"
 
 
+# The table's ratio rows whose two sides both run once per round: (label, hubd's part and rate,
+# the baseline's part and rate).
+_PAIRED = (
+    ("lifecycle, 16 claims / hand floor", "claims_16", "lifecycle_rate", "floor", "rate"),
+    ("lifecycle, 16 claims / PgQueuer", "claims_16", "lifecycle_rate", "pgqueuer", "rate"),
+    ("lifecycle, 64 / 16 claims", "claims_64", "lifecycle_rate", "claims_16", "lifecycle_rate"),
+    ("lifecycle, 256 / 16 claims", "claims_256", "lifecycle_rate", "claims_16", "lifecycle_rate"),
+    ("pending→ready, 64 / 16 claims", "claims_64", "ready_rate", "claims_16", "ready_rate"),
+    ("pending→ready, 256 / 16 claims", "claims_256", "ready_rate", "claims_16", "ready_rate"),
+)
+
+
+def round_ratios(results: dict[str, Any]) -> list[tuple[str, list[float]]]:
+    """The table's ratios taken within each round: a round's hubd rate over the same round's
+    baseline. The table compares medians taken separately; these pairs show how far the machine
+    moved the verdict from round to round. Rows whose sides did not both run every round (a
+    part left out, PgQueuer skipped, a failed part) are left out."""
+    paired = []
+    for label, part, key, base_part, base_key in _PAIRED:
+        ours = _get(results, part, "rounds")
+        theirs = _get(results, base_part, "rounds")
+        if not ours or not theirs or len(ours) != len(theirs):
+            continue
+        if any(not each.get(base_key) for each in theirs):
+            continue
+        paired.append((label, [a[key] / b[base_key] for a, b in zip(ours, theirs, strict=True)]))
+    return paired
+
+
 def render(report: dict[str, Any]) -> str:
     rows = report["measures"]
     head = ("measure", "unit", "baseline", "hubd", "ratio", "target", "met")
@@ -271,6 +300,16 @@ def render(report: dict[str, Any]) -> str:
             f"lifecycle rates, commits and the floor's and PgQueuer's rates: medians of {rounds} "
             "rounds run in turn; idle commits: the rounds' windows pooled"
         )
+        paired = round_ratios(report["results"])
+        if paired:
+            out.append(
+                "the same ratios within each round (hubd's rate over that round's baseline):"
+            )
+            width = max(len(label) for label, _ in paired)
+            out.extend(
+                f"  {label.ljust(width)}  " + " / ".join(f"{ratio:.2f}x" for ratio in ratios)
+                for label, ratios in paired
+            )
     errors = {k: v["error"] for k, v in report["results"].items() if "error" in v}
     for name, error in errors.items():
         out.append(f"FAILED {name}: {error}")

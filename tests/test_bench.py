@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 from bench import procs
+from bench.report import round_ratios
 from tests.clikit import hubd_env
 from tests.conftest import PostgresServer
 from tests.polling import eventually
@@ -108,6 +109,7 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     assert process.returncode == 0, text + stderr.decode()[-4000:]
     assert "measure" in text
     assert "ratio" in text
+    assert "the same ratios within each round" in text
 
     report = json.loads(output.read_text())
     errors = {name: r["error"] for name, r in report["results"].items() if "error" in r}
@@ -140,6 +142,33 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     machine = report["machine"]
     assert machine["nproc"] >= 1
     assert len(machine["load_average"]) == 3
+
+
+def test_round_ratios_pair_each_round_with_its_own_baseline() -> None:
+    """Each ratio is a round's hubd rate over the same round's baseline, in round order; a row
+    whose baseline has no rounds (PgQueuer skipped) or another number of them is left out."""
+    results = {
+        "floor": {"rate": 600.0, "rounds": [{"rate": 600.0}, {"rate": 300.0}]},
+        "pgqueuer": {"skipped": "not installed"},
+        "claims_16": {
+            "rounds": [
+                {"lifecycle_rate": 200.0, "ready_rate": 400.0},
+                {"lifecycle_rate": 150.0, "ready_rate": 300.0},
+            ]
+        },
+        "claims_64": {
+            "rounds": [
+                {"lifecycle_rate": 300.0, "ready_rate": 200.0},
+                {"lifecycle_rate": 150.0, "ready_rate": 600.0},
+            ]
+        },
+        "claims_256": {"rounds": [{"lifecycle_rate": 100.0, "ready_rate": 100.0}]},
+    }
+    assert dict(round_ratios(results)) == {
+        "lifecycle, 16 claims / hand floor": pytest.approx([1 / 3, 0.5]),
+        "lifecycle, 64 / 16 claims": pytest.approx([1.5, 1.0]),
+        "pending→ready, 64 / 16 claims": pytest.approx([0.5, 2.0]),
+    }
 
 
 def _alive(pid: int) -> bool:
