@@ -49,6 +49,7 @@ def _claims_row(result: dict[str, Any]) -> dict[str, float]:
         "daemon_cpu_release_ms": cpu["release"]["daemon"],
         "postgres_cpu_ready_ms": cpu["ready"]["postgres"],
         "postgres_cpu_release_ms": cpu["release"]["postgres"],
+        "wal_bytes_per_lifecycle": cycle["wal_bytes_per_lifecycle"],
     }
 
 

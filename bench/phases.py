@@ -142,7 +142,6 @@ async def open_store(dsn: str) -> tuple[Any, AllocationStore]:
     return db, AllocationStore(db, instance_id="bench")
 
 
-TERMINAL = ("released", "failed", "destroy_failed")
 POLL_INTERVAL = 0.05
 """Most seconds between the progress polls of a counted lifecycle."""
 FINAL_POLL = 0.005
@@ -151,15 +150,20 @@ rows will be there."""
 
 
 # The run's rows are those created since the run began (the bench owns the database, and every
-# earlier run's rows are terminal by then), found through the (status, created_at) index. A
-# filter on the run's ids (``id = ANY($1)``) cost 4-8 ms per poll at 2,000 ids, most of it
-# sending and decoding the array, every 50 ms, on the two cores the daemon is measured on.
+# earlier run's rows are terminal by then), found through hubd's index of active rows: the
+# ready ones among the allocated, and the finished ones as those no longer active, so that no
+# poll reads the earlier runs' rows and no index is kept for the bench alone (each would cost
+# every transition an entry). A filter on the run's ids (``id = ANY($1)``) cost 4-8 ms per poll
+# at 2,000 ids, most of it sending and decoding the array, every 50 ms, on the two cores the
+# daemon is measured on.
 READY_COUNT = (
     "SELECT count(*) FROM hubd_allocations "
     "WHERE status = 'allocated' AND created_at >= $1 AND connection_ready"
 )
-DONE_COUNT = (
-    "SELECT count(*) FROM hubd_allocations WHERE status = ANY($2::text[]) AND created_at >= $1"
+ACTIVE_COUNT = (
+    "SELECT count(*) FROM hubd_allocations "
+    "WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing') "
+    "AND created_at >= $1"
 )
 
 
@@ -184,17 +188,24 @@ async def _poll_until(
     all got there in time, how many did, and how many polls (a transaction each) it took. A
     counted window polls rather than listens: a listener's wake-ups are transactions too, and
     no statement says how many there were."""
-    args: tuple[Any, ...] = (READY_COUNT, since) if ready else (DONE_COUNT, since, list(TERMINAL))
     started = time.monotonic()
     deadline = started + within
     polls = 0
     while True:
         polls += 1
-        reached = int(await stats.fetchval(*args))
+        if ready:
+            reached = int(await stats.fetchval(READY_COUNT, since))
+        else:
+            reached = len(ids) - int(await stats.fetchval(ACTIVE_COUNT, since))
         now = time.monotonic()
         if reached >= len(ids) or now >= deadline:
             return reached >= len(ids), reached, polls
         await asyncio.sleep(next_poll(reached, len(ids), now - started))
+
+
+# The server's WAL insert position: exact at once, unlike the statistics views, which lag.
+START = "SELECT now(), pg_current_wal_insert_lsn()"
+WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1)"
 
 
 async def lifecycle(
@@ -219,7 +230,8 @@ async def lifecycle(
     count of its connections land, and land inside the window. ``stats`` must have reported
     everything it ran before (a statement at least a second after its previous report does)."""
     commits_before = await xact_commit(stats)
-    since = await stats.fetchval("SELECT now()")
+    # One statement, so no transaction more of the bench's own.
+    since, wal_before = await stats.fetchrow(START)
     cpu_start = cpu()
     started = time.monotonic()
     ids = await _request(store, dsn, n)
@@ -234,6 +246,7 @@ async def lifecycle(
     cpu_done = cpu()
     await stop()
     stopped = time.monotonic()
+    wal_bytes = await stats.fetchval(WAL_SINCE, wal_before)
     await asyncio.sleep(STATS_LAG)
     # A second after the last report of ``stats``: this statement reports its polls.
     await stats.execute("SELECT 1")
@@ -254,9 +267,12 @@ async def lifecycle(
         "lifecycle_rate": min(ready, done) / (ready_seconds + release_seconds),
         "polls": ready_polls + done_polls,
         # The bench's own: the first statistics read, the clock read, the request and release
-        # connections' start-up and their transactions, every poll and the statement that
-        # reports them.
-        "commits_raw": commits_after - commits_before - 7 - ready_polls - done_polls,
+        # connections' start-up and their transactions, every poll, the WAL read and the
+        # statement that reports them.
+        "commits_raw": commits_after - commits_before - 8 - ready_polls - done_polls,
+        # The whole server's, from the first read to the daemon's exit: the request and the
+        # release, every transition, ledger row and connection record and their index entries.
+        "wal_bytes_per_lifecycle": float(wal_bytes) / n,
         # The daemon ran (and the idle rate applies) from the first read to its exit.
         "window_seconds": stopped - started,
         "ledger_steps": steps,

@@ -125,6 +125,15 @@ class Measures:
                 "commits",
             )
         for claims in (16, 64, 256):
+            # No target: what each transition writes (rows, ledger rows, index entries), read
+            # exactly where rates move with the host.
+            row(
+                f"wal_per_lifecycle_{claims}",
+                f"WAL bytes per lifecycle, {claims} claims",
+                _get(results, f"claims_{claims}", "lifecycle", "wal_bytes_per_lifecycle"),
+                unit="bytes",
+            )
+        for claims in (16, 64, 256):
             row(
                 f"idle_commits_{claims}",
                 f"idle commits/s, {claims} claims",

@@ -370,6 +370,11 @@ def combine_claims(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     lifecycle = dict(cycles[0])
     for key in ("ready_rate", "lifecycle_rate", "commits_per_lifecycle"):
         lifecycle[key] = statistics.median(cycle[key] for cycle in cycles)
+    # Absent from results written before the bench measured it.
+    if all("wal_bytes_per_lifecycle" in cycle for cycle in cycles):
+        lifecycle["wal_bytes_per_lifecycle"] = statistics.median(
+            cycle["wal_bytes_per_lifecycle"] for cycle in cycles
+        )
     combined["lifecycle"] = lifecycle
     seconds = sum(each["idle"]["seconds"] for each in rounds)
     commits = sum(each["idle"]["commits"] for each in rounds)

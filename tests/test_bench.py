@@ -34,6 +34,9 @@ EVERY_MEASURE = {
     "commits_per_lifecycle_16",
     "commits_per_lifecycle_64",
     "commits_per_lifecycle_256",
+    "wal_per_lifecycle_16",
+    "wal_per_lifecycle_64",
+    "wal_per_lifecycle_256",
     "idle_commits_16",
     "idle_commits_64",
     "idle_commits_256",
@@ -59,6 +62,9 @@ EVERY_MEASURE = {
     "storm_cpu_bench_30",
 }
 WITH_BASELINE = EVERY_MEASURE - {
+    "wal_per_lifecycle_16",
+    "wal_per_lifecycle_64",
+    "wal_per_lifecycle_256",
     "idle_commits_16",
     "idle_commits_64",
     "idle_commits_256",
@@ -132,6 +138,8 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
         assert len(rates) == 2
         assert cycle["lifecycle_rate"] == statistics.median(rates)
         assert set(cycle["cpu_ms"]["ready"]) == {"daemon", "postgres", "farm", "bench"}
+        # Every allocation's rows, ledger rows and records were written in the window.
+        assert cycle["wal_bytes_per_lifecycle"] > 1000
         assert [step["step"] for step in cycle["ledger_steps"]][:2] == [
             "request:committed",
             "bind_sidecar:committed",

@@ -78,13 +78,11 @@ CREATE INDEX hubd_allocations_due_idx ON hubd_allocations (next_attempt_at, id)
 CREATE INDEX hubd_allocations_active_idx ON hubd_allocations (status, id)
     WHERE status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
 
--- Serves listings by status over a time range (created_at bounded). Only a statement that bounds
--- created_at implies the predicate, so no transition can take this index for its
--- "status = 'pending'": after an ANALYZE that saw few rows of that status, the planner preferred
--- reading every row of it here to the primary key (119 pages a bind at 5,000 pending rows in
--- the test, growing with them).
-CREATE INDEX hubd_allocations_status_idx ON hubd_allocations (status, created_at)
-    WHERE created_at IS NOT NULL;
+-- No index serves listings by status or time: a non-HOT update writes an entry into every index
+-- of the table, so each index costs every transition of every allocation, and `alloc list`, an
+-- operator's occasional command, reads the table instead (an index on status and created_at
+-- cost five entries per allocation's lifecycle and served no statement of hubd's;
+-- docs/performance.md).
 
 -- Serves orphan collection: is this sidecar the current one of an active allocation? Only a
 -- statement that names a sidecar implies "sidecar_id IS NOT NULL", so only such a statement can
@@ -96,7 +94,7 @@ CREATE INDEX hubd_allocations_sidecar_idx ON hubd_allocations (sidecar_id)
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
 
 CREATE TABLE hubd_allocation_ledger (
-    seq           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    seq           bigint GENERATED ALWAYS AS IDENTITY,
     allocation_id text NOT NULL REFERENCES hubd_allocations (id),
     at            timestamptz NOT NULL DEFAULT clock_timestamp(),
     generation    hubd_generation NOT NULL,
@@ -109,10 +107,12 @@ CREATE TABLE hubd_allocation_ledger (
     phase         hubd_ledger_phase NOT NULL,
     error_code    hubd_error_code,
     message       hubd_ledger_message,
-    duration_ms   hubd_duration_ms
+    duration_ms   hubd_duration_ms,
+    -- Every read goes by allocation, in order: the key it reads by is the only one the table
+    -- needs. seq comes from the identity's sequence, so no two rows share one without an index
+    -- of its own to say so, which would cost every ledger row a second entry.
+    PRIMARY KEY (allocation_id, seq)
 );
-
-CREATE INDEX hubd_allocation_ledger_allocation_idx ON hubd_allocation_ledger (allocation_id, seq);
 
 -- Effects whose outcome was never recorded; a later claim settles them as ambiguous.
 CREATE INDEX hubd_allocation_ledger_open_intent_idx ON hubd_allocation_ledger (allocation_id, effect_id)
@@ -206,9 +206,12 @@ CREATE TABLE hubd_instances (
     provisioners text[]  -- the provisioner ids it serves; NULL: it does not say
 );
 
+-- At most one current connection per allocation: its key. Every statement finds a record by
+-- its allocation; the connection id only tells two sockets of one allocation apart, so it needs
+-- no index (a second entry for every record, and one more on every takeover).
 CREATE TABLE hubd_sidecar_connections (
-    connection_id text PRIMARY KEY,
-    allocation_id text NOT NULL REFERENCES hubd_allocations (id),
+    connection_id text NOT NULL,
+    allocation_id text PRIMARY KEY REFERENCES hubd_allocations (id),
     generation    hubd_generation NOT NULL,
     sidecar_id    text NOT NULL,
     instance_id   text NOT NULL,
@@ -216,10 +219,6 @@ CREATE TABLE hubd_sidecar_connections (
     -- The allocation's connection_seq when written: the higher of two records took over.
     seq           bigint NOT NULL DEFAULT 0
 );
-
--- At most one current connection per allocation.
-CREATE UNIQUE INDEX hubd_sidecar_connections_allocation_idx
-    ON hubd_sidecar_connections (allocation_id);
 
 -- Serves a replica's own records and a dead instance's sweep. Only a statement that names an
 -- instance implies the predicate, so a look at one allocation's record (park, readiness) cannot
