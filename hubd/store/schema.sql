@@ -81,7 +81,7 @@ CREATE INDEX hubd_allocations_active_idx ON hubd_allocations (status, id)
 -- No index serves listings by status or time: a non-HOT update writes an entry into every index
 -- of the table, so each index costs every transition of every allocation, and `alloc list`, an
 -- operator's occasional command, reads the table instead (an index on status and created_at
--- cost five entries per allocation's lifecycle and served no statement of hubd's;
+-- cost six entries per allocation's lifecycle and served no statement of hubd's;
 -- docs/performance.md).
 
 -- Serves orphan collection: is this sidecar the current one of an active allocation? Only a
