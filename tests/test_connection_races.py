@@ -217,6 +217,30 @@ class TestRacingStatements:
         assert (await record).outcome is RecordOutcome.FENCED
         assert await record_row(db, sidecar.allocation_id) is None
 
+    async def test_records_are_told_apart_by_allocation_not_by_connection_id(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """A connection id is unique by its random per-process prefix, not by an index: two
+        replicas' records that carried the same id would still be two records, and each
+        statement that reads or clears one names its allocation, so neither touches the
+        other's."""
+        instances = InstanceStore(db)
+        await instances.register("in_a", "a", 1, None)
+        await instances.register("in_b", "b", 2, None)
+        on_a, on_b = [(await sidecar_in(store, db))[0] for _ in range(2)]
+        a = ConnectionStore(db, instance_id="in_a")
+        b = ConnectionStore(db, instance_id="in_b")
+        assert (await a.record("cn_same", on_a.target, on_a.sidecar_id)).seq is not None
+        assert (await b.record("cn_same", on_b.target, on_b.sidecar_id)).seq is not None
+
+        assert await b.disconnect(on_b.allocation_id, "cn_same", connect_timeout=30)
+        assert await record_row(db, on_b.allocation_id) is None
+        assert await owner_of_record(db, on_a.allocation_id) == ("cn_same", "in_a")
+        checks = await a.check_sockets([(on_a.allocation_id, "cn_same")])
+        assert [(c.allocation_id, c.recorded_connection_id) for c in checks] == [
+            (on_a.allocation_id, "cn_same")
+        ]
+
     async def test_two_replicas_recording_the_same_allocations_do_not_deadlock(
         self, db: Database, database_url: str, store: AllocationStore
     ) -> None:
