@@ -363,18 +363,14 @@ def combine_rates(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def combine_claims(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """A claim count over its rounds: the first round's details (latency, ledger steps,
-    statements) with the median rates and commits per lifecycle, the idle windows pooled, and
+    statements) with the median rates, commits and WAL per lifecycle, the idle windows pooled, and
     each round's own figures."""
     combined = dict(rounds[0])
     cycles = [each["lifecycle"] for each in rounds]
     lifecycle = dict(cycles[0])
-    for key in ("ready_rate", "lifecycle_rate", "commits_per_lifecycle"):
+    medians = ("ready_rate", "lifecycle_rate", "commits_per_lifecycle", "wal_bytes_per_lifecycle")
+    for key in medians:
         lifecycle[key] = statistics.median(cycle[key] for cycle in cycles)
-    # Absent from results written before the bench measured it.
-    if all("wal_bytes_per_lifecycle" in cycle for cycle in cycles):
-        lifecycle["wal_bytes_per_lifecycle"] = statistics.median(
-            cycle["wal_bytes_per_lifecycle"] for cycle in cycles
-        )
     combined["lifecycle"] = lifecycle
     seconds = sum(each["idle"]["seconds"] for each in rounds)
     commits = sum(each["idle"]["commits"] for each in rounds)
