@@ -47,6 +47,7 @@ class SidecarConnection(ServerConnection):
     __slots__ = (
         "_aborted",
         "_counted",
+        "_give_up",
         "_handshaking",
         "_hub",
         "_limits",
@@ -83,6 +84,7 @@ class SidecarConnection(ServerConnection):
         self._lingering = False
         self._aborted = False
         self._stall: asyncio.TimerHandle | None = None
+        self._give_up: asyncio.TimerHandle | None = None
 
     def forget_handshake(self) -> None:
         """Drop the headers websockets keeps of the opening handshake: nothing reads them once
@@ -142,6 +144,9 @@ class SidecarConnection(ServerConnection):
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
+        if self._give_up is not None:
+            self._give_up.cancel()
+            self._give_up = None
         super().connection_lost(exc)
 
     def _refuse(self, rejection: Rejection, *, early: bool) -> None:
@@ -214,6 +219,22 @@ class SidecarConnection(ServerConnection):
             callback(why)
 
     # -- outgoing bytes -------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write what the protocol has queued (a frame sent outside websockets' coroutines, such
+        as a keepalive ping), under the same write-buffer bound as its automatic pongs."""
+        self.send_data()
+        if self.transport.get_write_buffer_size() > self._limits.max_write_buffer:
+            self._abort("write buffer full")
+
+    def fail_now(self, code: int, reason: str) -> None:
+        """Fail the connection as websockets' keepalive does: the close frame and the end of the
+        stream at once, and the socket aborted if the peer has not closed it ``close_timeout``
+        later."""
+        self.protocol.fail(code, reason)
+        self.send_data()
+        if self._give_up is None and self.close_timeout is not None:
+            self._give_up = self.loop.call_later(self.close_timeout, self.transport.abort)
 
     def pause_writing(self) -> None:
         super().pause_writing()

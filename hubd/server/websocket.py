@@ -46,6 +46,7 @@ from hubd.server.handshake import (
     parse_request,
     unavailable,
 )
+from hubd.server.keepalive import Keepalive
 from hubd.server.limits import BucketMap, ListenerLimits, SourceGate, TokenBucket
 from hubd.server.router import SocketRouter
 from hubd.server.sockets import SocketEntry
@@ -75,8 +76,8 @@ class SidecarServer:
         ssl_context: ssl.SSLContext | None = None,
         allowed_origins: Collection[str] = (),
         heartbeat_interval: float = 20.0,
-        ping_interval: float = 20.0,
-        ping_timeout: float = 20.0,
+        ping_interval: float | None = 20.0,
+        ping_timeout: float | None = 20.0,
         open_timeout: float = 10.0,
         close_timeout: float = 10.0,
         max_message_size: int = MAX_MESSAGE_SIZE,
@@ -101,6 +102,7 @@ class SidecarServer:
         self._heartbeat_interval = heartbeat_interval
         self._ping_interval = ping_interval
         self._ping_timeout = ping_timeout
+        self.keepalive: Keepalive | None = None
         self._open_timeout = open_timeout
         self._close_timeout = close_timeout
         self._max_message_size = max_message_size
@@ -164,6 +166,10 @@ class SidecarServer:
                 host=self._host,
                 hint="tokens cross the network in clear text; configure server.tls_cert/tls_key",
             )
+        if self._ping_interval is not None:
+            # One timer for every socket's pings, not websockets' task per socket (see
+            # hubd.server.keepalive).
+            self.keepalive = Keepalive(self._ping_interval, self._ping_timeout)
         self._server = await serve(
             self._handle,
             self._host,
@@ -179,8 +185,7 @@ class SidecarServer:
             compression=None,
             server_header="hubd",
             open_timeout=self._open_timeout,
-            ping_interval=self._ping_interval,
-            ping_timeout=self._ping_timeout,
+            ping_interval=None,
             close_timeout=self._close_timeout,
             max_size=self._max_message_size,
             max_queue=self.limits.max_queue,
@@ -197,6 +202,8 @@ class SidecarServer:
             return
         # Stop accepting first, so no socket slips in between closing the others and waiting.
         server.close(close_connections=False)
+        if self.keepalive is not None:
+            self.keepalive.close()
         await self._router.close_all(CloseCode.GOING_AWAY)
         await server.wait_closed()
         await self.lookups.close()
@@ -363,6 +370,8 @@ class SidecarServer:
         if request is None:  # pragma: no cover -- process_request always sets it
             await connection.close(int(CloseCode.INTERNAL_ERROR), CloseCode.INTERNAL_ERROR.reason)
             return
+        if self.keepalive is not None:
+            self.keepalive.add(connection)
         loop = asyncio.get_running_loop()
         # From the upgrade on, control frames spend it too (see SidecarConnection).
         connection.budget = TokenBucket(self._message_rate, self._message_burst, loop.time())
