@@ -151,3 +151,31 @@ async def test_idle_sockets_hold_one_task_each_and_one_keepalive_entry(
         finally:
             for ws in clients:
                 await ws.close()
+
+
+@pytest.mark.parametrize("pinging_hub", [FAST], indirect=True)
+async def test_a_socket_whose_ping_fails_is_aborted_and_the_others_keep_theirs(
+    db: Database, store: AllocationStore, pinging_hub: Hub
+) -> None:
+    hub = pinging_hub
+    keepalive = keepalive_of(hub)
+    broken, healthy = [(await sidecar_in(store, db))[0] for _ in range(2)]
+    async with (
+        dial(hub.url, broken.headers(), ping_interval=None) as broken_ws,
+        dial(hub.url, healthy.headers(), ping_interval=None) as healthy_ws,
+    ):
+        await welcome_of(broken_ws)
+        await welcome_of(healthy_ws)
+
+        def fails() -> None:
+            raise RuntimeError("a socket that cannot be written")
+
+        # An instance attribute shadows the method for this one socket only.
+        hub_side(hub, broken).flush = fails  # type: ignore[method-assign]
+        await eventually(lambda: hub.events.disconnected == [broken.target], what="the abort")
+        sent = keepalive.pings_sent
+        await eventually(lambda: keepalive.pings_sent >= sent + 3, what="three more pings")
+        assert healthy_ws.state is State.OPEN
+        assert hub_side(hub, healthy).latency > 0
+        assert await record_row(db, healthy.allocation_id) is not None
+        assert hub.events.disconnected == [broken.target]

@@ -24,15 +24,23 @@ import random
 import struct
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+import structlog
 from websockets.frames import CloseCode
 from websockets.protocol import State
+
+from hubd.redaction import describe_error
 
 if TYPE_CHECKING:
     from hubd.server.connection import SidecarConnection
 
 __all__ = ["Keepalive"]
+
+log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
 
 TIMEOUT_REASON: Final = "keepalive ping timeout"
 
@@ -93,21 +101,39 @@ class Keepalive:
         assert self._loop is not None
         now = self._loop.time()
         due, pending = self._due, self._pending
-        while pending and pending[0][0] <= now:
-            _late, ref, pong = pending.popleft()
-            connection = ref()
-            if connection is not None and not pong.done():
-                self._fail(connection)
-        while due and due[0][0] <= now:
-            _when, ref = due.popleft()
-            connection = ref()
-            if connection is None or connection.protocol.state is not State.OPEN:
-                continue
-            pong = self._ping(connection, now)
-            due.append((now + self._interval, ref))
-            if self._timeout is not None:
-                pending.append((now + self._timeout, ref, pong))
-        self._arm()
+        try:
+            while pending and pending[0][0] <= now:
+                _late, ref, answer = pending.popleft()
+                connection = ref()
+                if connection is not None and not answer.done():
+                    self._guarded(self._fail, connection)
+            while due and due[0][0] <= now:
+                _when, ref = due.popleft()
+                connection = ref()
+                if connection is None or connection.protocol.state is not State.OPEN:
+                    continue
+                pong = self._guarded(self._ping, connection, now)
+                if pong is None:
+                    continue
+                due.append((now + self._interval, ref))
+                if self._timeout is not None:
+                    pending.append((now + self._timeout, ref, pong))
+        finally:
+            # Whatever one socket did, the others keep their pings.
+            if not self._closed:
+                self._arm()
+
+    def _guarded(
+        self, act: Callable[..., _T], connection: SidecarConnection, *args: Any
+    ) -> _T | None:
+        """``act`` on one socket; a failure is that socket's (logged, and it is aborted), never
+        the end of every other socket's keepalive."""
+        try:
+            return act(connection, *args)
+        except Exception as exc:  # one socket's fault stays that socket's
+            log.exception("keepalive_failed", error=describe_error(exc))
+            connection.transport.abort()
+            return None
 
     def _ping(self, connection: SidecarConnection, now: float) -> asyncio.Future[float]:
         """Send a ping with a payload no other unanswered ping of the socket has, registered
