@@ -2,7 +2,8 @@
 
 websockets' own keepalive is a task per connection that sleeps between pings: created with the
 socket, cancelled when it closes, it cost a handshake about 25 us of the daemon's CPU and an
-idle socket about a kilobyte (the task, its coroutine, its sleep's future and timer). Here each
+idle socket about 1.4 KiB (the task, its coroutine, its sleep's future and timer; an entry here
+is 170 bytes, docs/performance.md). Here each
 socket is one entry in a queue. Every interval is the same, so a queue kept in the order the
 entries were added is also in the order they come due, and one timer armed at its head is
 enough.
