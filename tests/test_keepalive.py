@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
@@ -35,6 +37,24 @@ def hub_side(hub: Hub, sidecar: Sidecar) -> SidecarConnection:
     (entry,) = hub.router.sockets(sidecar.allocation_id)
     assert isinstance(entry.ws, SidecarConnection)
     return entry.ws
+
+
+@asynccontextmanager
+async def welcomed(
+    hub: Hub, sidecar: Sidecar
+) -> AsyncIterator[tuple[ClientConnection, SidecarConnection]]:
+    """``sidecar``'s socket past its welcome, with the client's own pings off (only the hub's
+    keep it busy), and the hub's side of it."""
+    async with dial(hub.url, sidecar.headers(), ping_interval=None) as ws:
+        await welcome_of(ws)
+        yield ws, hub_side(hub, sidecar)
+
+
+async def counted_lost_once(db: Database, hub: Hub, sidecar: Sidecar) -> None:
+    """The hub reported ``sidecar`` lost, once, and keeps neither its socket nor its record."""
+    await eventually(lambda: hub.events.disconnected == [sidecar.target], what="the loss")
+    assert await record_row(db, sidecar.allocation_id) is None
+    assert hub.router.sockets(sidecar.allocation_id) == []
 
 
 async def closing_of(ws: Any) -> ConnectionClosed:
@@ -64,10 +84,7 @@ async def test_a_sidecar_that_answers_is_pinged_and_stays(
 ) -> None:
     hub = pinging_hub
     keepalive = keepalive_of(hub)
-    # The client's own pings off: only the hub's keep the socket busy.
-    async with dial(hub.url, sidecar.headers(), ping_interval=None) as ws:
-        await welcome_of(ws)
-        connection = hub_side(hub, sidecar)
+    async with welcomed(hub, sidecar) as (ws, connection):
         await eventually(lambda: keepalive.pings_sent >= 5, what="five keepalive pings")
         # websockets matched the pongs to the pings: the latency is measured, no ping waits.
         assert connection.latency > 0
@@ -84,9 +101,7 @@ async def test_a_sidecar_that_stops_answering_is_failed_with_1011_and_lost(
 ) -> None:
     hub = pinging_hub
     keepalive = keepalive_of(hub)
-    async with dial(hub.url, sidecar.headers(), ping_interval=None) as ws:
-        await welcome_of(ws)
-        connection = hub_side(hub, sidecar)
+    async with welcomed(hub, sidecar) as (ws, connection):
         # A frozen sidecar: its end of the socket reads nothing, so no ping is answered.
         ws.transport.pause_reading()
         await eventually(lambda: keepalive.timeouts == 1, what="the keepalive timeout")
@@ -97,9 +112,7 @@ async def test_a_sidecar_that_stops_answering_is_failed_with_1011_and_lost(
         closed = await closing_of(ws)
         assert closed.rcvd is not None
         assert (closed.rcvd.code, closed.rcvd.reason) == (1011, TIMEOUT_REASON)
-    await eventually(lambda: hub.events.disconnected == [sidecar.target], what="the loss")
-    assert await record_row(db, sidecar.allocation_id) is None
-    assert hub.router.sockets(sidecar.allocation_id) == []
+    await counted_lost_once(db, hub, sidecar)
     assert keepalive.timeouts == 1
 
 
@@ -111,15 +124,12 @@ async def test_a_sidecar_that_never_answers_again_is_aborted_after_the_close_tim
 ) -> None:
     hub = pinging_hub
     keepalive = keepalive_of(hub)
-    async with dial(hub.url, sidecar.headers(), ping_interval=None) as ws:
-        await welcome_of(ws)
+    async with welcomed(hub, sidecar) as (ws, _connection):
         ws.transport.pause_reading()
         # It never reads the close frame either: the hub gives up on it after close_timeout
         # instead of holding the socket (and the allocation's readiness) for ever.
-        await eventually(lambda: hub.events.disconnected == [sidecar.target], what="the loss")
+        await counted_lost_once(db, hub, sidecar)
         assert keepalive.timeouts == 1
-        assert await record_row(db, sidecar.allocation_id) is None
-        assert hub.router.sockets(sidecar.allocation_id) == []
 
 
 async def test_idle_sockets_hold_one_task_each_and_one_keepalive_entry(
@@ -161,21 +171,19 @@ async def test_a_socket_whose_ping_fails_is_aborted_and_the_others_keep_theirs(
     keepalive = keepalive_of(hub)
     broken, healthy = [(await sidecar_in(store, db))[0] for _ in range(2)]
     async with (
-        dial(hub.url, broken.headers(), ping_interval=None) as broken_ws,
-        dial(hub.url, healthy.headers(), ping_interval=None) as healthy_ws,
+        welcomed(hub, broken) as (_broken_ws, broken_side),
+        welcomed(hub, healthy) as (healthy_ws, healthy_side),
     ):
-        await welcome_of(broken_ws)
-        await welcome_of(healthy_ws)
 
         def fails() -> None:
             raise RuntimeError("a socket that cannot be written")
 
         # An instance attribute shadows the method for this one socket only.
-        hub_side(hub, broken).flush = fails  # type: ignore[method-assign]
+        broken_side.flush = fails  # type: ignore[method-assign]
         await eventually(lambda: hub.events.disconnected == [broken.target], what="the abort")
         sent = keepalive.pings_sent
         await eventually(lambda: keepalive.pings_sent >= sent + 3, what="three more pings")
         assert healthy_ws.state is State.OPEN
-        assert hub_side(hub, healthy).latency > 0
+        assert healthy_side.latency > 0
         assert await record_row(db, healthy.allocation_id) is not None
         assert hub.events.disconnected == [broken.target]
