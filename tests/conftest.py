@@ -23,6 +23,7 @@ import pytest
 from hubd.store import AllocationStore, Database, LedgerStore, connect_database
 from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
 from hubd.store.migrate import apply_migrations
+from tests.wskit import Sidecar, sidecar_in
 
 _counter = itertools.count()
 
@@ -120,6 +121,13 @@ def store(db: Database) -> AllocationStore:
 @pytest.fixture
 def ledger(db: Database) -> LedgerStore:
     return LedgerStore(db, instance_id="in_test")
+
+
+@pytest.fixture
+async def sidecar(db: Database, store: AllocationStore) -> Sidecar:
+    """An allocated allocation whose sidecar identity (and token) the test knows."""
+    allocated, _ = await sidecar_in(store, db)
+    return allocated
 
 
 @pytest.fixture

@@ -21,12 +21,6 @@ from tests.polling import eventually, scaled
 from tests.wskit import Hub, Sidecar, dial, record_row, running_hub, sidecar_in, welcome_of
 
 
-@pytest.fixture
-async def sidecar(db: Database, store: AllocationStore) -> Sidecar:
-    allocated, _ = await sidecar_in(store, db)
-    return allocated
-
-
 def keepalive_of(hub: Hub) -> Keepalive:
     keepalive = hub.server.keepalive
     assert keepalive is not None

@@ -20,7 +20,7 @@ from websockets.typing import Subprotocol
 
 from hubd.backoff import Backoff
 from hubd.sidecar.client import SidecarClient, SidecarExit, SidecarSettings
-from hubd.store import AllocationStore, Database
+from hubd.store import Database
 from hubd.store.connections import ConnectionStore, RecordOutcome
 from hubd.store.secrets import Rotation
 from hubd.tokens import hash_token, new_reconnect_secret, new_sidecar_id, new_token
@@ -35,7 +35,6 @@ from tests.wskit import (
     running_hub,
     secret_acknowledged,
     secret_row,
-    sidecar_in,
     welcome_of,
 )
 
@@ -47,12 +46,6 @@ FAST = Backoff(base=0.05, cap=0.2)
 async def hub(db: Database) -> AsyncIterator[Hub]:
     async with running_hub(db) as running:
         yield running
-
-
-@pytest.fixture
-async def sidecar(db: Database, store: AllocationStore) -> Sidecar:
-    allocated, _ = await sidecar_in(store, db)
-    return allocated
 
 
 async def acknowledge(ws: ClientConnection) -> None:

@@ -75,12 +75,6 @@ async def hub(db: Database) -> AsyncIterator[Hub]:
 
 
 @pytest.fixture
-async def sidecar(db: Database, store: AllocationStore) -> Sidecar:
-    allocated, _ = await sidecar_in(store, db)
-    return allocated
-
-
-@pytest.fixture
 async def spare_db(database_url: str) -> AsyncIterator[Database]:
     """A second set of pools on the test database, for a test to take away and bring back."""
     database = await connect_database(database_url, pool_size=4)

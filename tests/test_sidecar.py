@@ -57,12 +57,6 @@ def settings_for(sidecar: Sidecar, url: str, **changes: str) -> SidecarSettings:
     return SidecarSettings.from_env(env)
 
 
-@pytest.fixture
-async def sidecar(db: Database, store: AllocationStore) -> Sidecar:
-    allocated, _ = await sidecar_in(store, db)
-    return allocated
-
-
 async def finish(task: asyncio.Task[SidecarExit]) -> SidecarExit:
     async with asyncio.timeout(30):
         return await task
