@@ -197,8 +197,7 @@ class SidecarConnection(ServerConnection):
         super().data_received(data)
         # Automatic pongs (and close frames) are written without waiting for the buffer to
         # drain: a peer that pings and never reads grows it here, so it is measured here.
-        if self.transport.get_write_buffer_size() > self._limits.max_write_buffer:
-            self._abort("write buffer full")
+        self._bound_write_buffer()
 
     def process_event(self, event: Event) -> None:
         if (
@@ -224,6 +223,9 @@ class SidecarConnection(ServerConnection):
         """Write what the protocol has queued (a frame sent outside websockets' coroutines, such
         as a keepalive ping), under the same write-buffer bound as its automatic pongs."""
         self.send_data()
+        self._bound_write_buffer()
+
+    def _bound_write_buffer(self) -> None:
         if self.transport.get_write_buffer_size() > self._limits.max_write_buffer:
             self._abort("write buffer full")
 
