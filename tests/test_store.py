@@ -922,6 +922,90 @@ class TestClaims:
         assert claim < 1_000, f"pages read by the claim: {claim}"
         assert max(pages.values()) < 100, f"pages read: {pages}"
 
+    @pytest.mark.parametrize("finished", [0, 20_000])
+    async def test_repair_sweep_reads_each_row_once_after_statistics_without_active_rows(
+        self, db: Database, finished: int
+    ) -> None:
+        """The repair sweep's plan is made on a daemon's connection at start-up, from statistics
+        of a database with no active row (a new deployment, or a quiet spell with only
+        ``finished`` rows). 2,000 connected allocations then arrive, and 1,000 that read ready
+        although their only record is on an instance that stopped heartbeating. The sweep marks
+        exactly those 1,000 lost, once each, and reads each row and its record by key: a few
+        pages a row, where checking every row's record against every record, or joining every
+        candidate back against every allocated row, read millions."""
+        from hubd.store.allocations import SQL
+
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
+                SELECT 'al_' || md5(i::text), 'released', 'fake', now()
+                FROM generate_series(1, $1::integer) AS i
+                """,
+                finished,
+            )
+            await conn.execute("ANALYZE hubd_allocations, hubd_sidecar_connections, hubd_instances")
+            statement = SQL.mark_unconnected
+            await conn.execute(f"PREPARE sweep AS {statement.sql}")
+            nulls = ", ".join(["NULL"] * len(statement.params))
+            await conn.execute(f"EXPLAIN EXECUTE sweep({nulls})")
+            await conn.execute(
+                "INSERT INTO hubd_instances (id, hostname, pid, heartbeat_at) VALUES "
+                "('in_own', 'here', 1, now()), ('in_gone', 'there', 2, now() - interval '1 hour')"
+            )
+            await conn.execute(
+                """
+                INSERT INTO hubd_allocations
+                    (id, status, provisioner_id, sidecar_id, token_hash, connection_ready)
+                SELECT 'al_' || md5('live' || i::text), 'allocated', 'fake', 'sc_' || i,
+                    sha256(i::text::bytea), true
+                FROM generate_series(1, 3000) AS i
+                """
+            )
+            await conn.execute(
+                """
+                INSERT INTO hubd_sidecar_connections
+                    (connection_id, allocation_id, generation, sidecar_id, instance_id)
+                SELECT 'cn_' || i, 'al_' || md5('live' || i::text), 1, 'sc_' || i,
+                    CASE WHEN i <= 2000 THEN 'in_own' ELSE 'in_gone' END
+                FROM generate_series(1, 3000) AS i
+                """
+            )
+            bound = statement(instance_id="in_own", instance_ttl=20.0, connect_timeout=60.0)
+            literals = [await _literal(conn, arg) for arg in bound.args]
+            await conn.execute("BEGIN")
+            try:
+                explained = await conn.fetchval(
+                    f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE sweep({', '.join(literals)})"
+                )
+                lost = await conn.fetch(
+                    "SELECT a.id, a.connection_ready, a.connect_deadline IS NOT NULL AS deadline,"
+                    " (SELECT count(*) FROM hubd_allocation_ledger AS l"
+                    "  WHERE l.allocation_id = a.id AND l.kind = 'connection_lost') AS logged"
+                    " FROM hubd_allocations AS a JOIN hubd_sidecar_connections AS c"
+                    " ON c.allocation_id = a.id WHERE c.instance_id = 'in_gone'"
+                )
+                kept = await conn.fetchval(
+                    "SELECT count(*) FROM hubd_allocations AS a"
+                    " JOIN hubd_sidecar_connections AS c ON c.allocation_id = a.id"
+                    " WHERE c.instance_id = 'in_own' AND a.connection_ready"
+                    " AND a.connect_deadline IS NULL"
+                )
+            finally:
+                await conn.execute("ROLLBACK")
+            await conn.execute("DEALLOCATE sweep")
+        plan = json.loads(explained)[0]["Plan"]
+        assert plan["Actual Rows"] == 1000
+        assert len(lost) == 1000
+        assert all(not r["connection_ready"] and r["deadline"] and r["logged"] == 1 for r in lost)
+        assert kept == 2000
+        assert "Seq Scan" not in json.dumps(plan), plan
+        # About 11 pages a row: its record and that record's instance by key, and for the 1,000
+        # it marks, the update, its index entries and the ledger row. Planned as joins on these
+        # statistics, the sweep read 19,900,000.
+        pages = plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+        assert pages < 60_000, f"the sweep read {pages} pages for 3,000 rows"
+
     async def test_status_counts_cost_follows_active_rows(
         self, store: AllocationStore, db: Database
     ) -> None:
