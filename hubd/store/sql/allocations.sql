@@ -148,18 +148,22 @@ SELECT * FROM claimed;
 -- Extend, in one statement, every lease in the pairs (:allocation_ids, :lease_ids) that is still held
 -- and live; returns the ids renewed. Rows are locked in id order, so two renewals (or a
 -- renewal and a set statement) never deadlock.
+-- Each side of a join also names its rows by key (a.id = ANY ...): a plan made on a table the
+-- statistics call empty may otherwise read the whole table and filter it, every renewal.
 WITH held AS (
     SELECT a.id FROM hubd_allocations AS a
     JOIN unnest(:allocation_ids::text[], :lease_ids::text[]) AS mine (id, lease_id)
       ON a.id = mine.id AND a.lease_id = mine.lease_id
-    WHERE a.lease_expires_at > clock_timestamp()
+    WHERE a.id = ANY (:allocation_ids::text[])
+      AND a.lease_expires_at > clock_timestamp()
     ORDER BY a.id
     FOR UPDATE OF a
 )
 UPDATE hubd_allocations AS a
 SET lease_expires_at = now() + make_interval(secs => :lease_duration)
 FROM held
-WHERE a.id = held.id AND a.lease_expires_at > clock_timestamp()
+WHERE a.id = held.id AND a.id = ANY (:allocation_ids::text[])
+  AND a.lease_expires_at > clock_timestamp()
 RETURNING a.id;
 
 -- name: drop_lease
@@ -679,12 +683,15 @@ SELECT * FROM updated;
 -- when it names none): whether it is the current sidecar of an active allocation, and whether the
 -- allocation it names exists in this database at all (a sidecar of another deployment must not look
 -- like ours).
+-- Each lookup also names its rows by key (= ANY ...): a plan made on a table the statistics call
+-- empty may otherwise hash every row of the table once per sweep, finished ones included.
 SELECT s.sidecar_id,
        EXISTS (SELECT 1 FROM hubd_allocations AS a
-               WHERE a.sidecar_id = s.sidecar_id
+               WHERE a.sidecar_id = s.sidecar_id AND a.sidecar_id = ANY (:sidecar_ids::text[])
                  AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing',
                                   'releasing')) AS current,
-       EXISTS (SELECT 1 FROM hubd_allocations AS a WHERE a.id = s.allocation_id) AS known
+       EXISTS (SELECT 1 FROM hubd_allocations AS a
+               WHERE a.id = s.allocation_id AND a.id = ANY (:allocation_ids::text[])) AS known
 FROM unnest(:sidecar_ids::text[], :allocation_ids::text[]) AS s (sidecar_id, allocation_id);
 
 -- name: try_sweep_lock

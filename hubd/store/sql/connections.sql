@@ -272,6 +272,8 @@ SELECT connection_id FROM cleared;
 -- A record is deleted by its connection id, so one replaced while this statement waited for the
 -- allocation's row (the sidecar reconnected to a live replica) is re-checked as the new record
 -- and kept: re-checking the instance's liveness instead would re-use the stale instance's answer.
+-- The rows found reach the later steps as arrays and a map, so each step finds them by key
+-- whatever the statistics its plan was made from (see mark_unconnected in allocations.sql).
 WITH stale AS (
     SELECT c.allocation_id, c.connection_id
     FROM hubd_sidecar_connections AS c
@@ -279,17 +281,23 @@ WITH stale AS (
       AND NOT EXISTS (SELECT 1 FROM hubd_instances AS i
                       WHERE i.id = c.instance_id
                         AND i.heartbeat_at > now() - make_interval(secs => :ttl))
+), found AS (
+    SELECT array_agg(allocation_id) AS ids, jsonb_object_agg(allocation_id, connection_id) AS seen
+    FROM stale
 ), locked AS (
     SELECT a.id FROM hubd_allocations AS a
-    WHERE a.id IN (SELECT allocation_id FROM stale)
+    WHERE a.id = ANY ((SELECT ids FROM found)::text[])
     ORDER BY a.id
     FOR NO KEY UPDATE
 ), cleared AS (
     DELETE FROM hubd_sidecar_connections AS c
-    USING stale AS s
-    WHERE c.allocation_id = s.allocation_id AND c.connection_id = s.connection_id
-      AND c.allocation_id IN (SELECT id FROM locked)
+    WHERE c.allocation_id = ANY (ARRAY(SELECT id FROM locked))
+      AND c.connection_id = (SELECT seen FROM found) ->> c.allocation_id
     RETURNING c.allocation_id, c.generation, c.connection_id, c.instance_id
+), gone AS (
+    SELECT array_agg(allocation_id) AS ids,
+           jsonb_object_agg(allocation_id, jsonb_build_array(generation, instance_id)) AS seen
+    FROM cleared
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         connection_seq = a.connection_seq + 1,
@@ -303,10 +311,10 @@ WITH stale AS (
                                THEN now() + make_interval(secs => :connect_timeout)
                                ELSE a.next_attempt_at END,
         updated_at = now()
-    FROM cleared
-    WHERE a.id = cleared.allocation_id AND a.generation = cleared.generation
+    WHERE a.id = ANY ((SELECT ids FROM gone)::text[])
+      AND ((SELECT seen FROM gone) -> a.id ->> 0)::integer = a.generation
       AND a.status IN ('provisioning', 'allocated')
-    RETURNING a.id, a.generation, a.status, cleared.instance_id
+    RETURNING a.id, a.generation, a.status, (SELECT seen FROM gone) -> a.id ->> 1 AS instance_id
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
@@ -372,11 +380,19 @@ FROM hubd_allocations AS a WHERE a.id = :allocation_id;
 -- name: check_sockets
 -- For each socket an instance holds (allocation :allocation_ids[i], connection :connection_ids[i]):
 -- the allocation's status and generation now, and which connection holds its record (NULL: none).
+-- Each socket's rows are read by key, one lookup per socket (LIMIT keeps the lookups from being
+-- planned as joins): a plan made on tables the statistics call empty may otherwise hash every
+-- allocation and every record, or compare every socket with every record.
 SELECT s.allocation_id, s.connection_id, a.status, a.generation,
        c.connection_id AS recorded_connection_id, c.seq AS recorded_seq
 FROM unnest(:allocation_ids::text[], :connection_ids::text[]) AS s (allocation_id, connection_id)
-LEFT JOIN hubd_allocations AS a ON a.id = s.allocation_id
-LEFT JOIN hubd_sidecar_connections AS c ON c.allocation_id = s.allocation_id;
+LEFT JOIN LATERAL (
+    SELECT status, generation FROM hubd_allocations WHERE id = s.allocation_id LIMIT 1
+) AS a ON true
+LEFT JOIN LATERAL (
+    SELECT connection_id, seq FROM hubd_sidecar_connections
+    WHERE allocation_id = s.allocation_id LIMIT 1
+) AS c ON true;
 
 -- name: stale
 -- Connections whose instance is gone or whose heartbeat is older than :ttl seconds.
