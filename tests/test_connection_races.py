@@ -95,6 +95,32 @@ class TestRacingStatements:
         assert after.ready
         assert after.connection_seq == ready.connection_seq + 1
 
+    async def test_repair_keeps_its_own_record_when_its_instance_row_is_gone(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """A replica whose instance row a peer deleted (its heartbeat lapsed in an outage) still
+        holds its sockets: the repair sweep it runs does not mark their allocations lost, as
+        its park and readiness look do not. A peer's sweep, which holds none of them, does."""
+        instances = InstanceStore(db)
+        await instances.register("in_a", "a", 1, None)
+        sidecar, fence = await sidecar_in(store, db)
+        own = ConnectionStore(db, instance_id="in_a")
+        seen = await own.readiness(sidecar.target, 20)
+        assert (await own.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
+        ready = await store.mark_connection_ready(fence, connection_seq=seen.connection_seq + 1)
+        assert ready is not None
+        assert ready.ready
+        async with db.pool.acquire() as conn:
+            await conn.execute("DELETE FROM hubd_instances WHERE id = 'in_a'")
+        mine = AllocationStore(db, instance_id="in_a")
+        assert await mine.mark_unconnected(instance_ttl=20, connect_timeout=60) == 0
+        assert (await store.get(sidecar.allocation_id)).ready
+        peer = AllocationStore(db, instance_id="in_b")
+        assert await peer.mark_unconnected(instance_ttl=20, connect_timeout=60) == 1
+        after = await store.get(sidecar.allocation_id)
+        assert not after.connection_ready
+        assert after.connect_deadline is not None
+
     async def test_reassert_blocked_behind_a_takeover_leaves_the_new_record(
         self, db: Database, database_url: str, store: AllocationStore
     ) -> None:
