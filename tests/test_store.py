@@ -30,6 +30,7 @@ from hubd.store.counts import status_counts
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id
 from hubd.store.models import Claimed, InitialBinds
+from hubd.store.queries import Statement
 from tests.pgtime import age_row, expire_lease
 from tests.polling import eventually
 from tests.storekit import LEASE_SECONDS, claim_next, claim_one, drive_to, new_lease, token_hash
@@ -395,6 +396,62 @@ def _subplan(node: dict[str, Any], name: str) -> dict[str, Any]:
         if found.get("Subplan Name") == name:
             return found
     raise LookupError(name)
+
+
+async def _quiet_statistics(conn: asyncpg.Connection, finished: int) -> None:
+    """Statistics of a database with no active row: ``finished`` released rows, analyzed."""
+    await conn.execute(
+        """
+        INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
+        SELECT 'al_' || md5(i::text), 'released', 'fake', now()
+        FROM generate_series(1, $1::integer) AS i
+        """,
+        finished,
+    )
+    await conn.execute(
+        "ANALYZE hubd_allocations, hubd_sidecar_connections, hubd_sidecar_secrets, hubd_instances"
+    )
+
+
+async def _plan_now(conn: asyncpg.Connection, statements: dict[str, Statement]) -> None:
+    """Prepare each statement as ``name`` and make its generic plan now, as the pools do at a
+    statement's first use; it is kept while asyncpg caches the statement, and inserts do not
+    invalidate it."""
+    for name, statement in statements.items():
+        await conn.execute(f"PREPARE {name} AS {statement.sql}")
+        nulls = ", ".join(["NULL"] * len(statement.params))
+        await conn.execute(f"EXPLAIN EXECUTE {name}({nulls})")
+
+
+async def _connected_burst(conn: asyncpg.Connection, *, leased: bool) -> None:
+    """3,000 allocations that read ready, each with a record: 2,000 on the live instance
+    ``in_own``, 1,000 on ``in_gone``, whose heartbeat stopped an hour ago; each under a live
+    lease if ``leased``."""
+    await conn.execute(
+        "INSERT INTO hubd_instances (id, hostname, pid, heartbeat_at) VALUES "
+        "('in_own', 'here', 1, now()), ('in_gone', 'there', 2, now() - interval '1 hour')"
+    )
+    await conn.execute(
+        """
+        INSERT INTO hubd_allocations
+            (id, status, provisioner_id, sidecar_id, token_hash, connection_ready,
+             lease_id, lease_expires_at)
+        SELECT 'al_' || md5('live' || i::text), 'allocated', 'fake', 'sc_' || i,
+            sha256(i::text::bytea), true,
+            CASE WHEN $1 THEN 'ls_' || i END, CASE WHEN $1 THEN now() + interval '1 minute' END
+        FROM generate_series(1, 3000) AS i
+        """,
+        leased,
+    )
+    await conn.execute(
+        """
+        INSERT INTO hubd_sidecar_connections
+            (connection_id, allocation_id, generation, sidecar_id, instance_id)
+        SELECT 'cn_' || i, 'al_' || md5('live' || i::text), 1, 'sc_' || i,
+            CASE WHEN i <= 2000 THEN 'in_own' ELSE 'in_gone' END
+        FROM generate_series(1, 3000) AS i
+        """
+    )
 
 
 class TestClaims:
@@ -770,20 +827,7 @@ class TestClaims:
         from hubd.store.connections import SQL as CONNECTIONS
 
         async with db.pool.acquire() as conn:
-            await conn.execute(
-                """
-                INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
-                SELECT 'al_' || md5(i::text), 'released', 'fake', now()
-                FROM generate_series(1, $1::integer) AS i
-                """,
-                finished,
-            )
-            await conn.execute(
-                "ANALYZE hubd_allocations, hubd_sidecar_connections, hubd_sidecar_secrets"
-            )
-            # The pools prepare each statement at its first use and keep its generic plan while
-            # asyncpg caches it: here, before the burst (a daemon's first claims see empty
-            # tables too). Inserts do not invalidate a cached plan.
+            await _quiet_statistics(conn, finished)
             statements = {
                 "release": ALLOCATIONS.release_allocation,
                 "lookup": CONNECTIONS.identities,
@@ -792,10 +836,7 @@ class TestClaims:
                 "readiness": CONNECTIONS.readiness,
                 "claim": ALLOCATIONS.claim_due,
             }
-            for name, statement in statements.items():
-                await conn.execute(f"PREPARE {name} AS {statement.sql}")
-                nulls = ", ".join(["NULL"] * len(statement.params))
-                await conn.execute(f"EXPLAIN EXECUTE {name}({nulls})")
+            await _plan_now(conn, statements)
             await conn.execute(
                 """
                 INSERT INTO hubd_allocations
@@ -949,41 +990,10 @@ class TestClaims:
         from hubd.store.allocations import SQL
 
         async with db.pool.acquire() as conn:
-            await conn.execute(
-                """
-                INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
-                SELECT 'al_' || md5(i::text), 'released', 'fake', now()
-                FROM generate_series(1, $1::integer) AS i
-                """,
-                finished,
-            )
-            await conn.execute("ANALYZE hubd_allocations, hubd_sidecar_connections, hubd_instances")
+            await _quiet_statistics(conn, finished)
             statement = SQL.mark_unconnected
-            await conn.execute(f"PREPARE sweep AS {statement.sql}")
-            nulls = ", ".join(["NULL"] * len(statement.params))
-            await conn.execute(f"EXPLAIN EXECUTE sweep({nulls})")
-            await conn.execute(
-                "INSERT INTO hubd_instances (id, hostname, pid, heartbeat_at) VALUES "
-                "('in_own', 'here', 1, now()), ('in_gone', 'there', 2, now() - interval '1 hour')"
-            )
-            await conn.execute(
-                """
-                INSERT INTO hubd_allocations
-                    (id, status, provisioner_id, sidecar_id, token_hash, connection_ready)
-                SELECT 'al_' || md5('live' || i::text), 'allocated', 'fake', 'sc_' || i,
-                    sha256(i::text::bytea), true
-                FROM generate_series(1, 3000) AS i
-                """
-            )
-            await conn.execute(
-                """
-                INSERT INTO hubd_sidecar_connections
-                    (connection_id, allocation_id, generation, sidecar_id, instance_id)
-                SELECT 'cn_' || i, 'al_' || md5('live' || i::text), 1, 'sc_' || i,
-                    CASE WHEN i <= 2000 THEN 'in_own' ELSE 'in_gone' END
-                FROM generate_series(1, 3000) AS i
-                """
-            )
+            await _plan_now(conn, {"sweep": statement})
+            await _connected_burst(conn, leased=False)
             bound = statement(instance_id="in_own", instance_ttl=20.0, connect_timeout=60.0)
             literals = [await _literal(conn, arg) for arg in bound.args]
             await conn.execute("BEGIN")
@@ -1034,48 +1044,15 @@ class TestClaims:
         from hubd.store.connections import SQL as CONNECTIONS
 
         async with db.pool.acquire() as conn:
-            await conn.execute(
-                """
-                INSERT INTO hubd_allocations (id, status, provisioner_id, finished_at)
-                SELECT 'al_' || md5(i::text), 'released', 'fake', now()
-                FROM generate_series(1, $1::integer) AS i
-                """,
-                finished,
-            )
-            await conn.execute("ANALYZE hubd_allocations, hubd_sidecar_connections, hubd_instances")
+            await _quiet_statistics(conn, finished)
             statements = {
                 "renew": ALLOCATIONS.renew_leases,
                 "verify": CONNECTIONS.check_sockets,
                 "sweep": CONNECTIONS.sweep_stale,
                 "owners": ALLOCATIONS.sidecar_owners,
             }
-            for name, statement in statements.items():
-                await conn.execute(f"PREPARE {name} AS {statement.sql}")
-                nulls = ", ".join(["NULL"] * len(statement.params))
-                await conn.execute(f"EXPLAIN EXECUTE {name}({nulls})")
-            await conn.execute(
-                "INSERT INTO hubd_instances (id, hostname, pid, heartbeat_at) VALUES "
-                "('in_own', 'here', 1, now()), ('in_gone', 'there', 2, now() - interval '1 hour')"
-            )
-            await conn.execute(
-                """
-                INSERT INTO hubd_allocations
-                    (id, status, provisioner_id, sidecar_id, token_hash, connection_ready,
-                     lease_id, lease_expires_at)
-                SELECT 'al_' || md5('live' || i::text), 'allocated', 'fake', 'sc_' || i,
-                    sha256(i::text::bytea), true, 'ls_' || i, now() + interval '1 minute'
-                FROM generate_series(1, 3000) AS i
-                """
-            )
-            await conn.execute(
-                """
-                INSERT INTO hubd_sidecar_connections
-                    (connection_id, allocation_id, generation, sidecar_id, instance_id)
-                SELECT 'cn_' || i, 'al_' || md5('live' || i::text), 1, 'sc_' || i,
-                    CASE WHEN i <= 2000 THEN 'in_own' ELSE 'in_gone' END
-                FROM generate_series(1, 3000) AS i
-                """
-            )
+            await _plan_now(conn, statements)
+            await _connected_burst(conn, leased=True)
             own = await conn.fetch(
                 "SELECT allocation_id, connection_id FROM hubd_sidecar_connections"
                 " WHERE instance_id = 'in_own' ORDER BY allocation_id"
