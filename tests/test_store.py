@@ -1035,11 +1035,12 @@ class TestClaims:
     async def test_periodic_statements_read_by_key_after_statistics_without_active_rows(
         self, db: Database, finished: int
     ) -> None:
-        """The statements a daemon runs every few seconds, planned (as on its first use) from
-        statistics of a database with no active row, then run against 3,000 connected
-        allocations, 1,000 of them recorded on an instance that stopped heartbeating: lease
-        renewal, the socket check, the dead instance's sweep and the orphan sweep's owner
-        lookup each read the rows they name by key, never every allocation or every record."""
+        """The statements a daemon runs every few seconds, and the one that clears a batch of
+        closed sockets, planned (as on their first use) from statistics of a database with no
+        active row, then run against 3,000 connected allocations, 1,000 of them recorded on an
+        instance that stopped heartbeating: lease renewal, the socket check, the dead
+        instance's sweep, the orphan sweep's owner lookup and the close of 1,000 sockets each
+        read the rows they name by key, never every allocation or every record."""
         from hubd.store.allocations import SQL as ALLOCATIONS
         from hubd.store.connections import SQL as CONNECTIONS
 
@@ -1050,6 +1051,7 @@ class TestClaims:
                 "verify": CONNECTIONS.check_sockets,
                 "sweep": CONNECTIONS.sweep_stale,
                 "owners": ALLOCATIONS.sidecar_owners,
+                "closes": CONNECTIONS.disconnect_many,
             }
             await _plan_now(conn, statements)
             await _connected_burst(conn, leased=True)
@@ -1077,6 +1079,12 @@ class TestClaims:
                 "owners": ALLOCATIONS.sidecar_owners(
                     sidecar_ids=[f"sc_{i}" for i in range(1, 101)],
                     allocation_ids=[""] * 100,
+                ),
+                "closes": CONNECTIONS.disconnect_many(
+                    allocation_ids=[r["allocation_id"] for r in own[:1000]],
+                    connection_ids=[r["connection_id"] for r in own[:1000]],
+                    instance_id="in_own",
+                    connect_timeout=60.0,
                 ),
             }
             plans, results = {}, {}
@@ -1106,7 +1114,10 @@ class TestClaims:
         assert {r["instance_id"] for r in results["sweep"]} == {"in_gone"}
         assert results["sweep"][0]["logged"] == 1000
         assert [r["current"] for r in results["owners"]] == [True] * 100
-        named = {"renew": 16, "verify": 2000, "sweep": 1000, "owners": 100}
+        assert {r["connection_id"] for r in results["closes"]} == {
+            r["connection_id"] for r in own[:1000]
+        }
+        named = {"renew": 16, "verify": 2000, "sweep": 1000, "owners": 100, "closes": 1000}
         for name, plan in plans.items():
             assert "Seq Scan" not in json.dumps(plan), (name, plan)
             # Rows every node produced or filtered out: a lookup planned as a join against a

@@ -219,25 +219,30 @@ SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 -- that claim's connection-fenced write sees the bumped number and decides again; its lease is
 -- never touched. The allocation rows are locked in id order before any record is deleted, as
 -- sweep_stale does. :instance_id is the instance for the ledger. Returns the connection ids whose
--- records were cleared.
-WITH closed AS (
+-- records were cleared. Like sweep_stale, each step finds the rows of the step before by key
+-- (arrays and maps), whatever the statistics its plan was made from.
+WITH wanted AS (
+    SELECT jsonb_object_agg(allocation_id, connection_id) AS seen
+    FROM unnest(:allocation_ids::text[], :connection_ids::text[]) AS i(allocation_id, connection_id)
+), closed AS (
     -- Only pairs whose record is there to clear: the close of a socket already taken over
     -- waits on no row.
-    SELECT i.allocation_id, i.connection_id
-    FROM unnest(:allocation_ids::text[], :connection_ids::text[]) AS i(allocation_id, connection_id)
-    WHERE EXISTS (SELECT 1 FROM hubd_sidecar_connections AS c
-                  WHERE c.allocation_id = i.allocation_id AND c.connection_id = i.connection_id)
+    SELECT c.allocation_id FROM hubd_sidecar_connections AS c
+    WHERE c.allocation_id = ANY (:allocation_ids::text[])
+      AND c.connection_id = (SELECT seen FROM wanted) ->> c.allocation_id
 ), locked AS (
     SELECT a.id FROM hubd_allocations AS a
-    WHERE a.id IN (SELECT allocation_id FROM closed)
+    WHERE a.id = ANY (ARRAY(SELECT allocation_id FROM closed))
     ORDER BY a.id
     FOR NO KEY UPDATE
 ), cleared AS (
     DELETE FROM hubd_sidecar_connections AS c
-    USING closed AS s
-    WHERE c.allocation_id = s.allocation_id AND c.connection_id = s.connection_id
-      AND c.allocation_id IN (SELECT id FROM locked)
+    WHERE c.allocation_id = ANY (ARRAY(SELECT id FROM locked))
+      AND c.connection_id = (SELECT seen FROM wanted) ->> c.allocation_id
     RETURNING c.allocation_id, c.generation, c.connection_id
+), gone AS (
+    SELECT array_agg(allocation_id) AS ids, jsonb_object_agg(allocation_id, generation) AS seen
+    FROM cleared
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         connection_seq = a.connection_seq + 1,
@@ -251,8 +256,8 @@ WITH closed AS (
                                THEN now() + make_interval(secs => :connect_timeout)
                                ELSE a.next_attempt_at END,
         updated_at = now()
-    FROM cleared
-    WHERE a.id = cleared.allocation_id AND a.generation = cleared.generation
+    WHERE a.id = ANY ((SELECT ids FROM gone)::text[])
+      AND ((SELECT seen FROM gone) ->> a.id)::integer = a.generation
       AND a.status IN ('provisioning', 'allocated')
     RETURNING a.id, a.generation, a.status
 ), logged AS (
