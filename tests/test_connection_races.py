@@ -105,9 +105,9 @@ class TestRacingStatements:
         await instances.register("in_a", "a", 1, None)
         sidecar, fence = await sidecar_in(store, db)
         own = ConnectionStore(db, instance_id="in_a")
-        seen = await own.readiness(sidecar.target, 20)
-        assert (await own.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq is not None
-        ready = await store.mark_connection_ready(fence, connection_seq=seen.connection_seq + 1)
+        recorded = await own.record("cn_a", sidecar.target, sidecar.sidecar_id)
+        assert recorded.seq is not None
+        ready = await store.mark_connection_ready(fence, connection_seq=recorded.seq)
         assert ready is not None
         assert ready.ready
         async with db.pool.acquire() as conn:
