@@ -3,10 +3,9 @@
 websockets' own keepalive is a task per connection that sleeps between pings: created with the
 socket, cancelled when it closes, it cost a handshake about 25 us of the daemon's CPU and an
 idle socket about 1.4 KiB (the task, its coroutine, its sleep's future and timer; an entry here
-is 170 bytes, docs/performance.md). Here each
-socket is one entry in a queue. Every interval is the same, so a queue kept in the order the
-entries were added is also in the order they come due, and one timer armed at its head is
-enough.
+is 170 bytes, docs/performance.md). Here each socket is one entry in a queue. Every interval is
+the same, so a queue kept in the order the entries were added is also in the order they come
+due, and one timer armed at its head is enough.
 
 The semantics are websockets': a ping every ``interval`` while the socket is open, and a
 socket whose pong has not come back within ``timeout`` is failed with 1011 "keepalive ping
