@@ -192,14 +192,16 @@ def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
 def _run_daemon(config: Config, args: argparse.Namespace) -> int:
     from hubd.daemon.collector import pace_collector
     from hubd.daemon.dev import run_dev
+    from hubd.daemon.loops import loop_factory
     from hubd.daemon.service import Daemon
 
     pace_collector()
-
+    factory = loop_factory(config.runtime.event_loop)
     try:
-        if args.command == "dev":
-            return asyncio.run(run_dev(config, config_path=getattr(args, "config", None)))
-        return asyncio.run(Daemon(config).run())
+        with asyncio.Runner(loop_factory=factory) as runner:
+            if args.command == "dev":
+                return runner.run(run_dev(config, config_path=getattr(args, "config", None)))
+            return runner.run(Daemon(config).run())
     except ExceptionGroup:
         # A supervised background task died; the daemon logged which one and why.
         _say_error("hubd: stopped because a background task failed (see the log)")

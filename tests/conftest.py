@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 import asyncpg
 import attrs
 import pytest
+import structlog
 
 from hubd.store import AllocationStore, Database, LedgerStore, connect_database
 from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
@@ -173,3 +175,22 @@ async def observer(database_url: str) -> AsyncIterator[AllocationStore]:
         yield AllocationStore(db, instance_id="observer")
     finally:
         await db.close()
+
+
+@pytest.fixture
+def process_settings() -> Iterator[None]:
+    """For a test that runs ``hubd.cli.main`` in this process: CPython's collector thresholds
+    for the test, whatever the process had before and after, and the logging the command
+    configures undone."""
+    saved = gc.get_threshold()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    gc.set_threshold(700, 10, 10)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        root.setLevel(level)
+        structlog.reset_defaults()

@@ -3,35 +3,14 @@
 from __future__ import annotations
 
 import gc
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
-import structlog
 
 import hubd.cli
 from hubd.config import Config
 from hubd.daemon.collector import YOUNG_THRESHOLD
-
-
-@pytest.fixture
-def thresholds() -> Iterator[None]:
-    """CPython's defaults for the test, whatever the process had before and after; the logging
-    the command configures is undone too."""
-    saved = gc.get_threshold()
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    gc.set_threshold(700, 10, 10)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*saved)
-        for handler in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(handler)
-        root.setLevel(level)
-        structlog.reset_defaults()
 
 
 class DaemonSeeingTheCollector:
@@ -48,7 +27,7 @@ class DaemonSeeingTheCollector:
         return 0
 
 
-@pytest.mark.usefixtures("thresholds")
+@pytest.mark.usefixtures("process_settings")
 def test_hubd_run_collects_the_young_generation_less_often(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -64,7 +43,7 @@ def test_hubd_run_collects_the_young_generation_less_often(
     assert DaemonSeeingTheCollector.seen == [(YOUNG_THRESHOLD, 10, 10)]
 
 
-@pytest.mark.usefixtures("thresholds")
+@pytest.mark.usefixtures("process_settings")
 def test_other_commands_keep_the_default_pace(tmp_path: Path) -> None:
     config = tmp_path / "hubd.toml"
     config.write_text(

@@ -283,6 +283,21 @@ class TestValidation:
             load(tmp_path, '[log]\nlevel = "verbose"\n')
         assert load(tmp_path, '[log]\nlevel = "DEBUG"\n').log.level == "debug"
 
+    def test_event_loop_choice(self, tmp_path: pathlib.Path) -> None:
+        """runtime.event_loop is uvloop unless the file or HUBD_RUNTIME_EVENT_LOOP says
+        asyncio; anything else is named as the mistake it is."""
+        assert Config().runtime.event_loop == "uvloop"
+        assert load(tmp_path, '[runtime]\nevent_loop = "asyncio"\n').runtime.event_loop == (
+            "asyncio"
+        )
+        assert load(tmp_path, "", HUBD_RUNTIME_EVENT_LOOP="AsyncIO").runtime.event_loop == (
+            "asyncio"
+        )
+        with pytest.raises(
+            ConfigError, match=r"^runtime\.event_loop: must be one of uvloop, asyncio; not 'trio'"
+        ):
+            load(tmp_path, '[runtime]\nevent_loop = "trio"\n')
+
     def test_direct_construction_is_validated(self) -> None:
         """Sections built in code are held to the same rules as loaded ones."""
         with pytest.raises(ConfigError, match=r"^reconciler\.operation_timeout: "):

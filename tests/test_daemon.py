@@ -437,6 +437,9 @@ class TestOperatorInterfaces:
                 "hubd_connected_sidecars",
             ):
                 assert name in metrics
+            # The config names no loop: the daemon runs on the default, uvloop, and says so.
+            assert metric_total(metrics, "hubd_event_loop_info", loop="uvloop") == 1
+            assert metric_total(metrics, "hubd_event_loop_info", loop="asyncio") == 0
             assert (await http_get(daemon.admin_url + "/nope"))[0] == 404
             # The test config's connect deadline (30 s) is shorter than its TTL plus the
             # sidecar's keepalive: the daemon says so at start.

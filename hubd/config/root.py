@@ -21,6 +21,7 @@ from hubd.config.sections import (
     OrphansConfig,
     ProvisionerConfig,
     ReconcilerConfig,
+    RuntimeConfig,
     ServerConfig,
     StateConfig,
 )
@@ -70,6 +71,7 @@ class Config:
     reconciler: ReconcilerConfig = attrs.field(factory=ReconcilerConfig)
     instance: InstanceConfig = attrs.field(factory=InstanceConfig)
     orphans: OrphansConfig = attrs.field(factory=OrphansConfig)
+    runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
     provisioners: tuple[ProvisionerConfig, ...] = attrs.field(factory=_default_provisioners)
     log: LogConfig = attrs.field(factory=LogConfig)
 
@@ -126,5 +128,6 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
     "reconciler": ReconcilerConfig,
     "instance": InstanceConfig,
     "orphans": OrphansConfig,
+    "runtime": RuntimeConfig,
     "log": LogConfig,
 }

@@ -34,6 +34,7 @@ from hubd.units import format_duration, parse_duration, parse_listen
 __all__ = [
     "AdminConfig",
     "DatabaseConfig",
+    "EventLoop",
     "InstanceConfig",
     "LogConfig",
     "LogFormat",
@@ -42,6 +43,7 @@ __all__ = [
     "OrphansConfig",
     "ProvisionerConfig",
     "ReconcilerConfig",
+    "RuntimeConfig",
     "ServerConfig",
     "StateConfig",
     "default_state_dir",
@@ -52,6 +54,7 @@ __all__ = [
 MAX_CONNECTIONS_CEILING: Final = 1 << 20
 """Linux's default ``fs.nr_open``: no process can hold more descriptors than this."""
 
+EventLoop = Literal["uvloop", "asyncio"]
 LogFormat = Literal["json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 OrphanMode = Literal["destroy", "dry-run", "off"]
@@ -333,6 +336,16 @@ class OrphansConfig:
 
     def __attrs_post_init__(self) -> None:
         check_fields("orphans", self)
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeConfig:
+    """``[runtime]``: how the daemon's process runs its work."""
+
+    event_loop: EventLoop = attrs.field(default="uvloop", metadata=metadata(Choice.of(EventLoop)))
+
+    def __attrs_post_init__(self) -> None:
+        check_fields("runtime", self)
 
 
 @attrs.frozen(kw_only=True)

@@ -70,6 +70,12 @@ class Metrics:
         self.lease_losses = Counter(
             "hubd_lease_losses", "Claims stopped because their lease was lost", registry=r
         )
+        self.event_loop = Gauge(
+            "hubd_event_loop_info",
+            "1, labelled with the event loop this daemon runs on (uvloop or asyncio)",
+            ["loop"],
+            registry=r,
+        )
         self.active_claims = Gauge("hubd_active_claims", "Claims in progress", registry=r)
         self.queue_depth = Gauge(
             "hubd_queue_depth", "Allocations with queued connection events or steps", registry=r

@@ -25,6 +25,7 @@ import structlog
 from hubd.backoff import Retries
 from hubd.config import Config
 from hubd.daemon.heartbeat import Heartbeat, registered
+from hubd.daemon.loops import loop_name
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.running import (
     Listening,
@@ -97,6 +98,8 @@ class Daemon:
     async def run(self) -> int:
         provisioners = load_provisioners(self.config.provisioners, state_dir=self.config.state_path)
         loop = asyncio.get_running_loop()
+        # The loop actually running, whatever asked for it (``hubd run``, or a test's own).
+        self.metrics.event_loop.labels(loop=loop_name(loop)).set(1)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         try:
@@ -195,6 +198,7 @@ class Daemon:
             sidecar_url=running.hub_ws_url,
             admin=f"http://{self.config.admin.host}:{running.admin.port}",
             provisioners=sorted(running.provisioners),
+            event_loop=loop_name(asyncio.get_running_loop()),
         )
         if self._on_started is not None:
             await self._on_started(self)
