@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""),
         help="a maintenance DSN; default: a private embedded PostgreSQL",
     )
+    parser.add_argument(
+        "--farm-loop", choices=["uvloop", "asyncio"], default="uvloop", help="the farm's loop"
+    )
     parser.add_argument("--json", type=Path, default=Path("bench-compare.json"))
     args = parser.parse_args(argv)
     # What Run reads of the suite's own arguments.

@@ -215,9 +215,12 @@ class DaemonProcess:
 class FarmClient:
     """The farm process and a control connection to it."""
 
-    def __init__(self, socket_path: Path, *, concurrency: int = 64) -> None:
+    def __init__(self, socket_path: Path, *, concurrency: int = 64, loop: str = "uvloop") -> None:
         self.socket_path = socket_path
         self.concurrency = concurrency
+        self.loop = loop
+        self.running_loop = ""
+        """The loop the farm reports it runs on, once started."""
         self.process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -235,6 +238,8 @@ class FarmClient:
             str(self.socket_path),
             "--concurrency",
             str(self.concurrency),
+            "--loop",
+            self.loop,
             env=_child_env(),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -247,6 +252,7 @@ class FarmClient:
         self._reader, self._writer = await asyncio.open_unix_connection(
             str(self.socket_path), limit=1 << 26
         )
+        self.running_loop = str((await self.call("status"))["loop"])
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         assert self._reader is not None

@@ -301,7 +301,8 @@ def render(report: dict[str, Any]) -> str:
     out.append(
         f"size {report['size']}; {machine['nproc']} cores ({machine['cpu']}), {machine['memory']}; "
         f"load average before {_load(machine['load_average_before'])}, "
-        f"after {_load(machine['load_average'])}; PostgreSQL {machine.get('postgresql', '?')}"
+        f"after {_load(machine['load_average'])}; PostgreSQL {machine.get('postgresql', '?')}; "
+        f"sidecar farm on {report.get('farm_loop', 'asyncio')}"
     )
     rounds = report.get("parameters", {}).get("rounds", 1)
     if rounds > 1:

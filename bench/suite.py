@@ -192,7 +192,7 @@ class Run:
         self.rounds: dict[str, list[dict[str, Any]]] = {}
         self.dsn = ""
         self.floor_dsn = ""
-        self.farm = FarmClient(workdir / "farm.sock")
+        self.farm = FarmClient(workdir / "farm.sock", loop=args.farm_loop)
         self.watcher = Watcher()
         self.stats: asyncpg.Connection | None = None
         self.config: phases.BenchConfig | None = None
@@ -526,6 +526,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "size": args.size,
         "parameters": attrs.asdict(size),
         "machine": description,
+        "farm_loop": bench_run.farm.running_loop,
         "results": bench_run.results,
     }
     if args.profile and await asyncio.to_thread(args.profile.exists):
@@ -557,6 +558,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run only these parts (repeatable; the table then has gaps)",
     )
     parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))
+    parser.add_argument(
+        "--farm-loop",
+        choices=["uvloop", "asyncio"],
+        default="uvloop",
+        help="the sidecar farm's event loop (runs before 2026-12-04 used asyncio)",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench-results.json"))
     parser.add_argument(
         "--profile", type=Path, help="py-spy raw profile of the 16-claim lifecycle run"

@@ -147,6 +147,9 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     floor = report["results"]["floor"]
     assert floor["rate"] == statistics.median(each["rate"] for each in floor["rounds"])
     assert len(floor["rounds"]) == 2
+    # The farm reports the loop it runs on: uvloop unless --farm-loop says otherwise.
+    assert report["farm_loop"] == "uvloop"
+    assert "sidecar farm on uvloop" in text
     machine = report["machine"]
     assert machine["nproc"] >= 1
     assert len(machine["load_average"]) == 3
@@ -269,3 +272,16 @@ async def test_compare_runs_each_tree_in_turn_and_reports_medians(
     code, out, err = await _compare(str(tmp_path))
     assert code != 0
     assert "is not a checkout of hubd" in out + err
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+async def test_the_farm_runs_on_the_loop_it_is_given(tmp_path: Path, loop: str) -> None:
+    """The sidecar farm runs on the event loop the bench names (``--farm-loop``), as it says
+    itself: the report records what ran, not what was asked for."""
+    farm = procs.FarmClient(tmp_path / "farm.sock", loop=loop)
+    await farm.start()
+    try:
+        assert farm.running_loop == loop
+        assert (await farm.call("status"))["sidecars"] == 0
+    finally:
+        await farm.stop()
