@@ -31,6 +31,7 @@ import attrs
 from bench import phases
 from bench.procs import raise_open_files
 from bench.suite import SIZES, Run, _database, _drop
+from hubd.daemon.loops import EVENT_LOOPS
 from hubd.store.embedded import EmbeddedPostgres
 
 __all__ = ["main"]
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a maintenance DSN; default: a private embedded PostgreSQL",
     )
     parser.add_argument(
-        "--farm-loop", choices=["uvloop", "asyncio"], default="uvloop", help="the farm's loop"
+        "--farm-loop", choices=EVENT_LOOPS, default="uvloop", help="the farm's loop"
     )
     parser.add_argument("--json", type=Path, default=Path("bench-compare.json"))
     args = parser.parse_args(argv)

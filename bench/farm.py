@@ -39,7 +39,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
 
-from hubd.daemon.loops import loop_factory, loop_name
+from hubd.daemon.loops import EVENT_LOOPS, loop_factory, loop_name
 from hubd.sidecar.client import SUBPROTOCOL as _SUBPROTOCOL
 from hubd.sidecar.client import connect_urls
 
@@ -115,8 +115,6 @@ class Farm:
             welcomes = len(self.welcomes)
             try:
                 delay: float | None = await self.session(sidecar, creds)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # noqa: BLE001 -- a sidecar retries whatever went wrong
                 # websockets' client can fail an internal assertion when a server refuses the
                 # socket before reading its request, on uvloop; a sidecar dials again.
@@ -322,7 +320,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("socket", type=Path)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    parser.add_argument("--loop", choices=EVENT_LOOPS, default="uvloop")
     args = parser.parse_args()
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hubd.config import EventLoop
+
 __all__ = [
     "BareServer",
     "DaemonProcess",
@@ -215,7 +217,9 @@ class DaemonProcess:
 class FarmClient:
     """The farm process and a control connection to it."""
 
-    def __init__(self, socket_path: Path, *, concurrency: int = 64, loop: str = "uvloop") -> None:
+    def __init__(
+        self, socket_path: Path, *, concurrency: int = 64, loop: EventLoop = "uvloop"
+    ) -> None:
         self.socket_path = socket_path
         self.concurrency = concurrency
         self.loop = loop

@@ -45,6 +45,7 @@ from bench import baselines, phases, scale
 from bench.procs import DaemonProcess, FarmClient, raise_open_files, server_processes
 from bench.report import Measures, profile_summary, render
 from bench.watch import Watcher, xact_commit
+from hubd.daemon.loops import EVENT_LOOPS
 from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
 from hubd.store.migrate import apply_migrations
 
@@ -560,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))
     parser.add_argument(
         "--farm-loop",
-        choices=["uvloop", "asyncio"],
+        choices=EVENT_LOOPS,
         default="uvloop",
         help="the sidecar farm's event loop (runs before 2026-12-04 used asyncio)",
     )

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import get_args
 
 from hubd.config import EventLoop
 from hubd.errors import ConfigError
 
-__all__ = ["loop_factory", "loop_name"]
+__all__ = ["EVENT_LOOPS", "loop_factory", "loop_name"]
+
+EVENT_LOOPS: tuple[EventLoop, ...] = get_args(EventLoop)
+"""Every loop ``[runtime] event_loop`` may name."""
 
 
 def loop_factory(name: EventLoop) -> Callable[[], asyncio.AbstractEventLoop] | None:
