@@ -246,7 +246,9 @@ class Run:
         await self.watcher.mute()
         await phases.vacuum(self.stats)
         db, store = await phases.open_store(self.dsn)
-        daemon = await self.daemon(claims)
+        # Every sidecar of the run stays connected until the release: the listener's default
+        # cap (4,096) would refuse a larger run's last ones, which then never become ready.
+        daemon = await self.daemon(claims, max_sockets=self.size.lifecycle + 1_000)
         profiler = None
         try:
             # Every count of the start-up reported, so the idle window and the lifecycle's see
