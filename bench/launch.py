@@ -3,9 +3,10 @@
     python -m bench.launch run --config hubd.toml
 
 hubd caps its sidecar listener at ``server.max_connections`` (4,096 by default); the 5,000 and
-10,000 sockets sizes need more. ``BENCH_MAX_SOCKETS`` (when set) becomes that setting through
-its environment override, ``HUBD_SERVER_MAX_CONNECTIONS``, which the config file cannot
-contradict (the environment is laid over the file); everything else is ``hubd run``.
+10,000 sockets sizes need more, and so does a lifecycle of more than 4,096 allocations (every
+sidecar stays connected until the release). ``BENCH_MAX_SOCKETS`` (when set) becomes that
+setting through its environment override, ``HUBD_SERVER_MAX_CONNECTIONS``, which the config
+file cannot contradict (the environment is laid over the file); everything else is ``hubd run``.
 """
 
 from __future__ import annotations
