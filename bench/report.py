@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Measures", "profile_summary", "render", "round_ratios"]
+__all__ = ["Measures", "profile_summary", "render", "round_ratios", "storm_ratios"]
 
 _COMPARE: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le}
 
@@ -273,6 +273,25 @@ def round_ratios(results: dict[str, Any]) -> list[tuple[str, list[float]]]:
     return paired
 
 
+def storm_ratios(results: dict[str, Any]) -> list[tuple[int, list[float]]]:
+    """Each socket count's storms taken in pairs: hubd's storm over the bare server's storm
+    run just before it. The table compares the two medians; these pairs show how far the
+    machine moved between one pair and the next. Socket counts whose two sides did not run the
+    same number of storms are left out."""
+    paired = []
+    for part, result in results.items():
+        if not part.startswith("sockets_"):
+            continue
+        ours = _get(results, part, "hubd", "storm_rates")
+        theirs = _get(results, part, "bare", "storm_rates")
+        if not ours or not theirs or len(ours) != len(theirs) or not all(theirs):
+            continue
+        paired.append(
+            (int(result["hubd"]["n"]), [a / b for a, b in zip(ours, theirs, strict=True)])
+        )
+    return sorted(paired)
+
+
 def render(report: dict[str, Any]) -> str:
     rows = report["measures"]
     head = ("measure", "unit", "baseline", "hubd", "ratio", "target", "met")
@@ -320,6 +339,16 @@ def render(report: dict[str, Any]) -> str:
                 f"  {label.ljust(width)}  " + " / ".join(f"{ratio:.2f}x" for ratio in ratios)
                 for label, ratios in paired
             )
+    storms = [(n, ratios) for n, ratios in storm_ratios(report["results"]) if len(ratios) > 1]
+    if storms:
+        out.append(
+            "each reconnect storm over the bare server's storm run just before it "
+            "(the table's storm ratio is of the medians):"
+        )
+        out.extend(
+            f"  {n:,} sockets  " + " / ".join(f"{ratio:.2f}x" for ratio in ratios)
+            for n, ratios in storms
+        )
     errors = {k: v["error"] for k, v in report["results"].items() if "error" in v}
     for name, error in errors.items():
         out.append(f"FAILED {name}: {error}")

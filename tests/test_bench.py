@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 
 from bench import procs
-from bench.report import round_ratios
+from bench.report import render, round_ratios, storm_ratios
 from tests.clikit import hubd_env
 from tests.conftest import PostgresServer
 from tests.polling import eventually
@@ -180,6 +180,50 @@ def test_round_ratios_pair_each_round_with_its_own_baseline() -> None:
         "lifecycle, 64 / 16 claims": pytest.approx([1.5, 1.0]),
         "pending→ready, 64 / 16 claims": pytest.approx([0.5, 2.0]),
     }
+
+
+def test_storm_ratios_pair_each_storm_with_the_bare_storm_before_it() -> None:
+    """Each ratio is one of hubd's storms over the bare server's storm run just before it, in
+    order, by socket count; a count whose sides ran different numbers of storms, or whose part
+    failed, is left out. The table's text lists them under the rounds when there are two or
+    more."""
+    results = {
+        "sockets_5000": {
+            "bare": {"storm_rates": [2000.0, 1000.0, 1600.0]},
+            "hubd": {"n": 5000, "storm_rates": [1000.0, 900.0, 1200.0]},
+        },
+        "sockets_2000": {
+            "bare": {"storm_rates": [2500.0, 2000.0]},
+            "hubd": {"n": 2000, "storm_rates": [1500.0, 1300.0]},
+        },
+        "sockets_10000": {
+            "bare": {"storm_rates": [1500.0]},
+            "hubd": {"n": 10000, "storm_rates": [900.0, 800.0]},
+        },
+        "sockets_30": {"error": "RuntimeError: the farm did not start"},
+        "claims_16": {"rounds": [{"lifecycle_rate": 200.0}]},
+    }
+    assert storm_ratios(results) == [
+        (2000, pytest.approx([0.6, 0.65])),
+        (5000, pytest.approx([0.5, 0.9, 0.75])),
+    ]
+    report = {
+        "size": "mid",
+        "parameters": {"rounds": 1},
+        "machine": {
+            "nproc": 2,
+            "cpu": "test",
+            "memory": "1 MiB",
+            "load_average_before": [0.0, 0.0, 0.0],
+            "load_average": [0.0, 0.0, 0.0],
+        },
+        "measures": {},
+        "results": results,
+    }
+    text = render(report)
+    assert "  2,000 sockets  0.60x / 0.65x" in text
+    assert "  5,000 sockets  0.50x / 0.90x / 0.75x" in text
+    assert "10,000 sockets" not in text
 
 
 def _alive(pid: int) -> bool:
