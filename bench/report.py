@@ -263,14 +263,20 @@ def round_ratios(results: dict[str, Any]) -> list[tuple[str, list[float]]]:
     part left out, PgQueuer skipped, a failed part) are left out."""
     paired = []
     for label, part, key, base_part, base_key in _PAIRED:
-        ours = _get(results, part, "rounds")
-        theirs = _get(results, base_part, "rounds")
-        if not ours or not theirs or len(ours) != len(theirs):
-            continue
-        if any(not each.get(base_key) for each in theirs):
-            continue
-        paired.append((label, [a[key] / b[base_key] for a, b in zip(ours, theirs, strict=True)]))
+        ours = _get(results, part, "rounds") or []
+        theirs = _get(results, base_part, "rounds") or []
+        ratios = _pairwise([a[key] for a in ours], [b.get(base_key) or 0.0 for b in theirs])
+        if ratios:
+            paired.append((label, ratios))
     return paired
+
+
+def _pairwise(ours: list[float], theirs: list[float]) -> list[float]:
+    """Each of ``ours`` over the baseline taken beside it; empty when the two sides did not
+    run the same number of times or a baseline is missing or zero."""
+    if not ours or len(ours) != len(theirs) or not all(theirs):
+        return []
+    return [a / b for a, b in zip(ours, theirs, strict=True)]
 
 
 def storm_ratios(results: dict[str, Any]) -> list[tuple[int, list[float]]]:
@@ -282,13 +288,11 @@ def storm_ratios(results: dict[str, Any]) -> list[tuple[int, list[float]]]:
     for part, result in results.items():
         if not part.startswith("sockets_"):
             continue
-        ours = _get(results, part, "hubd", "storm_rates")
-        theirs = _get(results, part, "bare", "storm_rates")
-        if not ours or not theirs or len(ours) != len(theirs) or not all(theirs):
-            continue
-        paired.append(
-            (int(result["hubd"]["n"]), [a / b for a, b in zip(ours, theirs, strict=True)])
-        )
+        ours = _get(results, part, "hubd", "storm_rates") or []
+        theirs = _get(results, part, "bare", "storm_rates") or []
+        ratios = _pairwise(ours, theirs)
+        if ratios:
+            paired.append((int(result["hubd"]["n"]), ratios))
     return sorted(paired)
 
 
