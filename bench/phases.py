@@ -507,7 +507,9 @@ async def _storm(
     }
 
 
-STORM_BATCHERS = ("identity-lookups", "connection-records")
+# The handshake's statements: one admission (since 2026-12-04) or, in daemons before it, a
+# look-up and a record; any of them a daemon does not have reads 0.
+STORM_BATCHERS = ("connection-admissions", "identity-lookups", "connection-records")
 
 
 def _batches(

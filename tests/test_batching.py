@@ -19,6 +19,7 @@ from hubd.server.batching import Batcher
 from hubd.server.sockets import new_connection_id
 from hubd.store import AllocationStore, Database, connect_database
 from hubd.store.connections import (
+    Admission,
     ConnectionStore,
     Record,
     RecordOutcome,
@@ -283,12 +284,13 @@ class TestBatchedHandshakes:
     async def test_concurrent_handshakes_share_statements_and_a_wrong_token_is_401(
         self, db: Database, store: AllocationStore, database_url: str
     ) -> None:
-        """Handshakes that arrive while a look-up runs are checked together, each against
-        its own identity: the good ones are welcomed, the one with a wrong token is 401."""
+        """Handshakes that arrive while an admission runs are checked together, each against
+        its own identity: the good ones are welcomed, the one with a wrong token is 401 and
+        leaves no record."""
         sidecars = await several(store, db, 6)
         impostor = sidecars[3]
         async with running_hub(db, lookup_timeout=60) as hub:
-            lookups = hub.server.lookups
+            lookups = hub.server.admissions
 
             async def handshake(sidecar: Sidecar) -> int:
                 if sidecar is impostor:
@@ -308,25 +310,40 @@ class TestBatchedHandshakes:
             assert statuses == [101, 101, 101, 401, 101, 101]
             # One statement at a time: the first, and the one the rest shared.
             assert lookups.batches <= 2
+            assert await record_row(db, impostor.allocation_id) is None
 
-    async def test_the_hubs_records_and_lookups_run_one_statement_at_a_time(
+    async def test_the_hubs_admissions_and_lookups_run_one_statement_at_a_time(
         self, db: Database, store: AllocationStore, database_url: str
     ) -> None:
-        """While one record statement (or look-up statement) of the hub runs, the requests
+        """While one admission statement (or look-up statement) of the hub runs, the requests
         that arrive wait for the next one rather than start a second: every record notifies,
         and PostgreSQL commits notifying transactions one at a time, so a second statement
         would only wait for the first's commit (docs/performance.md)."""
         sidecars = await several(store, db, 4)
         async with running_hub(db, lookup_timeout=60) as hub:
-            (records,) = (b for b in hub.router.batchers if b.name == "connection-records")
+            admissions = hub.server.admissions
             requests = [
-                RecordRequest(new_connection_id(), each.target, each.sidecar_id)
+                Admission(
+                    connection_id=new_connection_id(),
+                    target=each.target,
+                    sidecar_id=each.sidecar_id,
+                    version=2,
+                    token_hash=hash_token(each.token),
+                    presented_hash=None,
+                    secret_hash=hash_token(new_reconnect_secret()),
+                )
                 for each in sidecars
             ]
             table = "hubd_sidecar_connections"
-            written = await first_waits_rest_queue(records, requests, database_url, table)
-            assert [r and r.outcome for r in written] == [RecordOutcome.RECORDED] * len(requests)
-            assert records.batches == 2
+            written = await first_waits_rest_queue(admissions, requests, database_url, table)
+            assert [a and a.record and a.record.outcome for a in written] == [
+                RecordOutcome.RECORDED
+            ] * len(requests)
+            assert admissions.batches == 2
+            for each, request in zip(sidecars, requests, strict=True):
+                row = await record_row(db, each.allocation_id)
+                assert row is not None
+                assert row["connection_id"] == request.connection_id
 
             lookups = hub.server.lookups
             keys = [each.allocation_id for each in sidecars]

@@ -22,10 +22,12 @@ from tests.wskit import (
     Hub,
     Sidecar,
     close_code_of,
+    connection_seq,
     dial,
     http_status,
     masked_frame,
     raw_socket,
+    record_row,
     rejection,
     running_hub,
     sidecar_in,
@@ -255,9 +257,22 @@ class TestSocketBounds:
         async with running_hub(db, limits=limits) as hub:
             for _ in range(3):
                 await legit_welcome(hub, looping)
+
+            async def unrecorded() -> bool:
+                return await record_row(db, looping.allocation_id) is None
+
+            # The last socket's record is cleared (a bump of its own) before the count.
+            await eventually(unrecorded)
+            await eventually(lambda: hub.router.busy_allocations == 0)
+            seq = await connection_seq(db, looping.allocation_id)
             refused = await rejection(hub.url, looping.headers())
             assert refused.response.status_code == 429
             assert int(refused.response.headers["Retry-After"]) >= 1
+            # Spent or not, the budget opens nothing for a wrong token, and says nothing of it.
+            impostor = looping.headers(Authorization=f"Bearer {wrong_token()}")
+            assert (await rejection(hub.url, impostor)).response.status_code == 401
+            # A refused handshake writes nothing: no record, no bump of the connection number.
+            assert await connection_seq(db, looping.allocation_id) == seq
             await legit_welcome(hub, other)
             message = json.dumps({"type": "heartbeat"})
             async with dial(hub.url, other.headers()) as ws:

@@ -44,6 +44,10 @@ async def record_held_open(
                 seen_hashes=[None],
                 secret_hashes=[None],
                 presented_hashes=[None],
+                authenticates=[False],
+                versions=[2],
+                token_hashes=[None],
+                key=b"k",
             )
             row = await conn.fetchrow(record.sql, *record.args)
             assert row["seq"] is not None

@@ -143,14 +143,14 @@ class TestLifecycle:
             statements = moved(before, body, "hubd_claim_statements_total")
             assert statements >= 1
             assert moved(before, body, "hubd_claim_statements_idle_total") <= statements
-            # Every handshake was looked up and recorded through a batcher's statements, and
+            # Every handshake was authenticated and recorded through a batcher's statements, and
             # every acceptance went through its transition's pipeline. The claim statements
             # bound the rows: no bind of its own ran.
             assert (
                 moved(before, body, "hubd_batched_requests_total", batcher="bind_initial_sidecar")
                 == 0
             )
-            for batcher in ("identity-lookups", "connection-records", "park"):
+            for batcher in ("connection-admissions", "park"):
                 carried = moved(before, body, "hubd_batched_requests_total", batcher=batcher)
                 statements = moved(before, body, "hubd_batched_statements_total", batcher=batcher)
                 assert carried >= 20

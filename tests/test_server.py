@@ -32,6 +32,7 @@ from hubd.errors import DatabaseUnavailable
 from hubd.routing import SidecarNotConnected, Target
 from hubd.server import HandshakeRequest, SidecarServer, SocketRouter
 from hubd.server.connection import SidecarConnection
+from hubd.server.handshake import SECRET_HEADER
 from hubd.server.limits import ListenerLimits
 from hubd.server.sockets import new_connection_id
 from hubd.sidecar.client import SidecarClient, SidecarConfigError, SidecarSettings
@@ -338,19 +339,19 @@ class TestUnavailableDatabase:
                 await db.pool.release(locker)
             assert (await task)["allocation_id"] == held.allocation_id
 
-    async def test_unrecordable_connection_closed_1011(
+    async def test_unadmittable_handshake_is_503(
         self, db: Database, sidecar: Sidecar, spare_db: Database
     ) -> None:
-        """A connection whose record cannot be written is closed with 1011 (the sidecar
-        retries) and reported to nobody: readiness is never claimed without its record."""
+        """A handshake whose admission (authenticate and record) cannot run is refused with
+        503 and Retry-After (the sidecar retries), reported to nobody, and leaves nothing
+        behind: readiness is never claimed without its record."""
         await take_away(spare_db)
-        async with (
-            running_hub(db, records_db=spare_db) as hub,
-            dial(hub.url, sidecar.headers()) as ws,
-        ):
-            assert await close_code_of(ws) == 1011
-            await eventually(lambda: hub.router.connection_count == 0)
-            assert hub.router.busy_allocations == 0
+        async with running_hub(db, lookup_db=spare_db, retry_after=2) as hub:
+            refused = await rejection(hub.url, sidecar.headers())
+            assert refused.response.status_code == 503
+            assert refused.response.headers["Retry-After"] == "2"
+            await eventually(lambda: hub.router.busy_allocations == 0)
+            assert hub.router.connection_count == 0
             assert hub.events.connected == []
             assert hub.events.disconnected == []
         assert await record_row(db, sidecar.allocation_id) is None
@@ -371,23 +372,29 @@ class TestUnavailableDatabase:
             await eventually(lambda: hub.events.disconnected == [sidecar.target])
             assert await record_row(db, sidecar.allocation_id) is None
 
-    async def test_failed_takeover_clears_predecessor(
+    async def test_failed_takeover_leaves_the_open_socket_alone(
         self, db: Database, sidecar: Sidecar, spare_db: Database, database_url: str
     ) -> None:
-        """When a takeover cannot write its record, the record of the socket it superseded is
-        cleared and the disconnect reported: both sockets are gone."""
-        async with running_hub(db, records_db=spare_db) as hub:
-            async with dial(hub.url, sidecar.headers()) as old:
-                await welcome_of(old)
-                await take_away(spare_db)
-                async with dial(hub.url, sidecar.headers()) as new:
-                    assert await close_code_of(old) == 4000
-                    assert await close_code_of(new) == 1011
+        """A takeover whose admission cannot run is refused (503) before anything happens to
+        the socket it would have taken over: that one stays open, recorded and ready."""
+        async with (
+            running_hub(db, lookup_db=spare_db) as hub,
+            dial(hub.url, sidecar.headers()) as old,
+        ):
+            welcome = await welcome_of(old)
+            headers = sidecar.headers(**{SECRET_HEADER: welcome["reconnect_secret"]})
+            (current,) = hub.router.sockets(sidecar.allocation_id)
+            await take_away(spare_db)
+            refused = await rejection(hub.url, headers)
+            assert refused.response.status_code == 503
+            await assert_alive(old)
+            assert hub.router.sockets(sidecar.allocation_id) == [current]
+            row = await record_row(db, sidecar.allocation_id)
+            assert row is not None
+            assert row["connection_id"] == current.connection_id
+            assert await hub.router.is_ready(sidecar.target)
             assert hub.events.disconnected == []
             await bring_back(spare_db, database_url)
-            await eventually(lambda: hub.events.disconnected == [sidecar.target])
-            assert await record_row(db, sidecar.allocation_id) is None
-            assert hub.events.connected == [sidecar.target]
 
 
 class TestRouter:

@@ -151,7 +151,9 @@ async def running_hub(
     )
     events = RecordingEvents()
     router = SocketRouter(connections, events=events, **(router_options or {}))
-    lookups = ConnectionStore(lookup_db or db, instance_id=instance_id)
+    lookups = ConnectionStore(
+        lookup_db or db, instance_id=instance_id, ready_on_connect=ready_on_connect
+    )
     server = SidecarServer(
         router=router, connections=lookups, host="127.0.0.1", port=port, **server_options
     )
@@ -203,6 +205,15 @@ async def close_code_of(ws: ClientConnection) -> int | None:
 def wrong_token() -> str:
     """A well-formed token of the right length that matches nothing."""
     return "hubd_sc_" + secrets.token_hex(32)
+
+
+async def connection_seq(db: Database, allocation_id: str) -> int:
+    """The allocation's connection number: every record and every clear bumps it."""
+    async with db.pool.acquire() as conn:
+        seq: int = await conn.fetchval(
+            "SELECT connection_seq FROM hubd_allocations WHERE id = $1", allocation_id
+        )
+    return seq
 
 
 async def record_row(db: Database, allocation_id: str) -> dict[str, Any] | None:

@@ -285,7 +285,12 @@ class Running:
         )
         metrics.bind_listener(parts.server.stats)
         metrics.bind_batchers(
-            lambda: [parts.server.lookups, *router.batchers, *store.pipelines.values()]
+            lambda: [
+                parts.server.admissions,
+                parts.server.lookups,
+                *router.batchers,
+                *store.pipelines.values(),
+            ]
         )
 
         listener = wake_listener(

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Final
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
-from websockets.protocol import Event
+from websockets.protocol import Event, State
 from websockets.server import ServerProtocol
 
-from hubd.server.handshake import HandshakeRequest, Rejection
+from hubd.server.handshake import Rejection
 from hubd.server.limits import HeaderScanner, TokenBucket
-from hubd.store.secrets import SecretState
+from hubd.server.sockets import SocketEntry
 
 if TYPE_CHECKING:
     from hubd.server.websocket import SidecarServer
@@ -56,7 +56,7 @@ class SidecarConnection(ServerConnection):
         "_scanner",
         "_stall",
         "budget",
-        "hubd_request",
+        "hubd_entry",
         "hubd_secret",
         "on_violation",
         "source",
@@ -66,10 +66,11 @@ class SidecarConnection(ServerConnection):
         self, protocol: ServerProtocol, server: Server, *, hub: SidecarServer, **options: Any
     ) -> None:
         super().__init__(protocol, server, **options)
-        self.hubd_request: HandshakeRequest | None = None
-        self.hubd_secret: SecretState | None = None
-        """The generation's secret state the handshake was accepted against: the guard of the
-        rotation written with the connection record."""
+        self.hubd_entry: SocketEntry | None = None
+        """The router's entry of an admitted handshake, from its admission until its handler
+        takes it (or the handshake is abandoned)."""
+        self.hubd_secret: str | None = None
+        """The reconnect secret its welcome will carry (v2), from its admission until then."""
         self.budget: TokenBucket | None = None
         """Messages and control frames together; set once the socket is open."""
         self.on_violation: Callable[[str], None] | None = None
@@ -98,6 +99,17 @@ class SidecarConnection(ServerConnection):
             self.request.headers.clear()
         if self.response is not None:
             self.response.headers.clear()
+
+    async def handshake(self, *args: Any, **kwargs: Any) -> None:
+        """websockets' opening handshake; an admitted handshake that does not end with an open
+        socket is handed back to the listener, whose admission may have left a record."""
+        try:
+            await super().handshake(*args, **kwargs)
+        finally:
+            entry = self.hubd_entry
+            if entry is not None and self.protocol.state is not State.OPEN:
+                self.hubd_entry = self.hubd_secret = None
+                self._hub.handshake_abandoned(entry)
 
     # -- admission ------------------------------------------------------------------------------
 

@@ -1,13 +1,19 @@
 """SocketRouter: the registry of live sidecar sockets, and the :class:`~hubd.routing.Router` the
 reconciler talks to.
 
-What it keeps, per allocation: the sockets open on this instance. What it writes: one durable
-connection record per allocation (through :class:`~hubd.store.connections.ConnectionStore`), so
-that readiness is answered from the database and any replica gives the same answer.
+What it keeps, per allocation: the sockets open on this instance, and the handshakes whose
+admission is under way. A socket's durable connection record (one per allocation, so that
+readiness is answered from the database and any replica gives the same answer) is written by its
+admission, the listener's one statement that authenticates the handshake and records it before
+the upgrade (``admit_many`` of :class:`~hubd.store.connections.ConnectionStore`); the router takes
+the outcome (:meth:`SocketRouter.admitted`), and clears the record of a socket that closes, or of
+a handshake abandoned after its admission (:meth:`SocketRouter.abandon`).
 
-Connect and disconnect steps of one allocation run one at a time, in the order the sockets
-opened and closed (a FIFO lock per allocation, forgotten when idle): otherwise an old socket's
-disconnect could follow its successor's connect and mark a connected sidecar lost.
+The welcome and the disconnect steps of one allocation run one at a time, in the order the
+sockets opened and closed (a FIFO lock per allocation, forgotten when idle), so the reconciler
+hears of an allocation's connects and disconnects in that order. A clear is fenced on the
+connection id in its statement: an old socket's disconnect that follows its successor's record
+clears nothing and reports nothing.
 
 Which closes count as a disconnect:
 
@@ -59,11 +65,10 @@ from hubd.store.connections import (
     Disconnect,
     Record,
     RecordOutcome,
-    RecordRequest,
     SocketControl,
 )
 from hubd.store.models import Status
-from hubd.store.secrets import Acknowledgement, Rotation
+from hubd.store.secrets import Acknowledgement
 
 __all__ = ["SocketRouter"]
 
@@ -106,6 +111,8 @@ class SocketRouter:
         # Clears a record and marks the sidecar lost, retrying within the clear budget.
         self._clear = functools.partial(clear_record, self._clears, budget=clear_budget)
         self._sockets: dict[str, dict[str, SocketEntry]] = {}
+        # Handshakes whose admission is under way, by allocation (see expect).
+        self._pending: dict[str, dict[str, SocketEntry]] = {}
         self._arrivals = Arrivals()
         self._serial = KeyedFifo()
         self._tasks = TrackedTasks()
@@ -114,17 +121,6 @@ class SocketRouter:
         self._acknowledgements: Batcher[Acknowledgement, bool] = Batcher(
             connections.acknowledge_secrets,
             name="secret-acknowledgements",
-            timeout=event_timeout,
-            max_waiting=16384,
-        )
-        # Records arriving while one statement runs go in the next (one per allocation: FIFO).
-        # One statement at a time: every record notifies, and PostgreSQL commits one notifying
-        # transaction at a time (the notification queue's lock), so a second statement would
-        # only wait on the first's commit. One at a time, the batches grow instead (a storm's
-        # from 10 records to 17).
-        self._records: Batcher[RecordRequest, Record] = Batcher(
-            connections.record_many,
-            name="connection-records",
             timeout=event_timeout,
             max_waiting=16384,
         )
@@ -139,14 +135,14 @@ class SocketRouter:
     # -- the Router seam ------------------------------------------------------------------------
 
     def fence(self, allocation_id: str, generation: int) -> None:
-        for entry in self._open_entries(allocation_id):
+        for entry in self._marked_entries(allocation_id):
             if entry.target.generation < generation:
                 self._close(entry, CloseCode.FENCED)
 
     def retire(self, allocation_id: str, generation: int) -> None:
         # Every socket goes, whatever its generation: no sidecar of a finished allocation stays.
         del generation
-        for entry in self._open_entries(allocation_id):
+        for entry in self._marked_entries(allocation_id):
             self._close(entry, CloseCode.RETIRED)
 
     async def is_ready(self, target: Target) -> bool:
@@ -156,7 +152,7 @@ class SocketRouter:
         """A ``hubd_connected`` notification arrived (from any replica, this one included):
         wake waiters, and close local sockets that the new record superseded or fenced."""
         self.notify_connected(notice.target)
-        for entry in self._open_entries(notice.target.allocation_id):
+        for entry in self._marked_entries(notice.target.allocation_id):
             if entry.target.generation < notice.target.generation:
                 self.remote_closes += 1
                 self._close(entry, CloseCode.FENCED)
@@ -166,20 +162,20 @@ class SocketRouter:
                 and entry.seq is not None
                 and entry.seq < notice.seq
             ):
-                # Only a recorded socket can be superseded by number: one still recording
-                # gets a higher number than any record written before it.
+                # Only a recorded socket can be superseded by number: one whose admission is
+                # under way gets a higher number than any record written before it, or none.
                 self.remote_closes += 1
                 self._close(entry, CloseCode.SUPERSEDED)
 
     def apply_control(self, control: SocketControl) -> None:
         """A ``hubd_sockets`` notification: the allocation moved to a newer generation, or
         became terminal, on some replica."""
-        before = len(self._open_entries(control.allocation_id))
+        before = len(self._marked_entries(control.allocation_id))
         if control.retire:
             self.retire(control.allocation_id, control.generation)
         else:
             self.fence(control.allocation_id, control.generation)
-        self.remote_closes += before - len(self._open_entries(control.allocation_id))
+        self.remote_closes += before - len(self._marked_entries(control.allocation_id))
 
     async def verify(self) -> tuple[int, int]:
         """Compare every recorded socket held here with the database: close what no longer
@@ -263,12 +259,13 @@ class SocketRouter:
 
     # -- the server side ------------------------------------------------------------------------
 
-    def register(self, ws: SidecarSocket, request: HandshakeRequest, **context: Any) -> SocketEntry:
-        """Take an authenticated socket into the registry; older sockets of the allocation go.
+    def expect(self, ws: SidecarSocket, request: HandshakeRequest, **context: Any) -> SocketEntry:
+        """An entry for a handshake whose admission (authenticate and record, one statement,
+        before the upgrade) is about to be asked for.
 
-        Synchronous on purpose: the takeover decision and the registration happen with no yield
-        in between, so two sockets racing for one allocation are ordered here.
-        """
+        Until :meth:`admitted` it takes nothing over, but a fence or a retirement that arrives
+        meanwhile marks it, so a record written just before such a transition still ends in the
+        right close once the socket is open."""
         target = Target(request.allocation_id, request.generation)
         connection_id = new_connection_id()
         entry = SocketEntry(
@@ -284,61 +281,76 @@ class SocketRouter:
                 **context,
             ),
         )
+        self._pending.setdefault(target.allocation_id, {})[connection_id] = entry
         if self._closing:
             self._close(entry, CloseCode.GOING_AWAY)
-            return entry
-        peers = self._sockets.setdefault(target.allocation_id, {})
-        live = [other for other in peers.values() if other.closed_by_hub is None]
-        newest = max((other.target.generation for other in live), default=0)
-        peers[connection_id] = entry
-        if newest > target.generation:
-            # This socket authenticated against a generation that another socket has already
-            # moved past (its handshake overlapped a replacement): it is the stale one.
-            self._close(entry, CloseCode.FENCED)
-            return entry
-        for other in live:
-            if other.target.generation == target.generation:
-                entry.superseded = other
-                self._close(other, CloseCode.SUPERSEDED)
-            else:
-                self._close(other, CloseCode.FENCED)
         return entry
 
-    async def open(self, entry: SocketEntry, *, welcome: str, rotation: Rotation) -> bool:
-        """Record the connection and rotate the generation's reconnect secret (one statement,
-        shared with records arriving meanwhile), send the welcome, then tell the reconciler.
+    def admitted(self, entry: SocketEntry, record: Record, *, secret_hash: bytes | None) -> None:
+        """The handshake's admission came back authenticated: take its record's outcome.
 
-        The record comes first: readiness must be visible from the database by the time anyone
-        acts on it. ``False`` when the socket did not make it (closed by the hub, lost a race
-        with the same credential, or gone); it is then already being closed."""
-        async with self._serial.hold(entry.target.allocation_id):
+        Synchronous on purpose: the takeover decision and the registration happen with no yield
+        in between. Of two sockets of a generation held here, the one with the higher record
+        number stays: that is the database's order, whichever handshake finished first."""
+        self._forget_pending(entry)
+        outcome = record.outcome
+        if outcome is not RecordOutcome.RECORDED:
+            entry.log.info("connection_refused_by_record", outcome=str(outcome))
+            self._close(entry, REFUSED_RECORD_CLOSES[outcome])
+            return
+        entry.recorded = True
+        entry.seq = seq = record.seq
+        entry.secret_hash = secret_hash
+        # One line per connect, written once the record says how it went: a storm of
+        # reconnects logs a line per socket, not one per step.
+        entry.log.info("sidecar_connected", seq=seq, ready=record.ready)
+        target = entry.target
+        peers = self._sockets.setdefault(target.allocation_id, {})
+        for other in [other for other in peers.values() if other.closed_by_hub is None]:
             if entry.closed_by_hub is not None:
-                return False
-            try:
-                record = await self._records.request(
-                    RecordRequest(entry.connection_id, entry.target, entry.sidecar_id, rotation)
-                )
-            except (StoreError, TimeoutError) as exc:
-                entry.log.warning("connection_not_recorded", error=describe_error(exc))
-                record = None
-            if record is None:  # (record_many answers every request it is given)
-                self._close(entry, CloseCode.INTERNAL_ERROR)
-                return False
-            outcome = record.outcome
-            if outcome is not RecordOutcome.RECORDED:
-                entry.log.info("connection_refused_by_record", outcome=str(outcome))
-                self._close(entry, REFUSED_RECORD_CLOSES[outcome])
-                return False
-            entry.recorded = True
-            entry.seq = record.seq
-            entry.secret_hash = rotation.secret_hash
-            # One line per connect, written once the record says how it went: a storm of
-            # reconnects logs a line per socket, not one per step.
-            entry.log.info("sidecar_connected", seq=record.seq, ready=record.ready)
-            # The record replaced whatever the superseded socket had written: nothing left to
-            # clean up for it, and no chain of old sockets kept alive by a flapping sidecar.
-            entry.superseded = None
-            self.notify_connected(entry.target)
+                break
+            if other.target.generation > target.generation:
+                # Another socket already moved past this generation: this one is the stale one.
+                self._close(entry, CloseCode.FENCED)
+            elif other.target.generation < target.generation:
+                self._close(other, CloseCode.FENCED)
+            elif (other.seq or 0) > (seq or 0):
+                self._close(entry, CloseCode.SUPERSEDED)
+            else:
+                self._close(other, CloseCode.SUPERSEDED)
+        peers[entry.connection_id] = entry
+        self.notify_connected(target)
+        if self._closing:
+            self._close(entry, CloseCode.GOING_AWAY)
+
+    def abandon(self, entry: SocketEntry, *, written: bool | None) -> None:
+        """The handshake ended without an open socket after its admission was asked for.
+        ``written``: whether its record was written (``None``: unknown, the statement failed or
+        was given up on, and may have committed). A record that may exist is cleared like a
+        closed socket's (only while it is still this connection's) and the disconnect reported."""
+        self._forget_pending(entry)
+        entry.abandoned = True
+        if written is False:
+            entry.gone = True
+            return
+        entry.recorded = True
+        self._tasks.spawn(self.unregister(entry), name=f"abandon-{entry.connection_id}")
+
+    def upgraded(self, entry: SocketEntry) -> None:
+        """The socket is open: a close the hub decided before the upgrade is sent now."""
+        entry.upgraded = True
+        code = entry.closed_by_hub
+        if code is not None:
+            self._tasks.spawn(
+                entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}"
+            )
+
+    async def open(self, entry: SocketEntry, *, welcome: str) -> bool:
+        """Send the welcome of an admitted, open socket, then tell the reconciler.
+
+        ``False`` when the socket did not make it (closed by the hub, or gone); it is then
+        already being closed."""
+        async with self._serial.hold(entry.target.allocation_id):
             if entry.closed_by_hub is not None:
                 return False
             # No timer of its own: a socket's writes are bounded where they are made (see
@@ -363,7 +375,8 @@ class SocketRouter:
         )
 
     async def unregister(self, entry: SocketEntry) -> None:
-        """The socket's handler is done: forget it, clear its record, report the disconnect."""
+        """The socket's handler is done (or its handshake was abandoned after its admission):
+        forget it, clear its record, report the disconnect."""
         entry.gone = True
         peers = self._sockets.get(entry.target.allocation_id)
         if peers is not None:
@@ -372,21 +385,14 @@ class SocketRouter:
                 del self._sockets[entry.target.allocation_id]
         code = entry.closed_by_hub
         hub = {"closed_by_hub": int(code), "reason": code.reason} if code else {}
-        entry.log.info("sidecar_disconnected", **hub)
-        if self._closing or code in _NOTHING_TO_CLEAR:
+        if entry.abandoned:
+            entry.log.info("sidecar_handshake_abandoned", **hub)
+        else:
+            entry.log.info("sidecar_disconnected", **hub)
+        if self._closing or code in _NOTHING_TO_CLEAR or not entry.recorded:
             return
         async with self._serial.hold(entry.target.allocation_id):
-            cleared: bool | None = False
-            if entry.recorded:
-                cleared = await self._clear(entry, log=entry.log)
-            else:
-                # Never recorded (the record write failed): whatever it took over from is gone
-                # too, so the record that socket left behind must go now.
-                previous = entry.superseded
-                while previous is not None and not previous.recorded:
-                    previous = previous.superseded
-                if previous is not None:
-                    cleared = await self._clear(previous, log=entry.log)
+            cleared = await self._clear(entry, log=entry.log)
             # ``None`` (the clear kept failing): the socket is gone all the same, so report it.
             if cleared is not False:
                 await self._deliver(entry, "handle_disconnect")
@@ -401,13 +407,12 @@ class SocketRouter:
         From here on, no close counts as a disconnect and new sockets are closed at once.
         """
         self._closing = True
-        for peers in list(self._sockets.values()):
+        for peers in [*self._sockets.values(), *self._pending.values()]:
             for entry in list(peers.values()):
                 self._close(entry, code)
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._acknowledgements.close()
-        await self._records.close()
         await self._clears.close()
 
     # -- introspection --------------------------------------------------------------------------
@@ -426,7 +431,7 @@ class SocketRouter:
 
     @property
     def batchers(self) -> tuple[Batcher[Any, Any], ...]:
-        return (self._records, self._acknowledgements, self._clears)
+        return (self._acknowledgements, self._clears)
 
     @property
     def busy_allocations(self) -> int:
@@ -439,6 +444,20 @@ class SocketRouter:
         peers = self._sockets.get(allocation_id, {})
         return [entry for entry in peers.values() if entry.closed_by_hub is None]
 
+    def _marked_entries(self, allocation_id: str) -> list[SocketEntry]:
+        """The open entries and those whose admission is under way: what a fence or a
+        retirement closes."""
+        pending = self._pending.get(allocation_id, {})
+        waiting = [entry for entry in pending.values() if entry.closed_by_hub is None]
+        return [*self._open_entries(allocation_id), *waiting]
+
+    def _forget_pending(self, entry: SocketEntry) -> None:
+        pending = self._pending.get(entry.target.allocation_id)
+        if pending is not None:
+            pending.pop(entry.connection_id, None)
+            if not pending:
+                del self._pending[entry.target.allocation_id]
+
     def _close(self, entry: SocketEntry, code: CloseCode) -> None:
         if entry.closed_by_hub is not None:
             return
@@ -447,6 +466,9 @@ class SocketRouter:
         # line says so at info; this one is at debug).
         entry.closed_by_hub = code
         entry.log.debug("closing_sidecar", code=int(code), reason=code.reason)
+        if not entry.upgraded:
+            # Not open yet: the close goes out once it is (see upgraded), or never.
+            return
         self._tasks.spawn(
             entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}"
         )

@@ -94,9 +94,10 @@ class SocketEntry:
     """Set when its handler is done with it: no record may be written for it again."""
     secret_hash: bytes | None = attrs.field(default=None, repr=False)
     """The digest of the reconnect secret its welcome carried (v2), until acknowledged."""
-    superseded: SocketEntry | None = attrs.field(default=None, repr=False)
-    """The socket this one took over from; its record is this one's to clean up if this one
-    never manages to write its own."""
+    upgraded: bool = False
+    """Set once the websocket is open: until then a close is only marked (closed_by_hub)."""
+    abandoned: bool = False
+    """Its handshake ended without an open socket after its admission was asked for."""
 
 
 @attrs.define(eq=False)

@@ -31,13 +31,14 @@ from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from hubd.config import ServerConfig
-from hubd.errors import StoreError
+from hubd.errors import BatchFull, StoreError
 from hubd.logs import Sampler
 from hubd.redaction import describe_error, scrub
 from hubd.server.batching import Batcher
 from hubd.server.connection import SidecarConnection, drain, remote_of
 from hubd.server.handshake import (
     SUBPROTOCOLS,
+    UNAUTHORIZED,
     CloseCode,
     HandshakeRequest,
     Rejection,
@@ -51,8 +52,13 @@ from hubd.server.limits import BucketMap, ListenerLimits, SourceGate, TokenBucke
 from hubd.server.router import SocketRouter
 from hubd.server.sockets import SocketEntry
 from hubd.server.wire import ServerStats, WireLogger, is_loopback_host, tls_context
-from hubd.store.connections import ConnectionStore, SidecarIdentity
-from hubd.store.secrets import Rotation
+from hubd.store.connections import (
+    Admission,
+    Admitted,
+    ConnectionStore,
+    RecordOutcome,
+    SidecarIdentity,
+)
 from hubd.tokens import hash_token, new_reconnect_secret
 
 __all__ = ["MAX_MESSAGE_SIZE", "SidecarServer"]
@@ -119,6 +125,15 @@ class SidecarServer:
         # goes in the next, and a storm's CPU goes further in fewer, larger statements than in
         # two at once (docs/performance.md). The identity pool's second connection is a spare,
         # for the statement after one that timed out while its connection is being reset.
+        self.admissions: Batcher[Admission, Admitted] = Batcher(
+            connections.admit_many,
+            name="connection-admissions",
+            timeout=lookup_timeout,
+            max_waiting=max_waiting_lookups,
+            concurrency=lookup_concurrency,
+        )
+        # Handshakes of an allocation whose reconnect budget is spent are only looked up (see
+        # _too_often): nothing is written for them.
         self.lookups: Batcher[str, SidecarIdentity] = Batcher(
             connections.identities,
             name="identity-lookups",
@@ -206,6 +221,7 @@ class SidecarServer:
             self.keepalive.close()
         await self._router.close_all(CloseCode.GOING_AWAY)
         await server.wait_closed()
+        await self.admissions.close()
         await self.lookups.close()
         self._server = None
         log.info("sidecar_listener_stopped")
@@ -265,6 +281,72 @@ class SidecarServer:
         rejection = check_origin(parsed.origin, self._allowed_origins)
         if rejection is not None:
             return self._reject(connection, rejection, parsed)
+        now = asyncio.get_running_loop().time()
+        if not self._reconnects.available(parsed.allocation_id, now):
+            return await self._too_often(connection, parsed, now)
+        # v2: a fresh secret per connection, the only credential that opens the next one. Only
+        # its digest leaves this listener other than in the welcome itself.
+        secret = new_reconnect_secret() if parsed.version == 2 else None
+        secret_hash = hash_token(secret) if secret is not None else None
+        entry = self._router.expect(connection, parsed, remote=remote_of(connection))
+        admission = Admission(
+            connection_id=entry.connection_id,
+            target=entry.target,
+            sidecar_id=parsed.sidecar_id,
+            version=parsed.version,
+            token_hash=hash_token(parsed.token),
+            presented_hash=hash_token(parsed.secret) if parsed.secret is not None else None,
+            secret_hash=secret_hash,
+        )
+        try:
+            admitted = await self.admissions.request(admission)
+        except (StoreError, TimeoutError) as exc:
+            # A statement that failed or was given up on may still have committed.
+            self._router.abandon(entry, written=False if isinstance(exc, BatchFull) else None)
+            log.warning(
+                "sidecar_identity_unknown",
+                allocation_id=parsed.allocation_id,
+                error_type=type(exc).__name__,
+            )
+            return self._reject(connection, unavailable(self._retry_after), parsed)
+        except BaseException:
+            self._router.abandon(entry, written=None)
+            raise
+        if admitted is None:  # pragma: no cover -- admit_many answers every admission
+            self._router.abandon(entry, written=None)
+            return self._reject(connection, unavailable(self._retry_after), parsed)
+        # The answer is the protocol's check, in constant time, on the identity the statement
+        # read; the statement wrote only where the same check, made there, admitted it.
+        rejection = authorize(parsed, admitted.identity)
+        record = admitted.record
+        if (rejection is None) != (record is not None):
+            log.error(
+                "handshake_checks_disagree",
+                allocation_id=parsed.allocation_id,
+                listener=rejection is None,
+                statement=record is not None,
+            )
+            rejection = rejection or UNAUTHORIZED
+        if rejection is not None or record is None:
+            written = record is not None and record.outcome is RecordOutcome.RECORDED
+            self._router.abandon(entry, written=written)
+            return self._reject(connection, rejection or UNAUTHORIZED, parsed)
+        # Counted only once authenticated: anyone may know an allocation id, and spending its
+        # budget must take its token. A token holder reconnecting in a loop is slowed to the
+        # bucket's rate, each reconnect being a record write and a ledger row. Handshakes of
+        # one allocation admitted together may spend a little more than the bucket held.
+        self._reconnects.take(parsed.allocation_id, now)
+        self._router.admitted(entry, record, secret_hash=secret_hash)
+        connection.hubd_entry = entry
+        connection.hubd_secret = secret
+        return None
+
+    async def _too_often(
+        self, connection: SidecarConnection, parsed: HandshakeRequest, now: float
+    ) -> Response:
+        """The allocation's reconnect budget is spent: 429 for a handshake that authenticates
+        (checked against its identity, nothing written), the usual refusal for one that
+        does not."""
         try:
             identity = await self.lookups.request(parsed.allocation_id)
         except (StoreError, TimeoutError) as exc:
@@ -277,20 +359,12 @@ class SidecarServer:
         rejection = authorize(parsed, identity)
         if rejection is not None:
             return self._reject(connection, rejection, parsed)
-        # Counted only once authenticated: anyone may know an allocation id, and spending its
-        # budget must take its token. A token holder reconnecting in a loop is slowed to the
-        # bucket's rate, each reconnect being a record write and a ledger row.
-        now = asyncio.get_running_loop().time()
-        if not self._reconnects.take(parsed.allocation_id, now):
-            wait = max(1, round(self._reconnects.wait(parsed.allocation_id, now) + 0.5))
-            return self._reject(
-                connection,
-                Rejection(status=429, reason="reconnecting too often", retry_after=wait),
-                parsed,
-            )
-        connection.hubd_request = parsed
-        connection.hubd_secret = identity.secret if identity is not None else None
-        return None
+        wait = max(1, round(self._reconnects.wait(parsed.allocation_id, now) + 0.5))
+        return self._reject(
+            connection,
+            Rejection(status=429, reason="reconnecting too often", retry_after=wait),
+            parsed,
+        )
 
     def _reject(
         self,
@@ -363,39 +437,31 @@ class SidecarServer:
 
     async def _handle(self, connection: ServerConnection) -> None:
         assert isinstance(connection, SidecarConnection)
-        request, seen = connection.hubd_request, connection.hubd_secret
-        # The request holds the raw token; nothing after authentication needs it.
-        connection.hubd_request = connection.hubd_secret = None
+        entry, secret = connection.hubd_entry, connection.hubd_secret
+        connection.hubd_entry = connection.hubd_secret = None
+        # The request's headers hold the raw token; nothing after the admission needs them.
         connection.forget_handshake()
-        if request is None:  # pragma: no cover -- process_request always sets it
+        if entry is None:  # pragma: no cover -- process_request always sets it
             await connection.close(int(CloseCode.INTERNAL_ERROR), CloseCode.INTERNAL_ERROR.reason)
             return
+        self._router.upgraded(entry)
         if self.keepalive is not None:
             self.keepalive.add(connection)
         loop = asyncio.get_running_loop()
         # From the upgrade on, control frames spend it too (see SidecarConnection).
         connection.budget = TokenBucket(self._message_rate, self._message_burst, loop.time())
-        entry = self._router.register(connection, request, remote=remote_of(connection))
         connection.on_violation = functools.partial(self._violation, entry)
         welcome: dict[str, Any] = {
             "type": "welcome",
-            "allocation_id": request.allocation_id,
-            "sidecar_id": request.sidecar_id,
-            "generation": request.generation,
+            "allocation_id": entry.target.allocation_id,
+            "sidecar_id": entry.sidecar_id,
+            "generation": entry.target.generation,
             "heartbeat_interval_s": self._heartbeat_interval,
         }
-        # v2: a fresh secret per connection, the only credential that opens the next one. Only
-        # its digest leaves this function other than in the welcome itself.
-        secret = new_reconnect_secret() if request.version == 2 else None
         if secret is not None:
             welcome["reconnect_secret"] = secret
-        rotation = Rotation(
-            seen_hash=seen.secret_hash if seen is not None else None,
-            secret_hash=hash_token(secret) if secret is not None else None,
-            presented_hash=hash_token(request.secret) if request.secret is not None else None,
-        )
         try:
-            if await self._router.open(entry, welcome=json.dumps(welcome), rotation=rotation):
+            if await self._router.open(entry, welcome=json.dumps(welcome)):
                 self.stats.accepted += 1
                 await self._read(connection, entry)
             else:
@@ -404,6 +470,11 @@ class SidecarServer:
                 await drain(connection)
         finally:
             await self._router.unregister(entry)
+
+    def handshake_abandoned(self, entry: SocketEntry) -> None:
+        """The handshake was admitted, but the socket never opened (the peer left before the
+        upgrade, the handshake timed out, the listener is closing)."""
+        self._router.abandon(entry, written=entry.recorded)
 
     async def _read(self, connection: SidecarConnection, entry: SocketEntry) -> None:
         loop = asyncio.get_running_loop()

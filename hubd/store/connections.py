@@ -9,6 +9,7 @@ heartbeat expired (or whose row is gone) count as disconnected.
 from __future__ import annotations
 
 import enum
+import secrets as random_source
 from collections.abc import Collection, Mapping
 from typing import Any, Final
 
@@ -24,6 +25,8 @@ from hubd.store.secrets import Acknowledgement, Rotation, SecretState
 __all__ = [
     "CONNECTED_CHANNEL",
     "SOCKETS_CHANNEL",
+    "Admission",
+    "Admitted",
     "ConnectedNotice",
     "ConnectionStore",
     "Disconnect",
@@ -179,6 +182,33 @@ class RecordRequest:
 
 
 @attrs.frozen(cache_hash=True)
+class Admission:
+    """A handshake to authenticate and record in one statement (the listener's admission):
+    socket ``connection_id`` of ``target``'s sidecar ``sidecar_id``, speaking protocol
+    ``version``, with the digests of the token and of the secret it presented (``None``: the
+    token alone) and of the secret its welcome will carry (``None``: a v1 sidecar, told none).
+    Digests only: the raw credentials never leave the listener."""
+
+    connection_id: str
+    target: Target
+    sidecar_id: str
+    version: int
+    token_hash: bytes = attrs.field(repr=False)
+    presented_hash: bytes | None = attrs.field(repr=False)
+    secret_hash: bytes | None = attrs.field(repr=False)
+
+
+@attrs.frozen
+class Admitted:
+    """What became of an :class:`Admission`: the allocation's identity as the statement read
+    it (``None``: no such allocation), from which the listener decides its answer, and the
+    record (``None``: the credentials did not open that identity, and nothing was written)."""
+
+    identity: SidecarIdentity | None
+    record: Record | None
+
+
+@attrs.frozen(cache_hash=True)
 class Disconnect:
     """A closed socket whose record is to be cleared: connection ``connection_id`` of
     allocation ``allocation_id``."""
@@ -288,26 +318,83 @@ class ConnectionStore:
         """:meth:`record` for each of ``requests`` (at most one per allocation), in one
         statement; each outcome is what it would have been alone."""
         rotations = [request.rotation for request in requests]
-        rows = await self._db.fetch(
+        rows = await self._write(
             "record connections",
-            SQL.record(
-                connection_ids=[request.connection_id for request in requests],
-                allocation_ids=[request.target.allocation_id for request in requests],
-                generations=[request.target.generation for request in requests],
-                sidecar_ids=[request.sidecar_id for request in requests],
-                rotates=[rotation is not None for rotation in rotations],
-                seen_hashes=[None if r is None else r.seen_hash for r in rotations],
-                secret_hashes=[None if r is None else r.secret_hash for r in rotations],
-                presented_hashes=[None if r is None else r.presented_hash for r in rotations],
-                instance_id=self.instance_id,
-                ready_on_connect=self._ready_on_connect,
-            ),
+            [(r.connection_id, r.target, r.sidecar_id) for r in requests],
+            rotates=[rotation is not None for rotation in rotations],
+            seen_hashes=[None if r is None else r.seen_hash for r in rotations],
+            secret_hashes=[None if r is None else r.secret_hash for r in rotations],
+            presented_hashes=[None if r is None else r.presented_hash for r in rotations],
+            authenticates=[False] * len(requests),
+            versions=[2] * len(requests),
+            token_hashes=[None] * len(requests),
             pool=Pool.SOCKETS,
         )
-        by_connection = {row["connection_id"]: row for row in rows}
-        return {
-            request: _record_outcome(by_connection[request.connection_id]) for request in requests
-        }
+        return {request: _record_outcome(rows[request.connection_id]) for request in requests}
+
+    async def admit_many(self, admissions: Collection[Admission]) -> dict[Admission, Admitted]:
+        """Authenticate each handshake of ``admissions`` against its allocation's current
+        identity and record the connection of each one admitted, rotating its generation's
+        reconnect secret, in one statement. Several of one allocation may be given: of those
+        admitted the last is recorded, and the others are ``SUPERSEDED``.
+
+        The statement's check is the protocol's (:func:`hubd.server.handshake.authorize`); the
+        listener still decides its answer from the identity returned, and a record written for
+        a handshake it refuses is the listener's to clear."""
+        # On the identity pool: an admission is caused by whoever reaches the listener, before
+        # anything is known of its credentials, and must never queue ahead of claims, renewals
+        # or the records of authenticated sockets.
+        rows = await self._write(
+            "admit connections",
+            [(a.connection_id, a.target, a.sidecar_id) for a in admissions],
+            rotates=[True] * len(admissions),
+            seen_hashes=[None] * len(admissions),
+            secret_hashes=[a.secret_hash for a in admissions],
+            presented_hashes=[a.presented_hash for a in admissions],
+            authenticates=[True] * len(admissions),
+            versions=[a.version for a in admissions],
+            token_hashes=[a.token_hash for a in admissions],
+            pool=Pool.IDENTITY,
+        )
+        answers: dict[Admission, Admitted] = {}
+        for admission in admissions:
+            row = rows[admission.connection_id]
+            identity = None
+            if row["status"] is not None:
+                identity = SidecarIdentity.from_row(row)
+            record = None
+            if row["outvoted"] and row["admitted"]:
+                record = Record(RecordOutcome.SUPERSEDED)
+            elif row["admitted"]:
+                record = _record_outcome(row)
+            answers[admission] = Admitted(identity, record)
+        return answers
+
+    async def _write(
+        self,
+        what: str,
+        sockets: list[tuple[str, Target, str]],
+        *,
+        pool: Pool,
+        **columns: list[Any],
+    ) -> dict[str, Mapping[str, Any]]:
+        """Run the ``record`` statement over ``sockets`` (connection, target, sidecar) and the
+        other per-socket ``columns``; its rows by connection id."""
+        rows = await self._db.fetch(
+            what,
+            SQL.record(
+                connection_ids=[connection_id for connection_id, _, _ in sockets],
+                allocation_ids=[target.allocation_id for _, target, _ in sockets],
+                generations=[target.generation for _, target, _ in sockets],
+                sidecar_ids=[sidecar_id for _, _, sidecar_id in sockets],
+                key=random_source.token_bytes(16),
+                instance_id=self.instance_id,
+                ready_on_connect=self._ready_on_connect,
+                **columns,
+            ),
+            pool=pool,
+        )
+        return {row["connection_id"]: row for row in rows}
 
     async def reassert(self, connection_id: str, target: Target, sidecar_id: str) -> int | None:
         """Write a swept record of a socket that is still open again; its number, or ``None``

@@ -5,11 +5,12 @@ Four pools, so that no workload waits on another's connections:
 - ``pool`` for claims and ordinary work;
 - ``lease_pool`` for lease renewals and heartbeats: a pool saturated by slow statements can
   never starve the renewals that keep claims alive;
-- ``identity_pool`` for the sidecar handshake's identity look-ups, which any process that can
-  reach the listener can cause: a flood of handshakes waits for its own few connections;
-- ``socket_pool`` for the connection records of authenticated sockets (record, re-assert,
-  clear, disconnect, socket checks): a sidecar's connect is never refused or delayed because
-  many claims are busy, nor because of a flood of unauthenticated handshakes.
+- ``identity_pool`` for the sidecar handshake's admissions (authenticate and record in one
+  statement) and identity look-ups, which any process that can reach the listener can cause: a
+  flood of handshakes waits for its own few connections;
+- ``socket_pool`` for the other statements of open sockets (re-assert, clear, disconnect,
+  secret acknowledgements, socket checks): a sidecar's disconnect or acknowledgement is never
+  delayed because many claims are busy, nor because of a flood of handshakes.
 
 hubd owns every use of a pooled connection and leaves no session state behind (no LISTEN, no
 SET, no cursors; the one advisory lock is released, or its connection closed, by its holder), so

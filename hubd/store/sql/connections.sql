@@ -34,7 +34,20 @@ WHERE a.id = ANY (:allocation_ids::text[]);
 -- Connections become the current ones of their allocations: element i of the arrays is
 -- connection :connection_ids[i] of :allocation_ids[i] at :generations[i], sidecar
 -- :sidecar_ids[i], on instance :instance_id. A handshake storm writes many in one statement;
--- each is written exactly as if it ran alone, and at most one per allocation may be given.
+-- each is written exactly as if it ran alone.
+-- With :authenticates[i] the element is a handshake not yet authenticated (the listener's
+-- admission: authenticate and record in one round trip, before the upgrade): it is written only
+-- if its credentials open the identity this statement's snapshot holds, exactly as the
+-- protocol's check in hubd.server.handshake.authorize decides (generation and sidecar id equal
+-- to the current ones, provisioning or allocated, :token_hashes[i] the token's digest, and the
+-- reconnect secret rule: none set, the token alone; set, the current secret, or until the
+-- welcome is acknowledged what opened the latest connection; protocol :versions[i] 1 never once
+-- a secret is set). Digests are compared as digests of :key (random per statement) and the
+-- digest, so the comparison's time says nothing of how much of a digest matched. Its guard for
+-- the rotation (below) is the secret that snapshot holds. Several of one allocation may be
+-- given: of those admitted the last one is written, the others are superseded by it. Without
+-- :authenticates[i] the element is written unchecked (:seen_hashes[i] is its guard), and at
+-- most one per allocation may be given.
 -- A record is written only while the allocation still accepts exactly that sidecar (current
 -- generation and identity, provisioning or allocated). In the same statement: the connection
 -- number is bumped, and 'hubd_connected' carries '<allocation>:<generation>:<seq>:<connection>'
@@ -49,22 +62,65 @@ WHERE a.id = ANY (:allocation_ids::text[]);
 -- With :rotates[i] (a protocol v2 handshake, or a v1 one of a generation with no secret), the
 -- generation's reconnect secret (hubd_sidecar_secrets) is rotated first (the new
 -- :secret_hashes[i], :presented_hashes[i] valid until the welcome is acknowledged), guarded on
--- the state the handshake saw (:seen_hashes[i]): of two handshakes that saw the same state only
--- the first rotates, and the other records nothing (rotation_lost). The rotation is written only
+-- the state the handshake saw: of two handshakes that saw the same state only the first
+-- rotates, and the other records nothing (rotation_lost). The rotation is written only
 -- for an allocation that, in this statement's snapshot, accepts this sidecar; one that moves on
 -- in the moment before the row lock leaves a secret of an identity no handshake can present
 -- again. Secrets and allocations are locked in id order, so two statements never deadlock.
--- Returns a row per connection: its allocation's status and generation (NULL: no such
--- allocation), the record's number (NULL: not written), whether the allocation became ready and
--- whether the rotation lost.
-WITH input AS (
+-- Returns a row per connection: its allocation's identity as the snapshot had it (status,
+-- generation, sidecar, token digest and secret state; NULL: no such allocation), whether it was
+-- admitted and whether another of the statement's was written in its place (outvoted), the
+-- record's number (NULL: not written), whether the allocation became ready and whether the
+-- rotation lost.
+WITH given AS (
     SELECT *
     FROM unnest(:connection_ids::text[], :allocation_ids::text[], :generations::integer[],
                 :sidecar_ids::text[], :rotates::boolean[], :seen_hashes::bytea[],
-                :secret_hashes::bytea[], :presented_hashes::bytea[])
+                :secret_hashes::bytea[], :presented_hashes::bytea[], :authenticates::boolean[],
+                :versions::integer[], :token_hashes::bytea[]) WITH ORDINALITY
         AS i (connection_id, allocation_id, generation, sidecar_id, rotate, seen_hash,
-              secret_hash, presented_hash)
-    ORDER BY allocation_id
+              secret_hash, presented_hash, authenticate, version, token_hash, ord)
+), checked AS (
+    SELECT g.*, a.status AS current_status, a.generation AS current_generation,
+           a.sidecar_id AS current_sidecar_id, a.token_hash AS current_token_hash,
+           s.secret_hash AS current_secret_hash, s.previous_hash AS current_previous_hash,
+           s.acknowledged AS current_acknowledged,
+           NOT g.authenticate OR coalesce(
+               a.status IN ('provisioning', 'allocated')
+               AND g.generation = a.generation
+               AND g.sidecar_id = a.sidecar_id
+               AND sha256(:key::bytea || a.token_hash) = sha256(:key::bytea || g.token_hash)
+               AND CASE
+                   WHEN s.secret_hash IS NULL THEN g.presented_hash IS NULL
+                   WHEN g.version = 1 THEN false
+                   WHEN sha256(:key::bytea || g.presented_hash)
+                        = sha256(:key::bytea || s.secret_hash) THEN true
+                   WHEN s.acknowledged IS NOT FALSE THEN false
+                   WHEN s.previous_hash IS NULL THEN g.presented_hash IS NULL
+                   ELSE sha256(:key::bytea || g.presented_hash)
+                        = sha256(:key::bytea || s.previous_hash)
+               END,
+               false) AS admitted
+    FROM given AS g
+    -- Each row by its key (LIMIT 1 keeps the planner from turning the look-ups into a scan).
+    LEFT JOIN LATERAL (
+        SELECT status, generation, sidecar_id, token_hash FROM hubd_allocations
+        WHERE id = g.allocation_id LIMIT 1
+    ) AS a ON true
+    -- A secret of an older generation or sidecar is no secret of this identity.
+    LEFT JOIN LATERAL (
+        SELECT secret_hash, previous_hash, acknowledged FROM hubd_sidecar_secrets
+        WHERE allocation_id = g.allocation_id AND generation = a.generation
+          AND sidecar_id = a.sidecar_id
+        LIMIT 1
+    ) AS s ON true
+), input AS (
+    SELECT DISTINCT ON (allocation_id)
+           connection_id, allocation_id, generation, sidecar_id, rotate,
+           CASE WHEN authenticate THEN current_secret_hash ELSE seen_hash END AS seen_hash,
+           secret_hash, presented_hash
+    FROM checked WHERE admitted
+    ORDER BY allocation_id, ord DESC
 ), rotated AS (
     INSERT INTO hubd_sidecar_secrets AS s
         (allocation_id, generation, sidecar_id, secret_hash, previous_hash, acknowledged)
@@ -162,17 +218,19 @@ WITH input AS (
            CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', alloc.provisioner_id) END
     FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
-SELECT i.connection_id, current.status, current.generation, w.seq,
+SELECT c.connection_id, c.allocation_id AS id, c.admitted, i.connection_id IS NULL AS outvoted,
+       c.current_status AS status, c.current_generation AS generation,
+       c.current_sidecar_id AS sidecar_id, c.current_token_hash AS token_hash,
+       c.current_secret_hash AS secret_hash, c.current_previous_hash AS previous_hash,
+       c.current_acknowledged AS acknowledged, w.seq,
        coalesce(alloc.ready_now, false) AS ready,
        i.rotate AND NOT EXISTS (
            SELECT 1 FROM rotated AS r WHERE r.allocation_id = i.allocation_id) AS rotation_lost,
        (SELECT count(*) FROM notified) AS notified
-FROM input AS i
-LEFT JOIN LATERAL (
-    SELECT status, generation FROM hubd_allocations WHERE id = i.allocation_id LIMIT 1
-) AS current ON true
-LEFT JOIN written AS w ON w.allocation_id = i.allocation_id
-LEFT JOIN alloc ON alloc.id = i.allocation_id;
+FROM checked AS c
+LEFT JOIN input AS i ON i.connection_id = c.connection_id
+LEFT JOIN written AS w ON w.connection_id = c.connection_id
+LEFT JOIN alloc ON alloc.connection_id = c.connection_id;
 
 -- name: reassert
 -- Write connection :connection_id's record again (same arguments as record) after this instance's
