@@ -125,21 +125,20 @@ class SidecarServer:
         # goes in the next, and a storm's CPU goes further in fewer, larger statements than in
         # two at once (docs/performance.md). The identity pool's second connection is a spare,
         # for the statement after one that timed out while its connection is being reset.
-        self.admissions: Batcher[Admission, Admitted] = Batcher(
-            connections.admit_many,
-            name="connection-admissions",
+        # The two handshake batchers share these bounds (and the identity pool).
+        bounds = functools.partial(
+            Batcher,
             timeout=lookup_timeout,
             max_waiting=max_waiting_lookups,
             concurrency=lookup_concurrency,
         )
+        self.admissions: Batcher[Admission, Admitted] = bounds(
+            connections.admit_many, name="connection-admissions"
+        )
         # Handshakes of an allocation whose reconnect budget is spent are only looked up (see
         # _too_often): nothing is written for them.
-        self.lookups: Batcher[str, SidecarIdentity] = Batcher(
-            connections.identities,
-            name="identity-lookups",
-            timeout=lookup_timeout,
-            max_waiting=max_waiting_lookups,
-            concurrency=lookup_concurrency,
+        self.lookups: Batcher[str, SidecarIdentity] = bounds(
+            connections.identities, name="identity-lookups"
         )
         self._retry_after = retry_after
         self._message_rate = message_rate
