@@ -62,8 +62,9 @@ class Pauses:
 
 
 class PausingConnections(ConnectionStore):
-    """The real connection store; ``pauses['disconnect' | 'record' | 'readiness']`` hold a call
-    just before its statement runs."""
+    """The real connection store; ``pauses['disconnect']`` holds a call just before its
+    statement runs, ``pauses['admitted']`` holds an admission's answer just after its statement
+    committed (the replica froze before acting on it)."""
 
     def __init__(self, db: Database, *, instance_id: str) -> None:
         super().__init__(db, instance_id=instance_id)
@@ -74,9 +75,10 @@ class PausingConnections(ConnectionStore):
         await self.pauses.at("disconnect")
         return await super().disconnect_many(closed, **kw)
 
-    async def record(self, *args: Any, **options: Any) -> Any:
-        await self.pauses.at("record")
-        return await super().record(*args, **options)
+    async def admit_many(self, admissions: Any) -> Any:
+        answers = await super().admit_many(admissions)
+        await self.pauses.at("admitted")
+        return answers
 
 
 class PausingAllocations(AllocationStore):

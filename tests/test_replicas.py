@@ -6,14 +6,17 @@ the ledger."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 import pytest
 from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
 
 from hubd.reconciler.settings import HookContext
 from hubd.store import Allocation, AllocationStore, Database, LedgerStore, Status
+from tests.polling import eventually
 from tests.replicakit import Replica, replica, sidecar_of, until
 from tests.wskit import Sidecar, close_code_of, dial, record_row, welcome_of
 
@@ -22,6 +25,18 @@ from tests.wskit import Sidecar, close_code_of, dial, record_row, welcome_of
 async def exits() -> AsyncIterator[AsyncExitStack]:
     async with AsyncExitStack() as stack:
         yield stack
+
+
+async def first_message_or_close(hub: Replica, sidecar: Sidecar) -> tuple[int | None, str | None]:
+    """Dial ``hub`` as ``sidecar``: the close code and the first message's type (``None``: the
+    hub closed the socket before sending one)."""
+    async with dial(hub.url, sidecar.headers()) as ws:
+        try:
+            message = await asyncio.wait_for(ws.recv(), 10)
+        except ConnectionClosed:
+            return ws.close_code, None
+    kind: str = json.loads(message)["type"]
+    return ws.close_code, kind
 
 
 async def kinds(ledger: LedgerStore, allocation_id: str) -> list[str]:
@@ -273,6 +288,43 @@ class TestSocketControlAcrossReplicas:
             assert new.close_code is None
             after = await store.get(ready.id)
             assert after.status is Status.ALLOCATED
+
+    async def test_an_admission_outrun_while_its_replica_froze_is_superseded(
+        self, db: Database, database_url: str, store: AllocationStore, exits: AsyncExitStack
+    ) -> None:
+        """A's admission commits its record, then A freezes before acting on it; meanwhile the
+        same sidecar is admitted on B, whose newer record A hears of while frozen. When A
+        resumes, its socket opens only to be closed with 4000, never welcomed: the record, the
+        only open socket and the welcome are B's."""
+        async with replica(db, database_url, "hubA") as a, replica(db, database_url, "hubB") as b:
+            allocation = await store.request(provisioner_id="fake")
+            assert await a.reconciler.reconcile_next()
+            sidecar = sidecar_of(a.provisioner.ensure_calls[-1])
+            frozen = a.connections.pauses["admitted"].arm()
+            on_a = asyncio.create_task(first_message_or_close(a, sidecar))
+            await frozen.reached.wait()
+            first = await record_row(db, allocation.id)
+            assert first is not None
+            assert first["instance_id"] == "hubA"
+            new = await open_socket(exits, b, sidecar)
+            second = await record_row(db, allocation.id)
+            assert second is not None
+            assert second["instance_id"] == "hubB"
+            assert second["seq"] > first["seq"]
+
+            def heard() -> bool:
+                return any(e.seen_seq == second["seq"] for e in a.router.pending(allocation.id))
+
+            await eventually(heard)
+            frozen.proceed.set()
+            assert await on_a == (4000, None)
+            assert a.router.connection_count == 0
+            assert a.router.sockets(allocation.id) == []
+            record = await record_row(db, allocation.id)
+            assert record is not None
+            assert record["connection_id"] == second["connection_id"]
+            assert new.close_code is None
+            assert b.router.connection_count == 1
 
     async def test_socket_check_closes_what_a_lost_notification_missed(
         self, db: Database, database_url: str, store: AllocationStore, exits: AsyncExitStack

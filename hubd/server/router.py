@@ -159,13 +159,14 @@ class SocketRouter:
             elif (
                 entry.target.generation == notice.target.generation
                 and entry.connection_id != notice.connection_id
-                and entry.seq is not None
-                and entry.seq < notice.seq
             ):
-                # Only a recorded socket can be superseded by number: one whose admission is
-                # under way gets a higher number than any record written before it, or none.
-                self.remote_closes += 1
-                self._close(entry, CloseCode.SUPERSEDED)
+                if entry.seq is None:
+                    # Its admission is under way: whether its record is older than this one
+                    # is known once its number is (see admitted).
+                    entry.seen_seq = max(entry.seen_seq or 0, notice.seq)
+                elif entry.seq < notice.seq:
+                    self.remote_closes += 1
+                    self._close(entry, CloseCode.SUPERSEDED)
 
     def apply_control(self, control: SocketControl) -> None:
         """A ``hubd_sockets`` notification: the allocation moved to a newer generation, or
@@ -305,6 +306,11 @@ class SocketRouter:
         # reconnects logs a line per socket, not one per step.
         entry.log.info("sidecar_connected", seq=seq, ready=record.ready)
         target = entry.target
+        if (entry.seen_seq or 0) > (seq or 0):
+            # Another replica recorded the sidecar after this admission's statement, and said
+            # so before this process acted on the answer (it was slow, or paused).
+            self.remote_closes += 1
+            self._close(entry, CloseCode.SUPERSEDED)
         peers = self._sockets.setdefault(target.allocation_id, {})
         for other in [other for other in peers.values() if other.closed_by_hub is None]:
             if entry.closed_by_hub is not None:
@@ -420,6 +426,10 @@ class SocketRouter:
     def sockets(self, allocation_id: str) -> list[SocketEntry]:
         """The sockets of an allocation that the hub has not started closing."""
         return self._open_entries(allocation_id)
+
+    def pending(self, allocation_id: str) -> list[SocketEntry]:
+        """The handshakes of an allocation whose admission is under way."""
+        return list(self._pending.get(allocation_id, {}).values())
 
     @property
     def connection_count(self) -> int:

@@ -94,6 +94,9 @@ class SocketEntry:
     """Set when its handler is done with it: no record may be written for it again."""
     secret_hash: bytes | None = attrs.field(default=None, repr=False)
     """The digest of the reconnect secret its welcome carried (v2), until acknowledged."""
+    seen_seq: int | None = None
+    """While its admission runs (its own number not yet known): the highest number of another
+    connection's record of its generation announced meanwhile."""
     upgraded: bool = False
     """Set once the websocket is open: until then a close is only marked (closed_by_hub)."""
     abandoned: bool = False
