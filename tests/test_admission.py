@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-from collections.abc import Awaitable, Callable
 
 import attrs
 import pytest
-from websockets.exceptions import ConnectionClosed
 
 from hubd.routing import Target
 from hubd.server.handshake import HandshakeRequest, authorize
@@ -34,7 +31,7 @@ from tests.test_batching import blocked_on_the_lock, table_locked
 from tests.wskit import (
     Sidecar,
     connection_seq,
-    dial,
+    first_message_or_close,
     raw_socket,
     record_row,
     running_hub,
@@ -231,24 +228,6 @@ class TestWhatAnAdmissionWrites:
         assert again.record.seq > (admitted.record.seq or 0)
 
 
-async def dial_and_see(
-    url: str, sidecar: Sidecar, while_open: Callable[[], Awaitable[None]] | None = None
-) -> tuple[int | None, str | None]:
-    """Dial as ``sidecar``: the close code, and the type of the first message (``None``: the
-    hub closed the socket before sending one). After a first message, ``while_open`` runs and
-    the client closes the socket."""
-    async with dial(url, sidecar.headers()) as ws:
-        try:
-            async with asyncio.timeout(10):
-                message = await ws.recv()
-        except ConnectionClosed:
-            return ws.close_code, None
-        if while_open is not None:
-            await while_open()
-    kind: str = json.loads(message)["type"]
-    return ws.close_code, kind
-
-
 class TestTheListenersAdmission:
     async def test_a_handshake_abandoned_after_its_admission_leaves_no_record(
         self, db: Database, store: AllocationStore, database_url: str
@@ -283,7 +262,7 @@ class TestTheListenersAdmission:
         sidecar, _ = await sidecar_in(store, db)
         async with running_hub(db) as hub:
             async with table_locked(database_url, "hubd_sidecar_connections"):
-                dialing = asyncio.create_task(dial_and_see(hub.url, sidecar))
+                dialing = asyncio.create_task(first_message_or_close(hub.url, sidecar))
                 await eventually(lambda: hub.server.admissions.batches == 1)
                 hub.router.apply_control(
                     SocketControl(sidecar.allocation_id, sidecar.generation + 1, retire=False)
@@ -310,11 +289,11 @@ class TestTheListenersAdmission:
                 seen.extend([row["connection_id"], current.connection_id])
 
             async with table_locked(database_url, "hubd_sidecar_connections"):
-                first = asyncio.create_task(dial_and_see(hub.url, other))
+                first = asyncio.create_task(first_message_or_close(hub.url, other))
                 await eventually(lambda: admissions.batches == 1)
-                earlier = asyncio.create_task(dial_and_see(hub.url, sidecar))
+                earlier = asyncio.create_task(first_message_or_close(hub.url, sidecar))
                 await eventually(lambda: admissions.waiting == 1)
-                later = asyncio.create_task(dial_and_see(hub.url, sidecar, while_open))
+                later = asyncio.create_task(first_message_or_close(hub.url, sidecar, while_open))
                 await eventually(lambda: admissions.waiting == 2)
             assert await earlier == (4000, None)
             assert await later == (1000, "welcome")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -190,6 +190,24 @@ async def rejection(url: str, headers: Mapping[str, str], **options: Any) -> Inv
     except InvalidStatus as exc:
         return exc
     raise AssertionError("the hub accepted a handshake it should have refused")
+
+
+async def first_message_or_close(
+    url: str, sidecar: Sidecar, while_open: Callable[[], Awaitable[None]] | None = None
+) -> tuple[int | None, str | None]:
+    """Dial as ``sidecar``: the close code, and the type of the first message (``None``: the
+    hub closed the socket before sending one). After a first message, ``while_open`` runs and
+    the client closes the socket."""
+    async with dial(url, sidecar.headers()) as ws:
+        try:
+            async with asyncio.timeout(10):
+                message = await ws.recv()
+        except ConnectionClosed:
+            return ws.close_code, None
+        if while_open is not None:
+            await while_open()
+    kind: str = json.loads(message)["type"]
+    return ws.close_code, kind
 
 
 async def close_code_of(ws: ClientConnection) -> int | None:

@@ -302,12 +302,7 @@ class SidecarServer:
         except (StoreError, TimeoutError) as exc:
             # A statement that failed or was given up on may still have committed.
             self._router.abandon(entry, written=False if isinstance(exc, BatchFull) else None)
-            log.warning(
-                "sidecar_identity_unknown",
-                allocation_id=parsed.allocation_id,
-                error_type=type(exc).__name__,
-            )
-            return self._reject(connection, unavailable(self._retry_after), parsed)
+            return self._unknown(connection, parsed, exc)
         except BaseException:
             self._router.abandon(entry, written=None)
             raise
@@ -325,7 +320,6 @@ class SidecarServer:
                 listener=rejection is None,
                 statement=record is not None,
             )
-            rejection = rejection or UNAUTHORIZED
         if rejection is not None or record is None:
             written = record is not None and record.outcome is RecordOutcome.RECORDED
             self._router.abandon(entry, written=written)
@@ -349,12 +343,7 @@ class SidecarServer:
         try:
             identity = await self.lookups.request(parsed.allocation_id)
         except (StoreError, TimeoutError) as exc:
-            log.warning(
-                "sidecar_identity_unknown",
-                allocation_id=parsed.allocation_id,
-                error_type=type(exc).__name__,
-            )
-            return self._reject(connection, unavailable(self._retry_after), parsed)
+            return self._unknown(connection, parsed, exc)
         rejection = authorize(parsed, identity)
         if rejection is not None:
             return self._reject(connection, rejection, parsed)
@@ -364,6 +353,17 @@ class SidecarServer:
             Rejection(status=429, reason="reconnecting too often", retry_after=wait),
             parsed,
         )
+
+    def _unknown(
+        self, connection: SidecarConnection, parsed: HandshakeRequest, exc: Exception
+    ) -> Response:
+        """The identity could not be checked (or the connection recorded): 503, never 401."""
+        log.warning(
+            "sidecar_identity_unknown",
+            allocation_id=parsed.allocation_id,
+            error_type=type(exc).__name__,
+        )
+        return self._reject(connection, unavailable(self._retry_after), parsed)
 
     def _reject(
         self,

@@ -343,7 +343,7 @@ class ConnectionStore:
         a handshake it refuses is the listener's to clear."""
         # On the identity pool: an admission is caused by whoever reaches the listener, before
         # anything is known of its credentials, and must never queue ahead of claims, renewals
-        # or the records of authenticated sockets.
+        # or the statements of open sockets (the socket pool's).
         rows = await self._write(
             "admit connections",
             [(a.connection_id, a.target, a.sidecar_id) for a in admissions],
@@ -363,10 +363,9 @@ class ConnectionStore:
             if row["status"] is not None:
                 identity = SidecarIdentity.from_row(row)
             record = None
-            if row["outvoted"] and row["admitted"]:
-                record = Record(RecordOutcome.SUPERSEDED)
-            elif row["admitted"]:
-                record = _record_outcome(row)
+            if row["admitted"]:
+                outvoted = row["outvoted"]
+                record = Record(RecordOutcome.SUPERSEDED) if outvoted else _record_outcome(row)
             answers[admission] = Admitted(identity, record)
         return answers
 
