@@ -29,7 +29,9 @@ __all__ = [
     "ConfigError",
     "DatabaseUnavailable",
     "EmbeddedPostgresError",
+    "EventCursorExpired",
     "HubdError",
+    "IdempotencyConflict",
     "InitializationUncertain",
     "InvalidRequest",
     "LeaseLost",
@@ -75,6 +77,14 @@ class SchemaMissing(StoreError):
 
 class InvalidRequest(StoreError, ValueError):
     """The request is malformed."""
+
+
+class IdempotencyConflict(InvalidRequest):
+    """The idempotency key already names an allocation requested differently."""
+
+
+class EventCursorExpired(StoreError):
+    """The event cursor is older than the feed keeps: read the state again, then follow on."""
 
 
 class LeaseLost(HubdError):

@@ -13,7 +13,7 @@ DESCRIBE = {
     "columns": """
         SELECT table_name, column_name, data_type, domain_name, is_nullable, column_default,
             is_identity
-        FROM information_schema.columns WHERE table_schema = 'public'
+        FROM information_schema.columns WHERE table_schema IN ('public', 'hubd_v1')
           AND table_name <> 'hubd_schema_migrations'
         ORDER BY 1, 2""",
     "constraints": """
@@ -25,12 +25,21 @@ DESCRIBE = {
         SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'
           AND tablename <> 'hubd_schema_migrations'
         ORDER BY 1, 2""",
+    "views": """
+        SELECT schemaname, viewname, definition FROM pg_views WHERE schemaname = 'hubd_v1'
+        ORDER BY 1, 2""",
+    "grants": """
+        SELECT table_schema, table_name, grantee, privilege_type
+        FROM information_schema.role_table_grants WHERE table_schema = 'hubd_v1'
+        ORDER BY 1, 2, 3, 4""",
     "triggers": """
         SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid)
         FROM pg_trigger WHERE NOT tgisinternal ORDER BY 1, 2""",
     "functions": """
-        SELECT proname, prosrc FROM pg_proc WHERE pronamespace = 'public'::regnamespace
-        ORDER BY 1""",
+        SELECT pronamespace::regnamespace::text, proname, prosrc, proconfig::text,
+            prosecdef, proacl::text
+        FROM pg_proc WHERE pronamespace::regnamespace::text IN ('public', 'hubd_v1')
+        ORDER BY 1, 2""",
 }
 
 

@@ -31,7 +31,6 @@ from hubd.store.sweeps import SweepQueries
 from hubd.store.values import (
     Failure,
     bounded_message,
-    new_allocation_id,
     new_effect_id,
     validate_allocation_id,
     validate_label,
@@ -87,21 +86,27 @@ class AllocationStore(SweepQueries):
         tenant_id: str | None = None,
         session_id: str | None = None,
         spec: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        ready_when: str | None = None,
         conn: asyncpg.Connection | None = None,
     ) -> Allocation:
-        """Create a pending allocation.
+        """Create a pending allocation, through the function applications call
+        (``hubd_v1.request``, docs/api.md).
 
         With ``conn``, the row is written on the caller's connection: inside the caller's
         transaction it is invisible, and no daemon is woken, until that transaction commits.
+        A key already used returns its allocation; one used for another request raises
+        :class:`~hubd.errors.IdempotencyConflict`.
         """
         row = await self._db.fetchrow(
             "request allocation",
             SQL.insert_allocation(
-                allocation_id=new_allocation_id(),
                 provisioner_id=validate_provisioner_id(provisioner_id),
                 tenant_id=validate_label("tenant_id", tenant_id),
                 session_id=validate_label("session_id", session_id),
                 spec=json.dumps(validate_spec(spec)),
+                idempotency_key=validate_label("idempotency_key", idempotency_key),
+                ready_when=ready_when,
                 instance_id=self.instance_id,
             ),
             conn=conn,
@@ -127,10 +132,8 @@ class AllocationStore(SweepQueries):
             ),
             conn=conn,
         )
-        if row is not None:
-            return Allocation.from_row(row)
-        # Nothing changed: already releasing or terminal, or no such allocation.
-        return await self.get(allocation_id, conn=conn)
+        assert row is not None
+        return Allocation.from_row(row)
 
     # -- reads -------------------------------------------------------------------------------
 

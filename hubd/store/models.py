@@ -85,14 +85,25 @@ class Allocation:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    idempotency_key: str | None = None
+    ready_when: str | None = None
+    """``connected`` or ``declared``; ``None`` until the claim resolves the provisioner's."""
+    endpoint: str | None = None
+    """Where the current generation's sidecar serves, as its provisioner or sidecar published."""
+    metadata: Mapping[str, Any] | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Allocation:
-        values = {field.name: row[field.name] for field in attrs.fields(cls)}
+        # Statements that return chosen columns may leave the published ones out.
+        values: dict[str, Any] = {
+            field.name: row[field.name] if field.default is attrs.NOTHING else row.get(field.name)
+            for field in attrs.fields(cls)
+        }
         values["status"] = Status(values["status"])
-        if isinstance(values["spec"], str):
-            # A caller's own connection has no JSON codec installed.
-            values["spec"] = json.loads(values["spec"])
+        for name in ("spec", "metadata"):
+            if isinstance(values[name], str):
+                # A caller's own connection has no JSON codec installed.
+                values[name] = json.loads(values[name])
         token_hash = values["token_hash"]
         values["token_hash"] = bytes(token_hash) if token_hash is not None else None
         return cls(**values)

@@ -10,54 +10,19 @@
 -- transition's own row.
 
 -- name: insert_allocation
--- A new request, due at once; the wake-up is delivered when the caller's transaction commits.
--- The :spec arrives as JSON text, so callers' connections need no codec. Wake-ups carry the
--- provisioner id, not the allocation's: PostgreSQL delivers one notification for identical ones
--- of a transaction, so a thousand requests committed together wake each daemon once.
-WITH inserted AS (
-    INSERT INTO hubd_allocations (id, provisioner_id, tenant_id, session_id, spec, next_attempt_at)
-    VALUES (:allocation_id, :provisioner_id, :tenant_id, :session_id, :spec::text::jsonb, now())
-    RETURNING *
-), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, instance_id, kind, to_status, phase)
-    SELECT id, generation, :instance_id, 'request', status, 'committed' FROM inserted
-), woken AS (
-    SELECT pg_notify('hubd_wake', :provisioner_id)
-)
-SELECT inserted.* FROM inserted, woken;
+-- A new request, due at once, through the function applications call too (hubd_v1.request):
+-- one path, one set of checks. The wake-up is delivered when the caller's transaction commits.
+-- The :spec arrives as JSON text, so callers' connections need no codec. A key already used
+-- returns its allocation (or fails, HU409, if the request differs).
+SELECT * FROM hubd_request_allocation(:provisioner_id, :tenant_id, :session_id,
+    :spec::text::jsonb, :idempotency_key, :ready_when, :instance_id);
 
 -- name: release_allocation
--- A user's release: pending goes straight to released (nothing was bound); any other active status
--- becomes releasing under a new generation, which fences off the current claim and sidecar.
-WITH prior AS (
-    SELECT id, status FROM hubd_allocations
-    WHERE id = :allocation_id AND status IN ('pending', 'provisioning', 'allocated', 'replacing')
-    FOR UPDATE
-), updated AS (
-    UPDATE hubd_allocations AS a SET
-        status = CASE WHEN prior.status = 'pending' THEN 'released' ELSE 'releasing' END,
-        generation = CASE WHEN prior.status = 'pending' THEN a.generation ELSE a.generation + 1 END,
-        next_attempt_at = CASE WHEN prior.status = 'pending' THEN NULL ELSE now() END,
-        lease_id = CASE WHEN prior.status = 'pending' THEN NULL ELSE a.lease_id END,
-        lease_expires_at = CASE WHEN prior.status = 'pending' THEN NULL ELSE a.lease_expires_at END,
-        finished_at = CASE WHEN prior.status = 'pending' THEN now() END,
-        connection_ready = false,
-        initialization_lease_id = NULL,
-        updated_at = now()
-    FROM prior
-    WHERE a.id = prior.id AND a.id = :allocation_id
-    RETURNING a.*, prior.status AS from_status
-), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
-    SELECT id, generation, :instance_id, 'release', from_status, status, 'committed', :reason
-    FROM updated
-), woken AS (
-    -- One per provisioner and transaction (see insert_allocation); nothing when no row moved.
-    SELECT pg_notify('hubd_wake', provisioner_id) FROM updated
-)
-SELECT updated.* FROM updated, woken;
+-- A user's release, through the function applications call too (hubd_v1.release): pending goes
+-- straight to released (nothing was bound); any other active status becomes releasing under a
+-- new generation, which fences off the current claim and sidecar. Returns the row as it stands;
+-- an unknown id fails (no_data_found).
+SELECT * FROM hubd_release_allocation(:allocation_id, :reason, :instance_id);
 
 -- name: claim_due
 -- Lease up to one due active row per lease id in :lease_ids, oldest first, skipping rows not
