@@ -156,7 +156,11 @@ class SimProvisioner:
         self.world.sidecars[request.sidecar_id] = FakeSidecar(
             request.allocation_id, request.generation, request.sidecar_id
         )
-        return Accepted(request.sidecar_id)
+        return Accepted(
+            request.sidecar_id,
+            endpoint=f"sim://{request.sidecar_id}",
+            metadata={"generation": request.generation},
+        )
 
     async def destroy(self, request: DestroyRequest) -> object:
         await self._prelude()
@@ -494,6 +498,7 @@ class Simulation:
         found = await violations(self.dsn)
         found["late_plugin_effects"] = list(self.world.late_effects)
         sidecars: list[str] = []
+        published: list[str] = []
         for allocation_id in self.ids:
             row = await self.store.get(allocation_id)
             live = self.world.live(allocation_id)
@@ -508,7 +513,19 @@ class Simulation:
             stale = [s for s in live if s.generation != row.generation]
             if row.status is not Status.RELEASED and stale:
                 sidecars.append(f"{allocation_id} has live sidecars of old generations: {stale}")
+            # What an acceptance recorded belongs to the current generation's sidecar only:
+            # a stale acceptance is fenced, and a new generation clears it.
+            if row.endpoint is not None and (
+                row.status is not Status.ALLOCATED
+                or row.endpoint != f"sim://{row.sidecar_id}"
+                or row.metadata != {"generation": row.generation}
+            ):
+                published.append(
+                    f"{allocation_id} {row.status} gen {row.generation} bound {row.sidecar_id} "
+                    f"shows {row.endpoint} {row.metadata}"
+                )
         found["sidecars"] = sidecars
+        found["published"] = published
         return found
 
 

@@ -552,6 +552,8 @@ class TestReadyOnConnect:
                     effects=effects_json((), accepted=True),
                     accept=True,
                     external_ref="ref-1",
+                    endpoint=None,
+                    metadata=None,
                     mode=str(ParkMode.AWAIT_CONNECTION),
                     delay=30.0,
                     failure_code=None,

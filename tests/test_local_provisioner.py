@@ -14,6 +14,7 @@ import os
 import resource
 import secrets
 import signal
+import socket
 import stat
 import sys
 import time
@@ -41,6 +42,7 @@ from hubd.plugins.protocol import (
     EnsureRequest,
     Ownership,
     Rejected,
+    check_ensure_result,
 )
 from tests.reconcilerkit import poll_until
 
@@ -328,6 +330,20 @@ class TestEnsure:
         assert again == first
         assert living_with("HUBD_SIDECAR_ID=sc_1") == [pid]
 
+    async def test_metadata(self, make: Make, out: Path) -> None:
+        """The acceptance carries the process's pid, the host and the log file as metadata,
+        and no endpoint (what the command serves is the command's own)."""
+        provisioner = make()
+        result = check_ensure_result(await provisioner.ensure(ensure_request()))
+        pid = (await report(out))["pid"]
+        assert isinstance(result, Accepted)
+        assert result.endpoint is None
+        assert result.metadata == {
+            "pid": pid,
+            "host": socket.gethostname(),
+            "log": str(provisioner.directory / "sc_1.log"),
+        }
+
     async def test_restarts_dead_sidecar(self, make: Make, out: Path) -> None:
         """Ensuring a sidecar whose process died starts a new one."""
         provisioner = make()
@@ -472,7 +488,8 @@ class TestDestroy:
         pid = await started(first, out)
         restarted = make()
         again = await restarted.ensure(ensure_request())
-        assert again == Accepted(f"local:{pid}:{start_time(pid)}")
+        assert isinstance(again, Accepted)
+        assert again.external_ref == f"local:{pid}:{start_time(pid)}"
         assert await restarted.destroy(destroy_request()) == Destroyed()
         await until_dead(pid)
         assert not state_file(restarted).exists()

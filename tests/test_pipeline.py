@@ -460,12 +460,22 @@ async def test_a_set_form_batch_behind_a_takeover_writes_nothing_for_it(
 PARKS = {
     # The lifecycle's park: the ensure accepted, the sidecar not yet connected.
     "accept and await": {"accept": True, "external_ref": "ref-1", "connection_seq": 0},
+    # The same, the acceptance saying where the sidecar serves and what it is.
+    "accept with endpoint": {
+        "accept": True,
+        "external_ref": "ref-1",
+        "endpoint": "10.0.0.7:8080",
+        "metadata": {"pod": "p", "ports": [8080]},
+        "connection_seq": 0,
+    },
     # A connect or disconnect recorded since the claim's look: due now, as a follow-up.
     "connection moved": {"accept": True, "external_ref": "ref-1", "connection_seq": 5},
     # The sidecar already holds a live record: ready in the park itself.
     "accept and ready": {
         "accept": True,
         "external_ref": "ref-1",
+        "endpoint": "10.0.0.7:8080",
+        "metadata": {"pod": "p"},
         "connection_seq": 0,
         "ready_within": 20.0,
     },
@@ -521,6 +531,7 @@ async def test_a_park_writes_each_row_of_a_batch_as_it_writes_a_row_alone(
     ready, due_now = expected[0]["connection_ready"], expected[1][-1]["kind"] == "follow_up"
     assert ready == (case == "accept and ready")
     assert due_now == (case == "connection moved")
+    assert expected[0]["endpoint"] == PARKS[case].get("endpoint")
     # Each row's schedule is its own (its connect deadline, now()): whether it has one is what
     # the form decides.
     expected[0]["next_attempt_at"] = expected[0]["next_attempt_at"] is not None

@@ -1,5 +1,6 @@
 """hubd.plugins.registry: finding plugins by built-in name, module:attr and entry point; every
-start-up error is one line that names the provisioner."""
+start-up error is one line that names the provisioner. hubd.plugins.protocol: the checks on
+what a plugin returns."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from hubd.config import Config, ProvisionerConfig
-from hubd.errors import PluginLoadError
+from hubd.errors import PluginError, PluginLoadError
 from hubd.plugins.local import LocalProvisioner
 from hubd.plugins.protocol import (
     Accepted,
@@ -21,8 +22,11 @@ from hubd.plugins.protocol import (
     EnsureRequest,
     Provisioner,
     Rejected,
+    check_ensure_result,
 )
 from hubd.plugins.registry import ENTRY_POINT_GROUP, load_provisioners
+from hubd.published import encode_metadata
+from hubd.store import Database
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "plugins"
 HERE = "tests.test_plugins"
@@ -413,3 +417,86 @@ class TestErrors:
         """Two provisioners with one id are rejected even if the config layer let them by."""
         message = load_error(tmp_path, config(f"{HERE}:minimal"), config("local"))
         assert message == "provisioner 'p1': configured twice; ids must be unique"
+
+
+class TestEnsureResults:
+    """What an ensure returns is checked before the reconciler acts on it."""
+
+    def test_accepted_is_copied(self) -> None:
+        """An acceptance's metadata is a plain copy: the plugin keeps no handle on it."""
+        mine: dict[str, Any] = {"pod": "p", "ports": (80, 443)}
+        checked = check_ensure_result(Accepted("ref", endpoint="10.0.0.7:80", metadata=mine))
+        mine["pod"] = "changed"
+        assert checked == Accepted(
+            "ref", endpoint="10.0.0.7:80", metadata={"pod": "p", "ports": [80, 443]}
+        )
+
+    @pytest.mark.parametrize(
+        ("accepted", "problem"),
+        [
+            (Accepted(endpoint=""), "endpoint is empty"),
+            (Accepted(endpoint=7), "endpoint is int, not a string"),  # type: ignore[arg-type]
+            (Accepted(endpoint="x" * 1025), "endpoint is longer than 1024 characters"),
+            (Accepted(endpoint="a\x1b[2Jb"), "endpoint contains control characters"),
+            (Accepted(metadata=[1]), "metadata is list, not a JSON object"),  # type: ignore[arg-type]
+            (Accepted(metadata={1: 2}), "metadata has a key that is not a string"),
+            (Accepted(metadata={"a": {"b": float("inf")}}), "metadata.a.b is inf"),
+            (Accepted(metadata={"a": [object()]}), "metadata.a[0] is object"),
+            (Accepted(metadata={"a": "\x00"}), "metadata.a contains a NUL character"),
+            (Accepted(metadata={"a": "\udc80"}), "metadata.a is not valid Unicode"),
+            (Accepted(metadata={"a": "x" * 16384}), "metadata is larger than 16384 bytes"),
+            (Accepted(metadata={"a": 10**5000}), "metadata.a is an integer of more than"),
+        ],
+    )
+    def test_bad_acceptance(self, accepted: Accepted, problem: str) -> None:
+        """A malformed endpoint or metadata is a plugin error naming the problem."""
+        with pytest.raises(PluginError, match=r"^ensure returned an Accepted whose ") as caught:
+            check_ensure_result(accepted)
+        assert problem in str(caught.value)
+
+    def test_deep_metadata(self) -> None:
+        """Metadata nested past the bound is refused without recursing over it."""
+        deep: dict[str, Any] = {}
+        for _ in range(100_000):
+            deep = {"a": deep}
+        with pytest.raises(PluginError, match="nests deeper than 16 levels"):
+            check_ensure_result(Accepted(metadata=deep))
+
+    @pytest.mark.parametrize(
+        "metadata",
+        [
+            {"a": "x" * (16384 - 9)},
+            {"n": 1e300, "pad": "é" * 7000},
+            {"s": '\n\t"\\' * 2000, "list": [1, 2.5, None, True]},
+        ],
+        ids=["at-the-bound", "plain-numbers", "escapes"],
+    )
+    async def test_what_passes_fits_the_column(
+        self, db: Database, metadata: dict[str, Any]
+    ) -> None:
+        """Metadata the check lets through is accepted by the column's domain: the size is
+        measured as PostgreSQL prints jsonb."""
+        checked = check_ensure_result(Accepted(metadata=metadata))
+        assert isinstance(checked, Accepted)
+        async with db.connection("test") as conn:
+            size = await conn.fetchval(
+                "SELECT octet_length($1::text::jsonb::text)", encode_metadata(checked.metadata)
+            )
+            assert await conn.fetchval(
+                "SELECT $1::text::jsonb::hubd_metadata IS NOT NULL",
+                encode_metadata(checked.metadata),
+            )
+        assert size <= 16384
+
+    async def test_what_is_refused_would_not_fit(self, db: Database) -> None:
+        """One byte past the bound is refused by the check and by the column alike."""
+        metadata = {"a": "x" * (16384 - 8)}
+        with pytest.raises(PluginError, match="larger than 16384 bytes"):
+            check_ensure_result(Accepted(metadata=metadata))
+        async with db.connection("test") as conn:
+            assert (
+                await conn.fetchval(
+                    "SELECT octet_length($1::text::jsonb::text)", encode_metadata(metadata)
+                )
+                == 16385
+            )

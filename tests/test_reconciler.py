@@ -162,6 +162,60 @@ class TestHappyPath:
         assert ready.ready
         assert ready.external_ref == "ref-fast"
 
+    @pytest.mark.parametrize("hook", [False, True], ids=["park", "mark_allocated"])
+    async def test_acceptance_records_endpoint_and_metadata(
+        self,
+        store: AllocationStore,
+        db: Database,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+        hook: bool,
+    ) -> None:
+        """What the provisioner's acceptance says of the sidecar (endpoint, metadata) is on the
+        row from the acceptance on, whichever statement records it, and a replacement clears
+        it with the generation (a release here)."""
+
+        async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
+            return None
+
+        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready if hook else None)
+        provisioner.ensure_script.append(
+            garbage(Accepted("ref-1", endpoint="10.0.0.7:8080", metadata={"pod": "p", "n": [1]}))
+        )
+        ready = await to_ready(store, reconciler, router)
+        assert ready.endpoint == "10.0.0.7:8080"
+        assert ready.metadata == {"pod": "p", "n": [1]}
+        abandoned = await store.release(ready.id)
+        assert abandoned.generation == ready.generation + 1
+        assert abandoned.endpoint is None
+        assert abandoned.metadata is None
+
+    async def test_sidecar_publish_before_acceptance_is_kept(
+        self,
+        store: AllocationStore,
+        db: Database,
+        reconciler: Reconciler,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """What the generation's sidecar published while ensure ran stays: the acceptance
+        fills only what is still empty."""
+
+        async def publish_then_accept(request: EnsureRequest) -> object:
+            async with db.connection("test") as conn:
+                await conn.execute(
+                    "UPDATE hubd_allocations SET metadata = '{\"pid\": 7}' WHERE id = $1",
+                    request.allocation_id,
+                )
+            return Accepted("ref-1", endpoint="10.0.0.7:8080", metadata={"pod": "p"})
+
+        provisioner.ensure_script.append(publish_then_accept)
+        allocation = await store.request(provisioner_id="fake")
+        assert await reconciler.reconcile_next()
+        accepted = await store.get(allocation.id)
+        assert accepted.status is Status.ALLOCATED
+        assert accepted.endpoint == "10.0.0.7:8080"
+        assert accepted.metadata == {"pid": 7}
+
     async def test_release_destroys_then_releases(
         self,
         store: AllocationStore,
@@ -211,6 +265,12 @@ class TestEnsureOutcomes:
             (garbage({"kind": "accepted"}), "ensure_failed", "failed"),
             (garbage(None), "ensure_failed", "failed"),
             (garbage(Accepted(123)), "ensure_failed", "failed"),  # type: ignore[arg-type]
+            (garbage(Accepted("r", endpoint="")), "ensure_failed", "failed"),
+            (garbage(Accepted("r", endpoint="x" * 1025)), "ensure_failed", "failed"),
+            (garbage(Accepted("r", endpoint="a\nb")), "ensure_failed", "failed"),
+            (garbage(Accepted("r", metadata=[1])), "ensure_failed", "failed"),  # type: ignore[arg-type]
+            (garbage(Accepted("r", metadata={"x": float("nan")})), "ensure_failed", "failed"),
+            (garbage(Accepted("r", metadata={"x": "y" * 17000})), "ensure_failed", "failed"),
             (reject("quota", retryable=True), "quota", "failed"),
         ],
     )

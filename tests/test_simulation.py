@@ -61,8 +61,9 @@ async def test_seeded_faults_at_every_step_boundary(db: Database, database_url: 
 
 async def test_the_oracle_catches_planted_sidecar_faults(db: Database, database_url: str) -> None:
     """The simulation's own judgements bite: a second live sidecar at the current generation,
-    one of an old generation, one left running for a released allocation, and a plugin effect
-    made after the lease moved on are each reported (the history checker has its own self-test
+    one of an old generation, one left running for a released allocation, a plugin effect
+    made after the lease moved on, and an endpoint that is not the current sidecar's are each
+    reported (the history checker has its own self-test
     in tests/test_faultcheck.py)."""
     await install_observer(database_url)
     sim = Simulation(seed=0, db=db, dsn=database_url, steps=0)
@@ -77,8 +78,17 @@ async def test_the_oracle_catches_planted_sidecar_faults(db: Database, database_
     sim.world.sidecars["old"] = FakeSidecar(kept.id, ready.generation - 1, "old")
     sim.world.sidecars["left"] = FakeSidecar(gone.id, 1, "left")
     sim.world.late_effects.append(f"ensure {kept.id} gen 1")
+    assert ready.endpoint == f"sim://{ready.sidecar_id}"
+    async with db.connection("plant") as conn:
+        await conn.execute(
+            "UPDATE hubd_allocations SET endpoint = 'sim://twin' WHERE id = $1", kept.id
+        )
     found = describe(await sim.judge())
-    assert set(found) == {"sidecars", "late_plugin_effects"}
+    assert set(found) == {"sidecars", "late_plugin_effects", "published"}
+    assert found["published"] == [
+        f"{kept.id} allocated gen {ready.generation} bound {ready.sidecar_id} shows sim://twin "
+        f"{{'generation': {ready.generation}}}"
+    ]
     text = "\n".join(found["sidecars"])
     assert f"{kept.id} ready at gen {ready.generation} with" in text
     assert f"{kept.id} has live sidecars of old generations" in text

@@ -917,6 +917,8 @@ class TestClaims:
                 effects=["[]"],
                 accept=["false"],
                 external_ref=[None],
+                endpoint=[None],
+                metadata=[None],
                 mode=["await_connection"],
                 delay=["1.0"],
                 failure_code=[None],

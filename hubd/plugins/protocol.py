@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from hubd.errors import PluginError
+from hubd.published import check_endpoint, check_metadata
 
 __all__ = [
     "Accepted",
@@ -91,9 +92,16 @@ class EnsureRequest:
 
 @attrs.frozen
 class Accepted:
-    """The sidecar exists or is being created; ``external_ref`` names it for ``destroy``."""
+    """The sidecar exists or is being created; ``external_ref`` names it for ``destroy``.
+
+    ``endpoint`` (where the sidecar serves, e.g. a container's published address) and
+    ``metadata`` (a JSON object) are what the provisioner knows of it for applications: stored
+    for this generation with the acceptance, shown in ``hubd alloc show`` and the API's view.
+    """
 
     external_ref: str | None = None
+    endpoint: str | None = attrs.field(default=None, kw_only=True)
+    metadata: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -183,7 +191,13 @@ def check_ensure_result(value: object) -> EnsureResult:
                 f"ensure returned an external_ref that is not a string of at most "
                 f"{MAX_EXTERNAL_REF} characters"
             )
-        return value
+        try:
+            endpoint = None if value.endpoint is None else check_endpoint(value.endpoint)
+            metadata = None if value.metadata is None else check_metadata(value.metadata)
+        except ValueError as exc:
+            raise PluginError(f"ensure returned an Accepted whose {exc}") from None
+        # A plain copy: the plugin keeps no handle on what the claim writes.
+        return Accepted(ref, endpoint=endpoint, metadata=metadata)
     if isinstance(value, Rejected):
         _check_rejection(value, "ensure")
         return value

@@ -224,7 +224,9 @@ def after_ensure(
 ) -> MarkAllocated | Abandon | FailNow:
     """What ensure's outcome makes of a provisioning ``allocation``."""
     if isinstance(outcome, Accepted):
-        return MarkAllocated(outcome.external_ref)
+        return MarkAllocated(
+            outcome.external_ref, endpoint=outcome.endpoint, metadata=outcome.metadata
+        )
     if isinstance(outcome, Rejected):
         failure = Failure(outcome.code, outcome.message)
         if not outcome.retryable:

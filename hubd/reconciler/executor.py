@@ -78,7 +78,13 @@ def statement(
                 effects=effects,
             )
         case MarkAllocated():
-            return store.mark_allocated(fence, external_ref=write.external_ref, effects=effects)
+            return store.mark_allocated(
+                fence,
+                external_ref=write.external_ref,
+                endpoint=write.endpoint,
+                metadata=write.metadata,
+                effects=effects,
+            )
         case BeginInitialization():
             return store.begin_initialization(fence)
         case MarkReady():
@@ -94,7 +100,7 @@ def statement(
                 effects=effects,
             )
         case Park() | AcceptAndPark():
-            accept = write if isinstance(write, AcceptAndPark) else None
+            accept = write.accepted if isinstance(write, AcceptAndPark) else None
             park = write.park if isinstance(write, AcceptAndPark) else write
             return store.park(
                 fence,
@@ -105,6 +111,8 @@ def statement(
                 ready_within=park.ready_within,
                 accept=accept is not None,
                 external_ref=None if accept is None else accept.external_ref,
+                endpoint=None if accept is None else accept.endpoint,
+                metadata=None if accept is None else accept.metadata,
                 effects=effects,
             )
         case Abandon(release=True):

@@ -169,9 +169,7 @@ async def _accept_ensure(
         instance_ttl=s.settings.instance_ttl,
     )
     if isinstance(accepted, MarkAllocated) and park_or_ready is not None:
-        await run.apply(
-            AcceptAndPark(external_ref=accepted.external_ref, park=park_or_ready), (record,)
-        )
+        await run.apply(AcceptAndPark(accepted=accepted, park=park_or_ready), (record,))
         return
     await run.apply(accepted, (record,))
     if not isinstance(accepted, MarkAllocated):

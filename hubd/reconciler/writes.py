@@ -7,6 +7,9 @@ status, delay, attempt counter, failure and connection fence; the executor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
 
 from hubd.store.allocations import AttemptKind, ParkMode
@@ -53,9 +56,12 @@ class BindReplacement:
 
 @attrs.frozen
 class MarkAllocated:
-    """provisioning → allocated: the provisioner accepted ensure."""
+    """provisioning → allocated: the provisioner accepted ensure, with what it said of the
+    sidecar (checked: :func:`hubd.plugins.protocol.check_ensure_result`)."""
 
     external_ref: str | None
+    endpoint: str | None = attrs.field(default=None, kw_only=True)
+    metadata: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -101,10 +107,10 @@ class Park:
 
 @attrs.frozen(kw_only=True)
 class AcceptAndPark:
-    """provisioning → allocated (ensure accepted, ``external_ref``) and ``park`` in the same
+    """provisioning → allocated (``accepted``: ensure's acceptance) and ``park`` in the same
     statement: no claim is held between the acceptance and the park (or ready)."""
 
-    external_ref: str | None
+    accepted: MarkAllocated
     park: Park
 
 

@@ -15,6 +15,7 @@ from typing import Any, Final
 import asyncpg
 
 from hubd.errors import AllocationNotFound
+from hubd.published import encode_metadata
 from hubd.store.database import Database, Pool
 from hubd.store.models import (
     Allocation,
@@ -286,10 +287,24 @@ class AllocationStore(SweepQueries):
         )
 
     async def mark_allocated(
-        self, fence: Fence, *, external_ref: str | None, effects: Effects = ()
+        self,
+        fence: Fence,
+        *,
+        external_ref: str | None,
+        endpoint: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        effects: Effects = (),
     ) -> Allocation | None:
+        """provisioning → allocated, recording what the provisioner said of the sidecar
+        (``endpoint`` and ``metadata`` fill only what the sidecar has not published)."""
         return await self._fenced(
-            "mark allocated", SQL.mark_allocated, fence, effects, external_ref=external_ref
+            "mark allocated",
+            SQL.mark_allocated,
+            fence,
+            effects,
+            external_ref=external_ref,
+            endpoint=endpoint,
+            metadata=encode_metadata(metadata),
         )
 
     async def begin_initialization(self, fence: Fence) -> Allocation | None:
@@ -340,12 +355,15 @@ class AllocationStore(SweepQueries):
         ready_within: float | None = None,
         accept: bool = False,
         external_ref: str | None = None,
+        endpoint: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
         effects: Effects = (),
     ) -> Allocation | None:
         """Drop the lease until later. Awaiting a connection, the row is due at once instead if
         its connection number is no longer ``connection_seq``; with ``ready_within`` (an
         instance TTL), it becomes ready instead if its sidecar already holds a live record.
-        With ``accept``, a provisioning row becomes allocated (``external_ref``) first."""
+        With ``accept``, a provisioning row becomes allocated (``external_ref``, ``endpoint``,
+        ``metadata``, as :meth:`mark_allocated` records them) first."""
         return await self._fenced(
             "park",
             SQL.park,
@@ -354,6 +372,8 @@ class AllocationStore(SweepQueries):
             effects=effects_json(effects, accepted=accept),
             accept=accept,
             external_ref=external_ref,
+            endpoint=endpoint,
+            metadata=encode_metadata(metadata),
             mode=str(mode),
             delay=float(delay),
             failure_code=failure.code if failure else None,

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -127,13 +128,25 @@ class LocalProvisioner:
                 return Rejected(code="state_corrupt", message=str(exc), retryable=True)
             if record is not None:
                 if leader_of(record, self._boot_id) is Leader.RUNNING:
-                    return Accepted(record.external_ref)
+                    return self._accepted(record)
                 # The earlier process died; what it left in its group goes before a new start.
                 swept = await self._terminate(record)
                 if isinstance(swept, DestroyRejected):
                     return Rejected(code=swept.code, message=swept.message, retryable=True)
                 discard_record(self.directory, sidecar_id, log_too=False)
             return await self._start(request)
+
+    def _accepted(self, record: Record) -> Accepted:
+        # What this provisioner knows for certain: the process, where it runs and where its
+        # output goes. No endpoint: what the command serves, and where, is the command's own.
+        return Accepted(
+            record.external_ref,
+            metadata={
+                "pid": record.pid,
+                "host": socket.gethostname(),
+                "log": str(self.directory / f"{record.sidecar_id}.log"),
+            },
+        )
 
     async def destroy(self, request: DestroyRequest) -> DestroyResult:
         """Terminate the sidecar's process group (SIGTERM, then SIGKILL after ``grace``)."""
@@ -314,7 +327,7 @@ class LocalProvisioner:
                 generation=request.generation,
                 pid=process.pid,
             )
-            return Accepted(record.external_ref)
+            return self._accepted(record)
 
         code = reaper.result()
         await self._terminate(record)  # whatever it started before exiting

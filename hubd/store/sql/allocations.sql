@@ -203,10 +203,16 @@ WITH updated AS (
 SELECT * FROM updated;
 
 -- name: mark_allocated
--- provisioning → allocated: the provisioner accepted ensure (:external_ref).
+-- provisioning → allocated: the provisioner accepted ensure (:external_ref), with what it knows
+-- of the sidecar (:endpoint, :metadata as JSON text; NULL: nothing). Each fills only what the
+-- generation's sidecar has not published already (a sidecar may connect and publish before the
+-- acceptance is written): the sidecar's own word is the later one.
 WITH updated AS (
     UPDATE hubd_allocations
-    SET status = 'allocated', external_ref = :external_ref, updated_at = now()
+    SET status = 'allocated', external_ref = :external_ref,
+        endpoint = COALESCE(endpoint, :endpoint::text),
+        metadata = COALESCE(metadata, :metadata::text::jsonb),
+        updated_at = now()
     WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
       AND lease_expires_at > clock_timestamp()
       AND status = 'provisioning'
@@ -325,9 +331,10 @@ SELECT * FROM updated;
 -- look at the record and the write are one statement. The look reads this statement's snapshot;
 -- a record or clear that commits while this statement waits for the row lock moves the row's
 -- connection number past the one the look saw (live_seq), and then the row is not made ready.
--- With :accept, a provisioning row becomes allocated first (ensure accepted, :external_ref), in
--- the same statement: acceptance, the ensure's outcome and the park or ready commit together
--- (the caller puts the acceptance's own ledger row in :effects, after the outcome).
+-- With :accept, a provisioning row becomes allocated first (ensure accepted, :external_ref, and
+-- :endpoint and :metadata as mark_allocated records them), in the same statement: acceptance,
+-- the ensure's outcome and the park or ready commit together (the caller puts the acceptance's
+-- own ledger row in :effects, after the outcome).
 -- In set form (hubd.store.pipeline): each parameter is an array, element i for row i, at most one
 -- row per allocation; each row is fenced, looked at, written and logged on its own. The rows are
 -- locked one by one in allocation id order before any is written (LIMIT 1 keeps each look-up on
@@ -337,10 +344,12 @@ WITH input AS (
     SELECT i.*, l.seq AS live_seq, l.connected AS live_connected
     FROM unnest(:ready_within::float8[], :instance_id::text[], :allocation_id::text[],
                 :mode::text[], :accept::boolean[], :lease_id::text[], :generation::integer[],
-                :external_ref::text[], :connection_seq::bigint[], :delay::float8[],
+                :external_ref::text[], :endpoint::text[], :metadata::text[],
+                :connection_seq::bigint[], :delay::float8[],
                 :failure_code::text[], :failure_message::text[], :effects::text[])
         AS i (ready_within, instance_id, allocation_id, mode, accept, lease_id, generation,
-              external_ref, connection_seq, delay, failure_code, failure_message, effects)
+              external_ref, endpoint, metadata, connection_seq, delay, failure_code,
+              failure_message, effects)
     LEFT JOIN LATERAL (
         SELECT a.connection_seq AS seq,
                hubd_sidecar_live(a.id, a.generation, i.ready_within, i.instance_id) AS connected
@@ -351,8 +360,8 @@ WITH input AS (
     ) AS l ON true
     ORDER BY i.allocation_id
 ), prior AS (
-    SELECT a.id, i.lease_id, i.instance_id, i.mode, i.accept, i.external_ref, i.connection_seq,
-           i.delay, i.failure_code, i.failure_message, i.effects,
+    SELECT a.id, i.lease_id, i.instance_id, i.mode, i.accept, i.external_ref, i.endpoint,
+           i.metadata, i.connection_seq, i.delay, i.failure_code, i.failure_message, i.effects,
            (i.live_connected IS TRUE AND a.connection_seq = i.live_seq
             AND (a.status = 'allocated' OR i.accept)
             AND a.initialization_lease_id IS NULL) AS ready_now
@@ -370,6 +379,10 @@ WITH input AS (
     UPDATE hubd_allocations AS a SET
         status = CASE WHEN p.accept THEN 'allocated' ELSE a.status END,
         external_ref = CASE WHEN p.accept THEN p.external_ref ELSE a.external_ref END,
+        endpoint = CASE WHEN p.accept THEN COALESCE(a.endpoint, p.endpoint)
+                        ELSE a.endpoint END,
+        metadata = CASE WHEN p.accept THEN COALESCE(a.metadata, p.metadata::jsonb)
+                        ELSE a.metadata END,
         connection_ready = a.connection_ready OR p.ready_now,
         next_attempt_at = CASE
             WHEN p.ready_now THEN NULL
