@@ -22,6 +22,7 @@ from hubd.errors import (
     DatabaseUnavailable,
     EmbeddedPostgresError,
     HubdError,
+    IdempotencyConflict,
     InvalidRequest,
     PluginLoadError,
 )
@@ -131,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_argument("--tenant", help="a label for the tenant the sidecar serves")
     request.add_argument("--session", help="a label for the session the sidecar serves")
     request.add_argument("--spec", type=_json_object, default={}, help="a JSON object")
+    request.add_argument(
+        "--idempotency-key",
+        metavar="KEY",
+        help="the same key (within a tenant) returns the same allocation, never a second one; "
+        "a key already used for a different request is an error (exit 1)",
+    )
+    request.add_argument(
+        "--ready-when",
+        choices=["connected", "declared"],
+        help="ready once the sidecar connects, or once it declares itself ready "
+        "(default: the provisioner's setting)",
+    )
     request.add_argument("--wait", action="store_true", help="wait until ready or terminal")
     request.add_argument(
         "--timeout",
@@ -254,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(cmd_migrate(config, args))
         if args.command == "alloc":
             return asyncio.run(cmd_alloc(config, args))
+    except IdempotencyConflict as exc:
+        # Not a usage error: the request was well formed, and the key is taken.
+        _say_error(f"hubd: {exc}")
+        return EXIT_FAILED
     except (InvalidRequest, ConfigError, PluginLoadError) as exc:
         _say_error(f"hubd: {exc}")
         return EXIT_USAGE

@@ -76,6 +76,8 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
                 tenant_id=args.tenant,
                 session_id=args.session,
                 spec=args.spec,
+                idempotency_key=args.idempotency_key,
+                ready_when=args.ready_when,
             )
             if args.json:
                 print(json.dumps(allocation_json(allocation), indent=2), flush=True)
@@ -173,6 +175,14 @@ async def _wait(store: AllocationStore, allocation_id: str, limit: float) -> int
         return EXIT_FAILED
 
 
+def _printable(value: object) -> object:
+    """A string a terminal shows as it is; one with control or formatting characters (what a
+    sidecar published, say) quoted as JSON, which escapes them."""
+    if isinstance(value, str) and not value.isprintable():
+        return json.dumps(value)
+    return value
+
+
 def _print_table(rows: Sequence[Any]) -> None:
     headers = ("ID", "STATUS", "GEN", "READY", "PROVISIONER", "TENANT", "SESSION", "CREATED")
     table = [headers] + [
@@ -198,13 +208,15 @@ def _print_table(rows: Sequence[Any]) -> None:
 def _print_show(allocation: Any, history: Sequence[Any], step: str) -> None:
     data = allocation_json(allocation)
     data.pop("spec")  # shown last, as JSON
+    metadata = data.pop("metadata")  # likewise
     for key, value in data.items():
         shown = (
             "-"
             if value is None
-            else ("yes" if value is True else "no" if value is False else value)
+            else ("yes" if value is True else "no" if value is False else _printable(value))
         )
         print(f"{key + ':':<18}{shown}")
+    print(f"{'metadata:':<18}{'-' if metadata is None else json.dumps(metadata)}")
     print(f"{'spec:':<18}{json.dumps(dict(allocation.spec))}")
     print(f"{'next:':<18}{step}")
     print("history:")

@@ -20,6 +20,9 @@ def rfc3339(moment: datetime | None) -> str | None:
 def allocation_json(
     allocation: Allocation, history: Sequence[LedgerEntry] | None = None
 ) -> dict[str, Any]:
+    """The allocation as ``--json`` prints it. ``endpoint`` and ``metadata`` are what the
+    current generation's provisioner or sidecar published (``None``: nothing); ``ready_when``
+    is ``None`` until a claim resolves it from the provisioner's configuration."""
     data: dict[str, Any] = {
         "id": allocation.id,
         "status": str(allocation.status),
@@ -27,9 +30,13 @@ def allocation_json(
         "provisioner": allocation.provisioner_id,
         "tenant_id": allocation.tenant_id,
         "session_id": allocation.session_id,
+        "idempotency_key": allocation.idempotency_key,
         "sidecar_id": allocation.sidecar_id,
         "external_ref": allocation.external_ref,
         "ready": allocation.ready,
+        "ready_when": allocation.ready_when,
+        "endpoint": allocation.endpoint,
+        "metadata": None if allocation.metadata is None else dict(allocation.metadata),
         "connect_deadline": rfc3339(allocation.connect_deadline),
         "next_attempt_at": rfc3339(allocation.next_attempt_at),
         "failure_code": allocation.failure_code,

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from hubd.store import connect_database
@@ -188,9 +189,13 @@ class TestAllocCommands:
             "provisioner",
             "tenant_id",
             "session_id",
+            "idempotency_key",
             "sidecar_id",
             "external_ref",
             "ready",
+            "ready_when",
+            "endpoint",
+            "metadata",
             "connect_deadline",
             "next_attempt_at",
             "failure_code",
@@ -224,6 +229,70 @@ class TestAllocCommands:
         released = run_hubd("alloc", "release", allocation_id, env=env)
         assert released.code == 0
         assert released.out.strip() == f"{allocation_id} released"
+
+    async def test_show_and_list_what_was_published(self, external_db: str) -> None:
+        """show and list show the endpoint, metadata, ready_when and idempotency key; the
+        human view quotes an endpoint with control characters rather than print them raw."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert (await run_hubd_async("migrate", env=env)).code == 0
+        requested = await run_hubd_async(
+            "alloc",
+            "request",
+            "--provisioner",
+            "local",
+            "--idempotency-key",
+            "order-17",
+            "--ready-when",
+            "declared",
+            env=env,
+        )
+        assert requested.code == 0, requested.err
+        allocation_id = requested.out.strip()
+        conn = await asyncpg.connect(external_db)
+        try:
+            # As a provisioner's acceptance or a sidecar's publish leaves the row.
+            await conn.execute(
+                "UPDATE hubd_allocations SET endpoint = $2, metadata = $3::text::jsonb "
+                "WHERE id = $1",
+                allocation_id,
+                "10.0.0.7:8080\x1b[2J",
+                '{"pid": 4242, "note": "\\u001b[31m"}',
+            )
+        finally:
+            await conn.close()
+        shown = json.loads(
+            (await run_hubd_async("alloc", "show", allocation_id, "--json", env=env)).out
+        )
+        assert shown["endpoint"] == "10.0.0.7:8080\x1b[2J"
+        assert shown["metadata"] == {"pid": 4242, "note": "\x1b[31m"}
+        assert (shown["ready_when"], shown["idempotency_key"]) == ("declared", "order-17")
+        (listed,) = json.loads((await run_hubd_async("alloc", "list", "--json", env=env)).out)
+        assert {k: listed[k] for k in ("endpoint", "metadata", "ready_when")} == {
+            k: shown[k] for k in ("endpoint", "metadata", "ready_when")
+        }
+        human = (await run_hubd_async("alloc", "show", allocation_id, env=env)).out
+        assert "\x1b" not in human
+        assert 'endpoint:         "10.0.0.7:8080\\u001b[2J"' in human
+        assert 'metadata:         {"pid": 4242, "note": "\\u001b[31m"}' in human
+        assert "ready_when:       declared" in human
+        assert "idempotency_key:  order-17" in human
+
+    def test_idempotency_key(self, external_db: str) -> None:
+        """A request repeated with its key returns the same allocation; the key reused for a
+        different request exits 1 naming the key."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert run_hubd("migrate", env=env).code == 0
+        ask = ("alloc", "request", "--provisioner", "local", "--idempotency-key", "k-1")
+        first = run_hubd(*ask, "--spec", '{"a": 1}', env=env)
+        again = run_hubd(*ask, "--spec", '{"a": 1}', env=env)
+        assert (first.code, again.code) == (0, 0), first.err + again.err
+        assert again.out == first.out
+        other = run_hubd(*ask, "--spec", '{"a": 2}', env=env)
+        assert other.code == 1
+        assert "'k-1'" in other.err
+        assert first.out.strip() in other.err
+        listed = json.loads(run_hubd("alloc", "list", "--json", env=env).out)
+        assert [a["id"] for a in listed] == [first.out.strip()]
 
     def test_bad_input(self, external_db: str) -> None:
         """Bad arguments exit 2 with a specific message; an unknown id exits 1."""
