@@ -26,7 +26,7 @@ from hubd.errors import (
     InvalidRequest,
     PluginLoadError,
 )
-from hubd.logs import configure_logging, flush_logs
+from hubd.logs import configure_logging, flush_logs, journal_prefix, stderr_is_journal
 from hubd.store import Status
 
 __all__ = ["main"]
@@ -224,6 +224,9 @@ def _run_daemon(config: Config, args: argparse.Namespace) -> int:
 def _say_error(text: str) -> None:
     # After the log lines the command wrote, which may still be held back.
     flush_logs()
+    if stderr_is_journal():
+        # Under systemd, an error at error priority, each line (a quoted server log has many).
+        text = "\n".join(journal_prefix("error") + line for line in text.splitlines())
     print(text, file=sys.stderr)
 
 

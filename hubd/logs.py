@@ -6,12 +6,18 @@ holds one) reaches the output; only the level and the time are added after it. R
 the standard library's loggers (asyncio's accept errors and "exception never retrieved",
 asyncpg, websockets) go through the same processors and renderer, and through a sampling
 filter: a flood of one message is a few lines with a count, never a line per event.
+
+When standard error is the journal (systemd sets ``JOURNAL_STREAM`` to its device and inode),
+every line starts with its syslog priority, ``<3>`` for an error, which journald reads
+(``SyslogLevelPrefix=``, on by default) and strips: ``journalctl -p warning`` shows warnings
+and errors only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping, MutableMapping
@@ -22,7 +28,15 @@ import structlog
 from hubd.logstream import CoalescingStream, LineLogger
 from hubd.redaction import REDACTED, scrub
 
-__all__ = ["Sampler", "configure_logging", "flush_logs", "redact_event", "render_json"]
+__all__ = [
+    "Sampler",
+    "configure_logging",
+    "flush_logs",
+    "journal_prefix",
+    "redact_event",
+    "render_json",
+    "stderr_is_journal",
+]
 
 _SECRET_KEYS: Final = frozenset({"token", "authorization", "password", "hubd_token", "secret"})
 _LEVELS: Final = {
@@ -104,10 +118,50 @@ def render_json(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]
     return _ENCODER.encode(event_dict)
 
 
+# syslog(3) priorities by structlog level name ("exception" is logged as "error").
+_PRIORITIES: Final = {
+    "debug": 7,
+    "info": 6,
+    "warning": 4,
+    "warn": 4,
+    "error": 3,
+    "exception": 3,
+    "critical": 2,
+}
+
+
+def stderr_is_journal(env: Mapping[str, str] | None = None) -> bool:
+    """Whether standard error is connected to journald: ``JOURNAL_STREAM`` names the device
+    and inode of that stream, and they are standard error's (a child that inherited the
+    variable but writes elsewhere, a pipe or a file, is not)."""
+    value = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
+    device, _, inode = value.partition(":")
+    try:
+        status = os.fstat(sys.stderr.fileno())
+        return (status.st_dev, status.st_ino) == (int(device), int(inode))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def journal_prefix(level: str) -> str:
+    """The ``<N>`` syslog priority prefix journald reads at the start of a line."""
+    return f"<{_PRIORITIES.get(level, 6)}>"
+
+
+def _with_priority(renderer: Any) -> Any:
+    def render(logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
+        level = event_dict.get("level", method)
+        return journal_prefix(str(level)) + str(renderer(logger, method, event_dict))
+
+    return render
+
+
 def configure_logging(
     *, fmt: str = "json", level: str = "info", stream: TextIO | None = None
 ) -> None:
     renderer: Any = structlog.dev.ConsoleRenderer(colors=False) if fmt == "console" else render_json
+    if stream is None and stderr_is_journal():
+        renderer = _with_priority(renderer)
     flush_logs()
     output = CoalescingStream(stream or sys.stderr)
     _outputs[:] = [output]
