@@ -24,6 +24,7 @@ Messages never carry secrets (tokens, passwords): callers redact before raising.
 from __future__ import annotations
 
 __all__ = [
+    "API_SQLSTATES",
     "AllocationNotFound",
     "BatchFull",
     "ConfigError",
@@ -113,3 +114,12 @@ class PluginLoadError(PluginError):
 
 class InitializationUncertain(HubdError):
     """The on-ready hook failed in a way that may have left work behind; replace the sidecar."""
+
+
+API_SQLSTATES: dict[str, type[StoreError]] = {
+    "22023": InvalidRequest,  # invalid_parameter_value: a request's check, naming the argument
+    "P0002": AllocationNotFound,  # no_data_found: no allocation has that id
+    "HU409": IdempotencyConflict,
+    "HU410": EventCursorExpired,
+}
+"""The SQLSTATEs the application API (``hubd_v1``, docs/api.md) raises, by the error each is."""

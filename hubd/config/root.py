@@ -16,6 +16,7 @@ from hubd.config.kinds import kind_of, problem
 from hubd.config.sections import (
     AdminConfig,
     DatabaseConfig,
+    EventsConfig,
     InstanceConfig,
     LogConfig,
     OrphansConfig,
@@ -71,6 +72,7 @@ class Config:
     reconciler: ReconcilerConfig = attrs.field(factory=ReconcilerConfig)
     instance: InstanceConfig = attrs.field(factory=InstanceConfig)
     orphans: OrphansConfig = attrs.field(factory=OrphansConfig)
+    events: EventsConfig = attrs.field(factory=EventsConfig)
     runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
     provisioners: tuple[ProvisionerConfig, ...] = attrs.field(factory=_default_provisioners)
     log: LogConfig = attrs.field(factory=LogConfig)
@@ -128,6 +130,7 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
     "reconciler": ReconcilerConfig,
     "instance": InstanceConfig,
     "orphans": OrphansConfig,
+    "events": EventsConfig,
     "runtime": RuntimeConfig,
     "log": LogConfig,
 }

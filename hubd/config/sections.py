@@ -35,6 +35,7 @@ __all__ = [
     "AdminConfig",
     "DatabaseConfig",
     "EventLoop",
+    "EventsConfig",
     "InstanceConfig",
     "LogConfig",
     "LogFormat",
@@ -336,6 +337,16 @@ class OrphansConfig:
 
     def __attrs_post_init__(self) -> None:
         check_fields("orphans", self)
+
+
+@attrs.frozen(kw_only=True)
+class EventsConfig:
+    """``[events]``: the application event feed (docs/api.md)."""
+
+    retention: float = _duration("24h")
+
+    def __attrs_post_init__(self) -> None:
+        check_fields("events", self)
 
 
 @attrs.frozen(kw_only=True)

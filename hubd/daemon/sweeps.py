@@ -20,6 +20,7 @@ from hubd.daemon.running import Running
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.errors import StoreError
 from hubd.reconciler.orphans import OrphanCollector
+from hubd.store.events import EventStore
 
 __all__ = ["DEAD_INSTANCE_TTLS", "Sweeps"]
 
@@ -90,6 +91,7 @@ class Sweeps:
         interval = self.config.reconciler.repair_interval
         ttl = self.config.instance.ttl
         connections, instances = self.running.parts.connections, self.running.parts.instances
+        events = EventStore(self.running.parts.db)
         while True:
             raise_if_cancelled()
             await asyncio.sleep(interval)
@@ -122,6 +124,11 @@ class Sweeps:
                 if deleted:
                     self.metrics.instances_deleted.inc(len(deleted))
                     log.info("dead_instances_deleted", instances=deleted)
+                # Every replica prunes; each statement takes the oldest batch, so two replicas
+                # pruning at once only delete sooner.
+                pruned = await events.prune(self.config.events.retention)
+                if pruned:
+                    log.info("events_pruned", count=pruned)
             except StoreError as exc:
                 log.warning("repair_sweep_failed", error=str(exc))
 

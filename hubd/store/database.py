@@ -32,10 +32,9 @@ import attrs
 from asyncpg import Connection, Record
 
 from hubd.errors import (
+    API_SQLSTATES,
     AllocationNotFound,
     DatabaseUnavailable,
-    EventCursorExpired,
-    IdempotencyConflict,
     InvalidRequest,
     SchemaMissing,
     StoreError,
@@ -44,7 +43,6 @@ from hubd.redaction import redact_dsn
 from hubd.store.queries import Bound
 
 __all__ = [
-    "API_ERRORS",
     "Database",
     "Pool",
     "connect_database",
@@ -117,7 +115,7 @@ def translate_errors(what: str) -> Iterator[None]:
     except asyncpg.ForeignKeyViolationError as exc:
         raise AllocationNotFound(f"{what}: no such allocation") from exc
     except (asyncpg.CheckViolationError, asyncpg.DataError, asyncpg.NotNullViolationError) as exc:
-        api_error = API_ERRORS.get(getattr(exc, "sqlstate", "") or "")
+        api_error = API_SQLSTATES.get(getattr(exc, "sqlstate", "") or "")
         if api_error is not None:
             raise api_error(f"{what}: {exc}") from exc
         raise InvalidRequest(f"{what}: rejected by the schema ({exc.__class__.__name__})") from exc
@@ -127,19 +125,10 @@ def translate_errors(what: str) -> Iterator[None]:
         ) from exc
     except asyncpg.PostgresError as exc:
         # The application API's own refusals (hubd_v1, docs/api.md) carry their reason.
-        api_error = API_ERRORS.get(getattr(exc, "sqlstate", "") or "")
+        api_error = API_SQLSTATES.get(getattr(exc, "sqlstate", "") or "")
         if api_error is not None:
             raise api_error(f"{what}: {exc}") from exc
         raise StoreError(f"{what}: {exc.__class__.__name__}: {exc}") from exc
-
-
-API_ERRORS: Mapping[str, type[StoreError]] = {
-    "22023": InvalidRequest,  # invalid_parameter_value: a request's check, naming the argument
-    "P0002": AllocationNotFound,  # no_data_found: no allocation has that id
-    "HU409": IdempotencyConflict,
-    "HU410": EventCursorExpired,
-}
-"""The SQLSTATEs the application API raises (docs/api.md), by the error each becomes."""
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

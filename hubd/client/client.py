@@ -1,0 +1,277 @@
+"""The application's client: request, release, read and wait on allocations through the SQL API.
+
+Everything here goes through ``hubd_v1`` (docs/api.md), the same functions and views every
+other language uses, so a role that holds only ``hubd_app`` is enough. The daemon's store is not
+involved: an application needs neither its pools nor its privileges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, Final
+
+import asyncpg
+
+from hubd.client.follow import Follower
+from hubd.client.values import AllocationInfo, Event
+from hubd.errors import (
+    API_SQLSTATES,
+    AllocationNotFound,
+    DatabaseUnavailable,
+    HubdError,
+    StoreError,
+)
+
+__all__ = ["AllocationEnded", "Client"]
+
+HEALTH_INTERVAL: Final = 30.0
+"""While no notification arrives, how often a follower checks that its connection still
+answers (a connection whose peer vanished delivers nothing, and says nothing either)."""
+
+_REQUEST: Final = """
+SELECT * FROM hubd_v1.request($1, $2, $3, $4::text::jsonb, $5, $6)"""
+_RELEASE: Final = "SELECT * FROM hubd_v1.release($1, $2)"
+_GET: Final = "SELECT * FROM hubd_v1.allocations WHERE id = $1"
+_LIST: Final = """
+SELECT * FROM hubd_v1.allocations
+WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR tenant = $2)
+ORDER BY created_at DESC, id LIMIT $3"""
+_SNAPSHOT: Final = """
+SELECT * FROM hubd_v1.allocations
+WHERE status NOT IN ('released', 'failed', 'destroy_failed')
+  AND ($1::text IS NULL OR tenant = $1)
+ORDER BY created_at, id"""
+_CURSOR: Final = "SELECT hubd_v1.event_cursor()"
+
+
+class AllocationEnded(HubdError):
+    """The allocation was released or failed before it became ready."""
+
+    def __init__(self, info: AllocationInfo) -> None:
+        reason = f": {info.failure_code}: {info.failure_message}" if info.failure_code else ""
+        super().__init__(f"allocation {info.id} is {info.status}{reason}")
+        self.info = info
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    try:
+        yield
+    except asyncpg.PostgresError as exc:
+        mapped = API_SQLSTATES.get(exc.sqlstate or "")
+        if mapped is not None:
+            raise mapped(f"{what}: {exc}") from exc
+        if exc.sqlstate == "42501":
+            raise StoreError(
+                f"{what}: {exc} (the role needs hubd_app: GRANT hubd_app TO <role>)"
+            ) from exc
+        if exc.sqlstate == "3F000":
+            raise StoreError(
+                f"{what}: no hubd_v1 schema here: is this hubd's database, migrated?"
+            ) from exc
+        raise StoreError(f"{what}: {exc.__class__.__name__}: {exc}") from exc
+    except (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError) as exc:
+        raise DatabaseUnavailable(
+            f"{what}: database unavailable ({exc.__class__.__name__})"
+        ) from exc
+
+
+async def _setup(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+class Client:
+    """An application's door to hubd: a handful of methods on a small pool.
+
+    Open one with :meth:`connect` (``async with await Client.connect(dsn) as client``) or wrap a
+    pool of your own. ``request`` and ``release`` also take ``conn=``, a connection of yours,
+    so the allocation commits (and the daemon hears of it) with your own transaction.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, *, owns_pool: bool = False) -> None:
+        self._pool = pool
+        self._owns_pool = owns_pool
+
+    @classmethod
+    async def connect(cls, dsn: str, *, max_size: int = 4) -> Client:
+        """A client on a pool of its own: one connection at first, at most ``max_size``
+        (each event follower holds one while it follows)."""
+        with _translated("connect"):
+            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=max_size, init=_setup)
+        assert pool is not None
+        return cls(pool, owns_pool=True)
+
+    async def close(self) -> None:
+        """Close the pool, if the client opened it."""
+        if self._owns_pool:
+            await self._pool.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def request(
+        self,
+        provisioner: str,
+        *,
+        tenant: str | None = None,
+        session: str | None = None,
+        spec: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        ready_when: str | None = None,
+        conn: asyncpg.Connection | None = None,
+    ) -> AllocationInfo:
+        """Ask for a sidecar of ``provisioner``; returns the new (pending) allocation.
+
+        With ``idempotency_key``, a retry returns the allocation the key already names (never a
+        second one); a key used for a different request raises
+        :class:`~hubd.errors.IdempotencyConflict`. ``ready_when`` is ``"connected"`` or
+        ``"declared"`` (the sidecar says when it is ready); by default the provisioner's.
+        """
+        args = (
+            provisioner,
+            tenant,
+            session,
+            json.dumps(dict(spec or {})),
+            idempotency_key,
+            ready_when,
+        )
+        return await self._one("request", _REQUEST, args, conn)
+
+    async def release(
+        self,
+        allocation_id: str,
+        *,
+        reason: str = "release requested",
+        conn: asyncpg.Connection | None = None,
+    ) -> AllocationInfo:
+        """Give the allocation up (idempotent); returns it as it now stands, usually
+        ``releasing``: the daemon destroys the sidecar, then it is ``released``."""
+        return await self._one("release", _RELEASE, (allocation_id, reason), conn)
+
+    async def get(
+        self, allocation_id: str, *, conn: asyncpg.Connection | None = None
+    ) -> AllocationInfo:
+        """The allocation as it stands; :class:`~hubd.errors.AllocationNotFound` if unknown."""
+        info = await self._maybe("get", _GET, (allocation_id,), conn)
+        if info is None:
+            raise AllocationNotFound(f"no allocation {allocation_id}")
+        return info
+
+    async def list(
+        self, *, status: str | None = None, tenant: str | None = None, limit: int = 100
+    ) -> list[AllocationInfo]:
+        """Allocations, newest first, of one status and tenant when given."""
+        with _translated("list"):
+            rows = await self._pool.fetch(_LIST, status, tenant, limit)
+        return [AllocationInfo.from_row(row) for row in rows]
+
+    async def snapshot(
+        self, *, tenant: str | None = None
+    ) -> tuple[builtins.list[AllocationInfo], int]:
+        """Every active allocation (of ``tenant`` when given) and the event cursor of the same
+        instant: follow :meth:`events` from that cursor and nothing is missed or seen twice."""
+        with _translated("snapshot"):
+            async with (
+                self._pool.acquire() as conn,
+                conn.transaction(isolation="repeatable_read", readonly=True),
+            ):
+                rows = await conn.fetch(_SNAPSHOT, tenant)
+                cursor = await conn.fetchval(_CURSOR)
+        return [AllocationInfo.from_row(row) for row in rows], int(cursor)
+
+    async def cursor(self) -> int:
+        """The position of the newest event: :meth:`events` from here sees only what follows."""
+        with _translated("cursor"):
+            return int(await self._pool.fetchval(_CURSOR))
+
+    async def events(
+        self,
+        *,
+        since: int,
+        tenant: str | None = None,
+        allocation_id: str | None = None,
+        health_interval: float = HEALTH_INTERVAL,
+    ) -> AsyncIterator[Event]:
+        """Every event after position ``since``, oldest first, and then each one as it commits,
+        forever (break out of the loop to stop). Keep the last ``position`` you handled: after
+        a restart, ``since=position`` resumes with no gap. The follower waits on
+        ``LISTEN hubd_events`` and reads the feed when told; a dropped connection is reopened
+        and the feed read from the cursor, so nothing is missed. A cursor the feed no longer
+        keeps raises :class:`~hubd.errors.EventCursorExpired`: read :meth:`snapshot` again."""
+        follower = Follower(
+            self._pool,
+            cursor=since,
+            tenant=tenant,
+            allocation_id=allocation_id,
+            health_interval=health_interval,
+        )
+        async with follower:
+            while True:
+                for event in await follower.next_batch():
+                    yield event
+
+    async def wait_ready(
+        self,
+        allocation_id: str,
+        timeout: float,  # noqa: ASYNC109 - a deadline is what an application asks for here
+        *,
+        health_interval: float = HEALTH_INTERVAL,
+    ) -> AllocationInfo:
+        """Wait until the allocation is ready; returns it then (with its endpoint).
+
+        Raises :class:`AllocationEnded` if it is released or fails first, and
+        :class:`TimeoutError` after ``timeout`` seconds (the allocation is left as it is).
+        Waits on notifications, not by polling.
+        """
+        info: AllocationInfo | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                follower = Follower(
+                    self._pool,
+                    cursor=0,
+                    allocation_id=allocation_id,
+                    health_interval=health_interval,
+                )
+                async with follower:
+                    info = await follower.start_at_state(allocation_id)
+                    while not _settled(info):
+                        # Each batch holds at least one event of this allocation: look again.
+                        await follower.next_batch()
+                        info = await self.get(allocation_id)
+        except TimeoutError:
+            status = f" (it is {info.status})" if info is not None else ""
+            raise TimeoutError(
+                f"allocation {allocation_id} not ready after {timeout:g}s{status}"
+            ) from None
+        if not info.ready:
+            raise AllocationEnded(info)
+        return info
+
+    async def _one(
+        self, what: str, sql: str, args: tuple[Any, ...], conn: asyncpg.Connection | None
+    ) -> AllocationInfo:
+        info = await self._maybe(what, sql, args, conn)
+        assert info is not None
+        return info
+
+    async def _maybe(
+        self, what: str, sql: str, args: tuple[Any, ...], conn: asyncpg.Connection | None
+    ) -> AllocationInfo | None:
+        with _translated(what):
+            if conn is not None:
+                row = await conn.fetchrow(sql, *args)
+            else:
+                row = await self._pool.fetchrow(sql, *args)
+        return AllocationInfo.from_row(row) if row is not None else None
+
+
+def _settled(info: AllocationInfo) -> bool:
+    """Ready, or never going to be."""
+    return info.ready or info.terminal or info.status == "releasing"
