@@ -338,11 +338,18 @@ class TestService:
         assert found is not None, done.stdout
         assert float(found.group(1)) <= 2.0
 
-    def test_stop_is_clean(self, systemd_host: Host) -> None:
-        """``systemctl stop`` ends the daemon and the embedded server with it, cleanly."""
+    def test_stop_is_clean(self, systemd_host: Host, allocation: str) -> None:
+        """``systemctl stop`` ends the daemon and the embedded server with it, cleanly, and
+        leaves the sidecars running; ``systemctl kill`` then ends them too."""
         _running(systemd_host)
+        assert allocation
         systemd_host.run("systemctl", "stop", "hubd")
         assert systemd_host.show("ActiveState") == "inactive"
         assert systemd_host.show("Result") == "success"
-        left = systemd_host.run("pgrep", "-x", "postgres", check=False)
-        assert left.stdout.strip() == ""
+        assert systemd_host.run("pgrep", "-x", "postgres", check=False).stdout.strip() == ""
+        assert systemd_host.run("pgrep", "-f", "hubd sidecar", check=False).stdout.strip()
+        systemd_host.run("systemctl", "kill", "hubd")
+        _poll(
+            lambda: systemd_host.run("pgrep", "-f", "hubd sidecar", check=False).returncode == 1,
+            what="the sidecars to exit",
+        )
