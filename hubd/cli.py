@@ -117,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "check-config", help="validate and print the effective config", parents=[common]
     )
+    db_url = commands.add_parser(
+        "db-url",
+        help="print the DSN an application uses to reach this hubd's database",
+        description="Print the DSN an application uses to reach this hubd's database: the "
+        "configured database.url, its password hidden, or the embedded server's Unix-socket "
+        "DSN (worked out from the config; nothing is started).",
+        parents=[common],
+    )
+    db_url.add_argument(
+        "--show-password", action="store_true", help="print database.url's password as it is"
+    )
 
     alloc = commands.add_parser(
         "alloc", help="request, release and inspect allocations", parents=[common]
@@ -202,6 +213,13 @@ def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_db_url(config: Config, args: argparse.Namespace) -> int:
+    from hubd.store.address import application_dsn
+
+    print(application_dsn(config.database.url, config.state_path, show_password=args.show_password))
+    return EXIT_OK
+
+
 def _run_daemon(config: Config, args: argparse.Namespace) -> int:
     from hubd.daemon.collector import pace_collector
     from hubd.daemon.dev import run_dev
@@ -266,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_daemon(config, args)
         if args.command == "check-config":
             return cmd_check_config(config, args)
+        if args.command == "db-url":
+            return cmd_db_url(config, args)
         if args.command == "migrate":
             return asyncio.run(cmd_migrate(config, args))
         if args.command == "alloc":

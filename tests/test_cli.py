@@ -14,7 +14,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from hubd.errors import ConfigError
 from hubd.store import connect_database
+from hubd.store.address import embedded_dsn
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import available_migrations
 from tests.clikit import run_hubd, run_hubd_async
@@ -388,6 +391,63 @@ class TestNeverMigrated:
         assert result.code == 3
         assert "unreachable" in result.err
         assert "pw-canary" not in result.out + result.err
+
+
+class TestDbUrl:
+    def test_configured_url_password_hidden(self) -> None:
+        """db-url prints the configured URL with its password hidden, or shown when asked."""
+        env = {"HUBD_DATABASE_URL": "postgresql://app:pw-canary@db.example:6432/hubd"}
+        hidden = run_hubd("db-url", env=env)
+        assert hidden.code == 0, hidden.err
+        assert hidden.out == "postgresql://app:***@db.example:6432/hubd\n"
+        shown = run_hubd("db-url", "--show-password", env=env)
+        assert shown.out == "postgresql://app:pw-canary@db.example:6432/hubd\n"
+
+    async def test_embedded_dsn_reaches_the_api(self) -> None:
+        """With the embedded database, db-url prints its Unix-socket DSN without starting the
+        server (the same before and while it runs), and that DSN reaches the application API's
+        view."""
+        with tempfile.TemporaryDirectory(prefix="hubd-e") as state:
+            env = {"HUBD_STATE_DIR": state}
+            before = await run_hubd_async("db-url", env=env)
+            assert before.code == 0, before.err
+            assert not (Path(state) / "pgdata").exists()
+            dsn = before.out.strip()
+            real = await asyncio.to_thread(os.path.realpath, state)
+            assert dsn == f"postgresql:///hubd?host={real}/pgdata&user=postgres"
+            assert (await run_hubd_async("migrate", env=env)).code == 0
+            requested = await run_hubd_async("alloc", "request", "--provisioner", "local", env=env)
+            assert requested.code == 0, requested.err
+            server = EmbeddedPostgres(Path(state))
+            await asyncio.to_thread(server.start)
+            try:
+                running = await run_hubd_async("db-url", env=env)
+                assert running.out.strip() == dsn
+                conn = await asyncpg.connect(dsn)
+                try:
+                    rows = await conn.fetch("SELECT * FROM hubd_v1.allocations")
+                finally:
+                    await conn.close()
+            finally:
+                await asyncio.to_thread(server.stop)
+            assert [(r["id"], r["status"]) for r in rows] == [(requested.out.strip(), "pending")]
+
+    def test_embedded_socket_as_the_running_server_recorded_it(self, tmp_path: Path) -> None:
+        """A running server's lock file says where its socket is; that is the DSN's host."""
+        (tmp_path / "pgdata").mkdir()
+        (tmp_path / "pgdata" / "postmaster.pid").write_text(
+            f"4242\n{tmp_path / 'pgdata'}\n1700000000\n5433\n/run/hubd sockets\n\n0 0\nready\n"
+        )
+        assert embedded_dsn(tmp_path) == (
+            "postgresql:///hubd?host=/run/hubd%20sockets&port=5433&user=postgres"
+        )
+
+    def test_embedded_socket_path_too_long(self, tmp_path: Path) -> None:
+        """A state dir too deep for a Unix socket path, with no server running to say where it
+        put its socket, is a config error naming state.dir."""
+        deep = tmp_path / ("d" * 120)
+        with pytest.raises(ConfigError, match=r"^state\.dir .* too long for a Unix socket"):
+            embedded_dsn(deep)
 
 
 class TestSmallAnswers:
