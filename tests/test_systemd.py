@@ -52,6 +52,20 @@ printf '[Service]\\nWatchdogSec=3\\n' > /etc/systemd/system/hubd.service.d/watch
 systemctl daemon-reload && systemctl enable --now hubd
 """
 _HUBCTL = "/opt/hubd/deploy/hubctl"
+_PG = "/usr/lib/postgresql/15/bin"
+_EXTERNAL_PASSWORD = "pw-canary-7f3a"
+_EXTERNAL_URL = f"postgresql://hubd:{_EXTERNAL_PASSWORD}@127.0.0.1:5433/hubd"
+# An external server for the service: the host's Debian PostgreSQL, as a unit of its own.
+_EXTERNAL_SERVER = f"""\
+set -e
+install -d -o postgres -g postgres -m 0700 /var/lib/pgext
+runuser -u postgres -- {_PG}/initdb -D /var/lib/pgext -A trust -U postgres >/dev/null
+systemd-run --unit=pgext -p User=postgres {_PG}/postgres -D /var/lib/pgext -k '' \\
+    -c listen_addresses=127.0.0.1 -p 5433
+until {_PG}/pg_isready -q -h 127.0.0.1 -p 5433; do sleep 0.1; done
+{_PG}/psql -q -h 127.0.0.1 -p 5433 -U postgres -c "CREATE ROLE hubd LOGIN PASSWORD 'x'"
+{_PG}/psql -q -h 127.0.0.1 -p 5433 -U postgres -c "CREATE DATABASE hubd OWNER hubd"
+"""
 
 
 def _skip_reason() -> str | None:
@@ -353,3 +367,36 @@ class TestService:
             lambda: systemd_host.run("pgrep", "-f", "hubd sidecar", check=False).returncode == 1,
             what="the sidecars to exit",
         )
+
+    @pytest.mark.skipif(not Path(_PG).exists(), reason=f"needs PostgreSQL in {_PG}")
+    def test_external_database(self, systemd_host: Host) -> None:
+        """On an external database (its URL in the env file): the upgrade's migrate, a request
+        made ready, kill -9 back by itself with the allocation kept, the password in no journal
+        line; then back to the embedded default."""
+        systemd_host.run("sh", "-c", _EXTERNAL_SERVER)
+        systemd_host.run("systemctl", "stop", "hubd")
+        env_file = "/etc/hubd/hubd.env"
+        systemd_host.run("sh", "-c", f"echo HUBD_DATABASE_URL={_EXTERNAL_URL} >> {env_file}")
+        try:
+            assert "applied" in systemd_host.hubctl("migrate").stdout
+            _running(systemd_host)
+            done = systemd_host.hubctl(
+                "alloc", "request", "--provisioner", "local", "--wait", "--json"
+            )
+            allocation_id = json.loads(done.stdout)["id"]
+            generation = systemd_host.allocation(allocation_id)["generation"]
+            pid = systemd_host.show("MainPID")
+            systemd_host.run("kill", "-9", pid)
+            _poll(
+                lambda: (
+                    systemd_host.show("ActiveState") == "active"
+                    and systemd_host.show("MainPID") not in ("0", pid)
+                ),
+                what="the unit to come back",
+            )
+            _poll(_ready_at(systemd_host, allocation_id, generation), what="ready after the kill")
+            journal = systemd_host.run("journalctl", "-u", "hubd", "-o", "cat").stdout
+            assert _EXTERNAL_PASSWORD not in journal
+        finally:
+            systemd_host.run("sed", "-i", "/^HUBD_DATABASE_URL=/d", env_file)
+            systemd_host.run("systemctl", "restart", "hubd")
