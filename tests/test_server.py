@@ -106,6 +106,10 @@ class TestHandshake:
                 "sidecar_id": sidecar.sidecar_id,
                 "generation": sidecar.generation,
                 "heartbeat_interval_s": 20.0,
+                "spec": {},
+                "tenant": None,
+                "session": None,
+                "ready_when": "connected",
             }
             # The record is written before the welcome is sent.
             row = await record_row(db, sidecar.allocation_id)

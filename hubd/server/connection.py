@@ -19,6 +19,7 @@ from websockets.server import ServerProtocol
 from hubd.server.handshake import Rejection
 from hubd.server.limits import HeaderScanner, TokenBucket
 from hubd.server.sockets import SocketEntry
+from hubd.store.connections import Served
 
 if TYPE_CHECKING:
     from hubd.server.websocket import SidecarServer
@@ -58,6 +59,7 @@ class SidecarConnection(ServerConnection):
         "budget",
         "hubd_entry",
         "hubd_secret",
+        "hubd_served",
         "on_violation",
         "source",
     )
@@ -71,6 +73,8 @@ class SidecarConnection(ServerConnection):
         takes it (or the handshake is abandoned)."""
         self.hubd_secret: str | None = None
         """The reconnect secret its welcome will carry (v2), from its admission until then."""
+        self.hubd_served: Served | None = None
+        """What its sidecar serves (spec, tenant, session), for its welcome, until then."""
         self.budget: TokenBucket | None = None
         """Messages and control frames together; set once the socket is open."""
         self.on_violation: Callable[[str], None] | None = None
@@ -108,7 +112,7 @@ class SidecarConnection(ServerConnection):
         finally:
             entry = self.hubd_entry
             if entry is not None and self.protocol.state is not State.OPEN:
-                self.hubd_entry = self.hubd_secret = None
+                self.hubd_entry = self.hubd_secret = self.hubd_served = None
                 self._hub.handshake_abandoned(entry)
 
     # -- admission ------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from hubd.store.connections import (
     Admitted,
     ConnectionStore,
     RecordOutcome,
+    Served,
     SidecarIdentity,
 )
 from hubd.tokens import hash_token, new_reconnect_secret
@@ -332,6 +333,7 @@ class SidecarServer:
         self._router.admitted(entry, record, secret_hash=secret_hash)
         connection.hubd_entry = entry
         connection.hubd_secret = secret
+        connection.hubd_served = record.served
         return None
 
     async def _too_often(
@@ -437,7 +439,8 @@ class SidecarServer:
     async def _handle(self, connection: ServerConnection) -> None:
         assert isinstance(connection, SidecarConnection)
         entry, secret = connection.hubd_entry, connection.hubd_secret
-        connection.hubd_entry = connection.hubd_secret = None
+        served = connection.hubd_served
+        connection.hubd_entry = connection.hubd_secret = connection.hubd_served = None
         # The request's headers hold the raw token; nothing after the admission needs them.
         connection.forget_handshake()
         if entry is None:  # pragma: no cover -- process_request always sets it
@@ -450,17 +453,9 @@ class SidecarServer:
         # From the upgrade on, control frames spend it too (see SidecarConnection).
         connection.budget = TokenBucket(self._message_rate, self._message_burst, loop.time())
         connection.on_violation = functools.partial(self._violation, entry)
-        welcome: dict[str, Any] = {
-            "type": "welcome",
-            "allocation_id": entry.target.allocation_id,
-            "sidecar_id": entry.sidecar_id,
-            "generation": entry.target.generation,
-            "heartbeat_interval_s": self._heartbeat_interval,
-        }
-        if secret is not None:
-            welcome["reconnect_secret"] = secret
+        welcome = welcome_message(entry, served, self._heartbeat_interval, secret)
         try:
-            if await self._router.open(entry, welcome=json.dumps(welcome)):
+            if await self._router.open(entry, welcome=welcome):
                 self.stats.accepted += 1
                 await self._read(connection, entry)
             else:
@@ -525,3 +520,26 @@ class SidecarServer:
         self.stats.ignored_messages += 1
         self.stats.ignored_by_kind[kind] += 1
         entry.log.debug("sidecar_message_ignored", kind=kind)
+
+
+def welcome_message(
+    entry: SocketEntry, served: Served | None, heartbeat_interval: float, secret: str | None
+) -> str:
+    """The welcome of an admitted socket (architecture §4): its identity, what its sidecar
+    serves, and on v2 its reconnect secret. Every field is sent to v1 and v2 alike: a sidecar
+    ignores the fields it does not know."""
+    served = served or Served()
+    welcome: dict[str, Any] = {
+        "type": "welcome",
+        "allocation_id": entry.target.allocation_id,
+        "sidecar_id": entry.sidecar_id,
+        "generation": entry.target.generation,
+        "heartbeat_interval_s": heartbeat_interval,
+        "spec": served.spec,
+        "tenant": served.tenant,
+        "session": served.session,
+        "ready_when": served.ready_when,
+    }
+    if secret is not None:
+        welcome["reconnect_secret"] = secret
+    return json.dumps(welcome)

@@ -24,6 +24,9 @@ from hubd.store.secrets import Acknowledgement, Rotation, SecretState
 
 __all__ = [
     "CONNECTED_CHANNEL",
+    "READY_WHEN",
+    "READY_WHEN_CONNECTED",
+    "READY_WHEN_DECLARED",
     "SOCKETS_CHANNEL",
     "Admission",
     "Admitted",
@@ -34,6 +37,7 @@ __all__ = [
     "Record",
     "RecordOutcome",
     "RecordRequest",
+    "Served",
     "SidecarIdentity",
     "SocketCheck",
     "SocketControl",
@@ -48,6 +52,12 @@ SQL = load_queries("connections.sql")
 CONNECTED_CHANNEL: Final = "hubd_connected"
 """The NOTIFY channel a connection record announces itself on; payload
 ``<allocation>:<generation>:<seq>:<connection>``."""
+
+READY_WHEN_CONNECTED: Final = "connected"
+READY_WHEN_DECLARED: Final = "declared"
+READY_WHEN: Final = (READY_WHEN_CONNECTED, READY_WHEN_DECLARED)
+"""How an allocation becomes ready (``ready_when``): once its sidecar connected, or once the
+connected sidecar declared it (a ``ready`` message)."""
 
 SOCKETS_CHANNEL: Final = "hubd_sockets"
 """The NOTIFY channel on which every move to a newer generation or to a terminal status is
@@ -159,6 +169,27 @@ class StaleConnection:
         )
 
 
+@attrs.frozen(kw_only=True)
+class Served:
+    """What a recorded connection's sidecar serves, as its welcome tells it (architecture §4):
+    the allocation's spec, tenant and session, and how it becomes ready."""
+
+    spec: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
+    tenant: str | None = None
+    session: str | None = None
+    ready_when: str = READY_WHEN_CONNECTED
+    """``connected`` (ready once connected) or ``declared`` (once the sidecar says so)."""
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Served:
+        return cls(
+            spec=row["spec"] or {},
+            tenant=row["tenant_id"],
+            session=row["session_id"],
+            ready_when=row["ready_when"] or READY_WHEN_CONNECTED,
+        )
+
+
 @attrs.frozen
 class Record:
     """The outcome of writing a connection record, and its number when written."""
@@ -167,6 +198,8 @@ class Record:
     seq: int | None = None
     ready: bool = False
     """The allocation became ready in the same statement."""
+    served: Served | None = None
+    """What the sidecar serves, for a record written."""
 
 
 # Batcher keys, hashed at each step of their way through a batch: each hash is kept.
@@ -524,7 +557,9 @@ def _record_outcome(row: Mapping[str, Any]) -> Record:
     if row["rotation_lost"]:
         return Record(RecordOutcome.SUPERSEDED)
     if row["seq"] is not None:
-        return Record(RecordOutcome.RECORDED, row["seq"], ready=row["ready"])
+        return Record(
+            RecordOutcome.RECORDED, row["seq"], ready=row["ready"], served=Served.from_row(row)
+        )
     if Status(row["status"]).terminal:
         return Record(RecordOutcome.RETIRED)
     return Record(RecordOutcome.FENCED)

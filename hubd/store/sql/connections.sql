@@ -70,8 +70,9 @@ WHERE a.id = ANY (:allocation_ids::text[]);
 -- Returns a row per connection: its allocation's identity as the snapshot had it (status,
 -- generation, sidecar, token digest and secret state; NULL: no such allocation), whether it was
 -- admitted and whether another of the statement's was written in its place (outvoted), the
--- record's number (NULL: not written), whether the allocation became ready and whether the
--- rotation lost.
+-- record's number (NULL: not written), whether the allocation became ready, what a written
+-- record's sidecar serves (spec, tenant_id, session_id, ready_when: its welcome's) and whether
+-- the rotation lost.
 WITH given AS (
     SELECT *
     FROM unnest(:connection_ids::text[], :allocation_ids::text[], :generations::integer[],
@@ -84,7 +85,9 @@ WITH given AS (
     SELECT g.*, a.status AS current_status, a.generation AS current_generation,
            a.sidecar_id AS current_sidecar_id, a.token_hash AS current_token_hash,
            s.secret_hash AS current_secret_hash, s.previous_hash AS current_previous_hash,
-           s.acknowledged AS current_acknowledged,
+           s.acknowledged AS current_acknowledged, a.spec AS current_spec,
+           a.tenant_id AS current_tenant_id, a.session_id AS current_session_id,
+           a.ready_when AS current_ready_when,
            NOT g.authenticate OR coalesce(
                a.status IN ('provisioning', 'allocated')
                AND g.generation = a.generation
@@ -104,7 +107,9 @@ WITH given AS (
     FROM given AS g
     -- Each row by its key (LIMIT 1 keeps the planner from turning the look-ups into a scan).
     LEFT JOIN LATERAL (
-        SELECT status, generation, sidecar_id, token_hash FROM hubd_allocations
+        SELECT status, generation, sidecar_id, token_hash, spec, tenant_id, session_id,
+               ready_when
+        FROM hubd_allocations
         WHERE id = g.allocation_id LIMIT 1
     ) AS a ON true
     -- A secret of an older generation or sidecar is no secret of this identity.
@@ -224,6 +229,14 @@ SELECT c.connection_id, c.allocation_id AS id, c.admitted, i.connection_id IS NU
        c.current_secret_hash AS secret_hash, c.current_previous_hash AS previous_hash,
        c.current_acknowledged AS acknowledged, w.seq,
        coalesce(alloc.ready_now, false) AS ready,
+       -- What the sidecar serves, for its welcome: read from the row the admission checked
+       -- (spec, tenant and session never change; ready_when only while pending), and only
+       -- for a record written, so a refused handshake costs no copy of a spec.
+       CASE WHEN w.seq IS NOT NULL THEN c.current_spec END AS spec,
+       CASE WHEN w.seq IS NOT NULL THEN c.current_tenant_id END AS tenant_id,
+       CASE WHEN w.seq IS NOT NULL THEN c.current_session_id END AS session_id,
+       CASE WHEN w.seq IS NOT NULL THEN coalesce(c.current_ready_when, 'connected') END
+           AS ready_when,
        i.rotate AND NOT EXISTS (
            SELECT 1 FROM rotated AS r WHERE r.allocation_id = i.allocation_id) AS rotation_lost,
        (SELECT count(*) FROM notified) AS notified
