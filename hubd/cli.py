@@ -193,11 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
+    from hubd.daemon.hooks import load_on_ready
     from hubd.plugins.registry import resolve_factories
 
     # The operator's pre-flight: a plugin that cannot be imported fails here (exit 2), not at
     # start. Factories are found, not called: building a provisioner may do I/O.
     resolve_factories(config.provisioners)
+    load_on_ready(config.reconciler.on_ready)
     print(render_toml(config.to_display_dict()), end="")
     print(f"# state dir: {config.state_path}")
     if config.database.embedded:
@@ -210,6 +212,8 @@ def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
             "(server.listen uses port 0: the port is chosen at start; hubd run logs it)"
         )
     print(f"# provisioners: {', '.join(p.id for p in config.provisioners) or 'none'} (found)")
+    if config.reconciler.on_ready:
+        print(f"# on_ready hook: {config.reconciler.on_ready} (found, async, takes 2 arguments)")
     return EXIT_OK
 
 

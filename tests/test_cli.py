@@ -52,6 +52,42 @@ class TestCheckConfig:
         assert result.out == ""
         assert "pw-x" not in result.err
 
+    @pytest.mark.parametrize(
+        ("hook", "problem"),
+        [
+            ("no.such.module:hook", "cannot import module 'no.such.module' for hook"),
+            ("tests.hookkit:missing", "module 'tests.hookkit' has no attribute 'missing'"),
+            ("tests.hookkit:HOLD_LIMIT", "not a callable"),
+            ("tests.hookkit:not_async", "not an async function"),
+            ("tests.hookkit:one_argument", "cannot be called as hook(allocation, context)"),
+            ("tests.hookkit:", "is not a valid reference"),
+            ("no_such_hook", "nor an entry point in group 'hubd.on_ready'"),
+        ],
+    )
+    def test_bad_on_ready_exits_2_naming_the_key(
+        self, tmp_path: Path, hook: str, problem: str
+    ) -> None:
+        """An on_ready hook that cannot be imported, is not async or does not take (allocation,
+        context) exits 2 with one line naming the key and the problem."""
+        result = run_hubd(
+            "check-config", "--config", write(tmp_path, f'[reconciler]\non_ready = "{hook}"\n')
+        )
+        assert result.code == 2
+        assert result.err.startswith("hubd: reconciler.on_ready")
+        assert problem in result.err
+        assert len(result.err.splitlines()) == 1
+        assert result.out == ""
+
+    @pytest.mark.parametrize("hook", ["tests.hookkit:hold", "tests.hookkit:callable_object"])
+    def test_good_on_ready_is_found(self, tmp_path: Path, hook: str) -> None:
+        """An async hook of the right shape passes, and the output says it was found."""
+        result = run_hubd(
+            "check-config", "--config", write(tmp_path, f'[reconciler]\non_ready = "{hook}"\n')
+        )
+        assert result.code == 0, result.err
+        assert f'on_ready = "{hook}"' in result.out
+        assert f"# on_ready hook: {hook} (found" in result.out
+
     def test_prints_effective_config_redacted(self, tmp_path: Path) -> None:
         """check-config prints the effective config with the database password hidden."""
         path = write(tmp_path, '[database]\nurl = "postgresql://hubd:s3cr3t-pw@db:5432/hubd"\n')

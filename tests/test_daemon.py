@@ -23,6 +23,7 @@ from tests.daemonkit import (
     sidecar_pids,
     write_config,
 )
+from tests.hookkit import release_file, started_file
 from tests.reconcilerkit import poll_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -466,6 +467,59 @@ class TestOperatorInterfaces:
         assert result.code == 2
         assert "k8s" in result.err
         assert "no.such.module" in result.err
+
+
+class TestOnReadyHook:
+    async def test_configured_hook_runs_before_ready(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """`hubd run` with `[reconciler] on_ready` set runs that hook once the sidecar has
+        connected, under the initialization marker and before the allocation is ready; the
+        allocation becomes ready only when the hook returns."""
+        config = write_config(
+            state_dir / "hubd.toml", database_url=database_url, state_dir=state_dir, marker=marker
+        )
+        text = config.read_text()
+        config.write_text(
+            text.replace("[reconciler]\n", '[reconciler]\non_ready = "tests.hookkit:hold"\n', 1)
+        )
+        hooks = state_dir / "hooks"
+        hooks.mkdir()
+        # The hook is held while the test looks: the budget it runs under must outlast that.
+        daemon = DaemonProcess(
+            config, {"HOOK_TEST_DIR": str(hooks), "HUBD_RECONCILER_OPERATION_TIMEOUT": "8s"}
+        )
+        await daemon.start()
+        try:
+            (allocation_id,) = await request_many(1, {"HUBD_DATABASE_URL": database_url})
+            started = started_file(hooks, allocation_id)
+            await poll_until(lambda: _true(started.exists()), within=60)
+            during = await observer.get(allocation_id)
+            assert during.status is Status.ALLOCATED
+            assert not during.ready
+            assert during.initialization_lease_id == started.read_text()
+            release_file(hooks, allocation_id).touch()
+            await poll_until(lambda: all_ready(observer, [allocation_id]), within=30)
+            ready = await observer.get(allocation_id)
+            assert ready.initialization_lease_id is None
+            assert ready.generation == during.generation
+            await daemon.signal(signal.SIGTERM)
+            assert await daemon.wait() == 0
+        finally:
+            await daemon.kill()
+
+    async def test_bad_hook_exits_2(self, database_url: str, state_dir: Path) -> None:
+        """`hubd run` with an on_ready hook of the wrong shape stops at start with exit 2 and
+        a message naming the key."""
+        config = state_dir / "hubd.toml"
+        config.write_text(
+            f'[database]\nurl = "{database_url}"\n'
+            '[reconciler]\non_ready = "tests.hookkit:not_async"\n'
+        )
+        result = await run_hubd_async("run", "--config", str(config))
+        assert result.code == 2
+        assert "hubd: reconciler.on_ready 'tests.hookkit:not_async': " in result.err
+        assert "not an async function" in result.err
 
 
 class TestPortInUse:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hubd.config import Config, ProvisionerConfig
+from hubd.daemon.hooks import ON_READY_GROUP, load_on_ready
 from hubd.errors import PluginError, PluginLoadError
 from hubd.plugins.local import LocalProvisioner
 from hubd.plugins.protocol import (
@@ -27,6 +28,7 @@ from hubd.plugins.protocol import (
 from hubd.plugins.registry import ENTRY_POINT_GROUP, load_provisioners
 from hubd.published import encode_metadata
 from hubd.store import Database
+from tests import hookkit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "plugins"
 HERE = "tests.test_plugins"
@@ -146,13 +148,15 @@ def examples_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLES))
 
 
-def make_distribution(root: Path, name: str, entry_points: Mapping[str, str]) -> None:
+def make_distribution(
+    root: Path, name: str, entry_points: Mapping[str, str], group: str = ENTRY_POINT_GROUP
+) -> None:
     """An installed distribution as importlib.metadata sees one: a dist-info on sys.path."""
     info = root / f"{name}-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
     lines = "".join(f"{key} = {value}\n" for key, value in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{lines}")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
 
 
 @pytest.fixture
@@ -500,3 +504,30 @@ class TestEnsureResults:
                 )
                 == 16385
             )
+
+
+class TestOnReadyHooks:
+    """The on-ready hook named by ``[reconciler] on_ready``, found as plugins are."""
+
+    def test_by_reference(self) -> None:
+        """A module:attr reference names the async function itself; empty names none."""
+        assert load_on_ready("tests.hookkit:hold") is hookkit.hold
+        assert load_on_ready("") is None
+
+    def test_by_entry_point(self, site: Path) -> None:
+        """An entry point in group hubd.on_ready is found by its name."""
+        make_distribution(site, "hubd_hooks", {"warm": "tests.hookkit:hold"}, ON_READY_GROUP)
+        assert load_on_ready("warm") is hookkit.hold
+
+    def test_entry_point_of_the_wrong_shape(self, site: Path) -> None:
+        """An entry point naming a plain function is refused naming the key."""
+        make_distribution(site, "hubd_hooks", {"cold": "tests.hookkit:not_async"}, ON_READY_GROUP)
+        with pytest.raises(PluginLoadError, match=r"^reconciler\.on_ready 'cold': .* not an async"):
+            load_on_ready("cold")
+
+    def test_a_provisioner_entry_point_is_no_hook(self, site: Path) -> None:
+        """Only group hubd.on_ready names hooks: a provisioner's entry point of that name is
+        not taken for one."""
+        make_distribution(site, "hubd_echo", {"echo": "echo_provisioner:create"})
+        with pytest.raises(PluginLoadError, match=r"nor an entry point in group 'hubd\.on_ready'"):
+            load_on_ready("echo")

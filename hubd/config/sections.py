@@ -293,6 +293,10 @@ class ReconcilerConfig:
     repair_interval: float = _duration("30s")
     shutdown_grace: float = _duration("20s")
     automatic_replacement_recovery: bool = _flag(False)
+    on_ready: str = _text("")
+    """The hook run after a sidecar connects and before its allocation is ready:
+    ``"package.module:attr"`` or an entry point in group ``hubd.on_ready``; empty: none
+    (``hubd.daemon.hooks``)."""
 
     def __attrs_post_init__(self) -> None:
         check_fields("reconciler", self)

@@ -3,7 +3,8 @@
 The daemon's lifetimes are one :class:`contextlib.AsyncExitStack`, entered in the order the parts
 must start and left in the reverse order, each ordering rule stated where it is entered:
 database → pools → sidecar listener → instance registration → admin listener → background
-tasks. Plugins load before any of it (a bad plugin is a config error, before anything starts).
+tasks. Plugins and the configured on-ready hook load before any of it (a bad one is a config
+error, before anything starts).
 
 Shutdown (SIGTERM / SIGINT): stop claiming, give in-flight claims ``shutdown_grace`` to finish
 (then cancel them: their leases expire, nothing is written half-way), run the stop hook, close
@@ -25,6 +26,7 @@ import structlog
 from hubd.backoff import Retries
 from hubd.config import Config
 from hubd.daemon.heartbeat import Heartbeat, registered
+from hubd.daemon.hooks import load_on_ready
 from hubd.daemon.loops import loop_name
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.running import (
@@ -97,6 +99,9 @@ class Daemon:
 
     async def run(self) -> int:
         provisioners = load_provisioners(self.config.provisioners, state_dir=self.config.state_path)
+        if self._on_ready is None:
+            # A hook handed in by an embedder wins over the configured one.
+            self._on_ready = load_on_ready(self.config.reconciler.on_ready)
         loop = asyncio.get_running_loop()
         # The loop actually running, whatever asked for it (``hubd run``, or a test's own).
         self.metrics.event_loop.labels(loop=loop_name(loop)).set(1)

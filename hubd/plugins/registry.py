@@ -45,7 +45,13 @@ from hubd.errors import PluginLoadError
 from hubd.plugins.protocol import Provisioner
 from hubd.redaction import scrub
 
-__all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "load_provisioners", "resolve_factories"]
+__all__ = [
+    "BUILTIN_PLUGINS",
+    "ENTRY_POINT_GROUP",
+    "find_callable",
+    "load_provisioners",
+    "resolve_factories",
+]
 
 ENTRY_POINT_GROUP: Final = "hubd.provisioners"
 
@@ -102,11 +108,11 @@ def _resolve(config: ProvisionerConfig) -> Factory:
     return _from_entry_point(where, name)
 
 
-def _from_reference(where: str, plugin: str, reference: str) -> Factory:
+def _from_reference(where: str, plugin: str, reference: str, role: str = "plugin") -> Factory:
     match = _REFERENCE.fullmatch(reference)
     if match is None:
         raise PluginLoadError(
-            f"{where}: plugin {plugin!r} is not a valid reference; expected 'package.module:attr'"
+            f"{where}: {role} {plugin!r} is not a valid reference; expected 'package.module:attr'"
         )
     module_name, attr_path = match["module"], match["attr"]
     try:
@@ -114,26 +120,44 @@ def _from_reference(where: str, plugin: str, reference: str) -> Factory:
     except Exception as exc:
         # Module-level code of a plugin can raise anything; all of it means "cannot load".
         raise PluginLoadError(
-            f"{where}: cannot import module {module_name!r} for plugin {plugin!r}: {_detail(exc)}"
+            f"{where}: cannot import module {module_name!r} for {role} {plugin!r}: {_detail(exc)}"
         ) from exc
     try:
         target: object = functools.reduce(getattr, attr_path.split("."), module)
     except AttributeError:
         raise PluginLoadError(
-            f"{where}: module {module_name!r} has no attribute {attr_path!r} (plugin {plugin!r})"
+            f"{where}: module {module_name!r} has no attribute {attr_path!r} ({role} {plugin!r})"
         ) from None
-    return _callable(where, plugin, target)
+    return _callable(where, plugin, target, role)
 
 
-def _from_entry_point(where: str, name: str) -> Factory:
-    found = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=name))
+def find_callable(where: str, name: str, *, group: str) -> Callable[..., object]:
+    """The hook ``name`` names, found as a provisioner's plugin is (without the built-ins):
+    ``"package.module:attr"`` imported, otherwise an entry point of that name in ``group``.
+    Raises :class:`PluginLoadError` starting with ``where`` (what the operator fixes)."""
+    name = name.strip()
+    if ":" in name:
+        return _from_reference(where, name, name, "hook")
+    return _from_entry_point(where, name, group=group)
+
+
+def _from_entry_point(where: str, name: str, *, group: str = ENTRY_POINT_GROUP) -> Factory:
+    found = list(importlib.metadata.entry_points(group=group, name=name))
     if not found:
+        if group != ENTRY_POINT_GROUP:
+            installed = sorted(
+                {entry.name for entry in importlib.metadata.entry_points(group=group)}
+            )
+            raise PluginLoadError(
+                f"{where}: {name!r} is neither 'package.module:attr' nor an entry point in "
+                f"group {group!r} (installed: {', '.join(installed) or 'none'})"
+            )
         raise PluginLoadError(f"{where}: unknown plugin {name!r}; {_known_plugins(name)}")
     if len({entry.value for entry in found}) > 1:
         owners = ", ".join(sorted(_owner(entry) for entry in found))
         raise PluginLoadError(
             f"{where}: plugin {name!r} is ambiguous: several distributions provide an entry point "
-            f"of that name in group {ENTRY_POINT_GROUP!r} ({owners}); name one by 'module:attr'"
+            f"of that name in group {group!r} ({owners}); name one by 'module:attr'"
         )
     entry = found[0]
     try:
@@ -144,7 +168,7 @@ def _from_entry_point(where: str, name: str) -> Factory:
             f"{where}: entry point {name!r} ({entry.value}, from {_owner(entry)}) failed to load: "
             f"{_detail(exc)}"
         ) from exc
-    return _callable(where, name, target)
+    return _callable(where, name, target, "plugin" if group == ENTRY_POINT_GROUP else "hook")
 
 
 def _owner(entry: importlib.metadata.EntryPoint) -> str:
@@ -165,11 +189,11 @@ def _known_plugins(name: str) -> str:
     )
 
 
-def _callable(where: str, plugin: str, target: object) -> Factory:
+def _callable(where: str, plugin: str, target: object, role: str = "plugin") -> Factory:
     if not callable(target):
         raise PluginLoadError(
-            f"{where}: plugin {plugin!r} names {target!r:.60} ({type(target).__name__}), "
-            "not a callable factory"
+            f"{where}: {role} {plugin!r} names {target!r:.60} ({type(target).__name__}), "
+            f"not a callable{' factory' if role == 'plugin' else ''}"
         )
     return target
 
