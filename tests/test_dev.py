@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import signal
+import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 from hubd.config import Config, StateConfig
 from hubd.daemon.dev import dev_config
 from hubd.store import AllocationStore, Status
-from tests.clikit import run_hubd
+from tests.clikit import Result, hubd_env, run_hubd, run_hubd_async
 from tests.daemonkit import DaemonProcess, kill_writing_under
 from tests.polling import eventually
 
@@ -38,10 +41,63 @@ def home() -> Iterator[Path]:
             kill_writing_under(Path(path))
 
 
+async def run_python(script: str) -> Result:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        script,
+        env=hubd_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(120):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return Result(process.returncode, out.decode(), err.decode())
+
+
 def demo_id(process: DaemonProcess) -> str:
     found = re.search(r"(al_[0-9a-f]{32}) is READY", process.output)
     assert found is not None, process.output
     return found.group(1)
+
+
+async def shows_what_was_published_and_works_as_printed(
+    dev: DaemonProcess, state: Path, allocation_id: str
+) -> None:
+    """The demo's endpoint and metadata are shown (the local provisioner's metadata at least:
+    the sidecar's pid), and the application's three lines dev prints, run as printed against
+    the DSN `hubd db-url` gives, get a ready sidecar and its metadata."""
+    shown = re.search(r"\n    endpoint: (.*)\n    metadata: (.*)\n", dev.output)
+    assert shown is not None, dev.output
+    metadata = json.loads(shown.group(2))
+    assert isinstance(metadata["pid"], int)
+    db_url = await run_hubd_async("db-url", env={"HUBD_STATE_DIR": str(state)})
+    assert db_url.code == 0, db_url.err
+    dsn = db_url.out.strip()
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(
+            "SELECT endpoint, metadata FROM hubd_v1.allocations WHERE id = $1", allocation_id
+        )
+    finally:
+        await conn.close()
+    assert row is not None
+    assert json.loads(row["metadata"])["pid"] == metadata["pid"]
+    text = dev.output
+    start = text.index("  async with await Client.connect(")
+    lines = text[start : text.index("\nTry, in another terminal:", start)].splitlines()
+    assert lines[0] == f"  async with await Client.connect({dsn!r}) as hubd:"
+    assert len(lines) == 4
+    body = "\n".join(line[2:] for line in lines)
+    script = (
+        "import asyncio\nfrom hubd.client import Client\n\n\nasync def main():\n"
+        + textwrap.indent(body, "    ")
+        + "\n        await hubd.release(allocation.id)\n\n\nasyncio.run(main())\n"
+    )
+    ran = await run_python(script)
+    assert ran.code == 0, ran.err
+    assert "'pid': " in ran.out
 
 
 class TestRefusal:
@@ -86,7 +142,8 @@ class TestStateDir:
 class TestOwnWork:
     async def test_follow_up_commands_reach_its_database(self, home: Path) -> None:
         """dev prints follow-up commands that reach its own database (the state dir, the
-        config file), and Ctrl-C releases its demo and exits 0."""
+        config file), the demo's endpoint and metadata and an application's three lines that
+        work as printed, and Ctrl-C releases its demo and exits 0."""
         state = home  # its parents must be world-searchable for a root-run embedded server
         config = home / "hubd.toml"
         config.write_text('[log]\nlevel = "info"\n')
@@ -98,6 +155,7 @@ class TestOwnWork:
             assert f"Data: {state / 'pgdata'}" in dev.output
             listing = await dev.wait_for_text(" alloc list")
             assert f"HUBD_CONFIG={config} HUBD_STATE_DIR={state} " in listing
+            await shows_what_was_published_and_works_as_printed(dev, state, allocation_id)
             await dev.signal(signal.SIGINT)
             assert await dev.wait(within=60) == 0, dev.output
         finally:
@@ -110,9 +168,10 @@ class TestOwnWork:
             env={"HUBD_STATE_DIR": str(state), "HUBD_CONFIG": str(config)},
         )
         assert listed.code == 0, listed.err
-        assert [(a["id"], a["status"]) for a in json.loads(listed.out)] == [
-            (allocation_id, "released")
-        ]
+        # The demo, and the allocation the application's lines requested and released.
+        rows = json.loads(listed.out)
+        assert allocation_id in [a["id"] for a in rows]
+        assert [a["status"] for a in rows] == ["released", "released"]
 
     async def test_releases_only_what_it_requested(
         self, database_url: str, observer: AllocationStore, home: Path

@@ -11,6 +11,7 @@ allocations it requested itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shlex
 import shutil
@@ -25,6 +26,7 @@ from hubd.config import Config, LogConfig, ProvisionerConfig, StateConfig, defau
 from hubd.daemon.service import Daemon
 from hubd.logs import flush_logs
 from hubd.redaction import redact_dsn
+from hubd.store.address import application_dsn
 from hubd.store.models import Status
 
 __all__ = ["DevSession", "dev_config", "external_database_refusal", "run_dev"]
@@ -90,6 +92,28 @@ def _command(config: Config, config_path: str | None) -> str:
     return " ".join((*prefix, command))
 
 
+def _shown(value: object) -> str:
+    """A published value as one line a terminal shows as it is (JSON escapes what it must)."""
+    if value is None:
+        return "- (none published)"
+    if isinstance(value, str) and value.isprintable():
+        return value
+    return json.dumps(value)
+
+
+def _application_lines(config: Config) -> str:
+    """An application's three lines against this session's database, with the Python client."""
+    dsn = application_dsn(config.database.url, config.state_path)
+    return (
+        "An application gets a ready sidecar and its endpoint in three lines (hubd.client;\n"
+        "the DSN is what `hubd db-url` prints):\n"
+        f"  async with await Client.connect({dsn!r}) as hubd:\n"
+        '      allocation = await hubd.request("local", session="my-session")\n'
+        "      ready = await hubd.wait_ready(allocation.id, timeout=60)\n"
+        "      print(ready.endpoint, ready.metadata)\n"
+    )
+
+
 def _say(text: str) -> None:
     # In order with the log lines of this loop iteration, which are held back until its end.
     flush_logs()
@@ -126,13 +150,20 @@ class DevSession:
                 await asyncio.sleep(0.2)
         config = daemon.config
         hubd = _command(config, self.config_path)
+        # What the row holds now: the provisioner's acceptance, and whatever the sidecar has
+        # published by this moment.
+        current = await store.get(allocation.id)
         _say(
-            f"==> {allocation.id} is READY (sidecar {current.sidecar_id} connected)\n\n"
+            f"==> {allocation.id} is READY (sidecar {current.sidecar_id} connected)\n"
+            f"    endpoint: {_shown(current.endpoint)}\n"
+            f"    metadata: {_shown(current.metadata)}\n\n"
+            f"{_application_lines(config)}\n"
             "Try, in another terminal:\n"
             f"  {hubd} alloc request --provisioner local --wait\n"
             f"  {hubd} alloc list\n"
             f"  {hubd} alloc show {allocation.id}\n"
             f"  {hubd} alloc release {allocation.id}\n"
+            f"  {hubd} db-url\n"
             f"  curl -s http://{config.admin.host}:{daemon.running.admin.port}"
             "/metrics\n"
             f"Data: {config.state_path / 'pgdata'}   Stop with Ctrl-C (releases what this session "
