@@ -311,13 +311,24 @@ class TestReconnectSecret:
 class TestCloseCodes:
     def test_codes(self) -> None:
         """The close codes are the protocol's."""
-        assert [int(code) for code in CloseCode] == [1000, 1001, 1008, 1009, 1011, 4000, 4001, 4002]
+        assert [int(code) for code in CloseCode] == [
+            1000,
+            1001,
+            1008,
+            1009,
+            1011,
+            4000,
+            4001,
+            4002,
+            4003,
+        ]
 
     def test_reasons(self) -> None:
         """Each code the hub sends carries a short reason; unknown codes carry none."""
         assert close_reason(4000) == "superseded"
         assert close_reason(4001) == "retired"
         assert close_reason(4002) == "fenced"
+        assert close_reason(4003) == "protocol error"
         assert close_reason(1001) == "going away"
         assert close_reason(4999) == ""
 

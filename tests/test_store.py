@@ -901,6 +901,7 @@ class TestClaims:
                 connect_timeout=60.0,
                 api_version="1",
                 binding_fingerprint="fp",
+                ready_when="connected",
             )
             await conn.execute(
                 "UPDATE hubd_allocations SET lease_id = 'ls_park', "

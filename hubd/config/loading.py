@@ -14,13 +14,18 @@ from typing import Any, Final
 
 from hubd.config.kinds import kind_of, problem, toml_type
 from hubd.config.root import SECTIONS, Config
-from hubd.config.sections import ProvisionerConfig, fields_of, provisioner_problem
+from hubd.config.sections import (
+    READY_WHEN_CONNECTED,
+    ProvisionerConfig,
+    fields_of,
+    provisioner_problem,
+)
 from hubd.errors import ConfigError
 
 __all__ = ["load_config"]
 
 _ALL_SECTIONS: Final = (*SECTIONS, "provisioners")
-_PROVISIONER_KEYS: Final = ("id", "plugin", "options")
+_PROVISIONER_KEYS: Final = ("id", "plugin", "ready_when", "options")
 
 
 def load_config(
@@ -122,11 +127,16 @@ def _parse_provisioners(raw: Any) -> tuple[ProvisionerConfig, ...]:
         options = entry.get("options", {})
         if not isinstance(options, dict):
             raise problem(f"{where}.options", f"must be a table, not {toml_type(options)}")
+        ready_when = entry.get("ready_when", READY_WHEN_CONNECTED)
         # Checked here as well as by the record, so the error names the entry's index.
-        broken = provisioner_problem(entry["id"], entry["plugin"])
+        broken = provisioner_problem(entry["id"], entry["plugin"], ready_when)
         if broken is not None:
             raise problem(f"{where}.{broken[0]}", broken[1])
-        parsed.append(ProvisionerConfig(id=entry["id"], plugin=entry["plugin"], options=options))
+        parsed.append(
+            ProvisionerConfig(
+                id=entry["id"], plugin=entry["plugin"], ready_when=ready_when, options=options
+            )
+        )
     return tuple(parsed)
 
 

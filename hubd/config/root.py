@@ -114,7 +114,12 @@ class Config:
             out[name] = table
         out["database"]["url"] = redact_url(self.database.url)
         provisioners = [
-            {"id": p.id, "plugin": p.plugin, "options": _redact_options(p.options)}
+            {
+                "id": p.id,
+                "plugin": p.plugin,
+                "ready_when": p.ready_when,
+                "options": _redact_options(p.options),
+            }
             for p in self.provisioners
         ]
         # Rebuilt so that provisioners come before [log], as in config/hubd.toml.

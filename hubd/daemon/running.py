@@ -273,6 +273,7 @@ class Running:
                 max_concurrent_claims=rc.max_concurrent_claims,
                 automatic_replacement_recovery=rc.automatic_replacement_recovery,
                 instance_ttl=config.instance.ttl,
+                ready_when={p.id: p.ready_when for p in config.provisioners},
             ),
             on_ready=on_ready,
             observer=metrics,

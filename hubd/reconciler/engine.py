@@ -210,6 +210,7 @@ class Reconciler:
             provisioners={
                 pid: (p.api_version, p.binding_fingerprint) for pid, p in s.provisioners.items()
             },
+            ready_when={pid: self.settings.ready_when_of(pid) for pid in s.provisioners},
             connect_timeout=self.settings.connect_timeout,
         )
         self._admitted += capacity

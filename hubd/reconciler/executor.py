@@ -67,6 +67,7 @@ def statement(
                 connect_timeout=write.connect_timeout,
                 api_version=write.api_version,
                 binding_fingerprint=write.binding_fingerprint,
+                ready_when=write.ready_when,
                 effects=effects,
             )
         case BindReplacement():

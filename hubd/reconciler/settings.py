@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import attrs
@@ -34,6 +34,13 @@ class ReconcilerSettings:
     automatic_replacement_recovery: bool = False
     instance_ttl: float = 20.0
     """A connection record counts only while its instance heartbeated within this time."""
+    ready_when: Mapping[str, str] = attrs.field(factory=dict, hash=False)
+    """Provisioner id → how its allocations become ready unless requested otherwise
+    (``"connected"``, the default for a provisioner not named, or ``"declared"``); written
+    on the row by the claim that binds it."""
+
+    def ready_when_of(self, provisioner_id: str) -> str:
+        return self.ready_when.get(provisioner_id, "connected")
 
     def __attrs_post_init__(self) -> None:
         for name in ("lease_duration", "connect_timeout", "operation_timeout", "instance_ttl"):

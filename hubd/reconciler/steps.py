@@ -130,6 +130,7 @@ async def _bind_and_ensure(
             connect_timeout=s.settings.connect_timeout,
             api_version=provisioner.api_version,
             binding_fingerprint=provisioner.binding_fingerprint,
+            ready_when=s.settings.ready_when_of(run.allocation.provisioner_id),
         )
     intent = run.intend("ensure", Status.PROVISIONING)
     await run.apply(bind, (*effects, intent))

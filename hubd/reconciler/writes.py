@@ -42,6 +42,8 @@ class BindInitial:
     connect_timeout: float
     api_version: str
     binding_fingerprint: str
+    ready_when: str = "connected"
+    """The provisioner's default, for a row that did not ask how it becomes ready."""
 
 
 @attrs.frozen(kw_only=True)

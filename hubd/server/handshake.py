@@ -91,6 +91,10 @@ class CloseCode(enum.IntEnum):
     """The allocation was released or failed: do not reconnect."""
     FENCED = 4002
     """A newer generation exists: this sidecar was replaced, do not reconnect."""
+    PROTOCOL_ERROR = 4003
+    """The sidecar sent a message the hub refuses (a malformed or oversized publish, a publish
+    or ready before its welcome was acknowledged): nothing of it was written; do not reconnect,
+    the same message would be refused again."""
 
     @property
     def reason(self) -> str:

@@ -49,6 +49,7 @@ from hubd.redaction import describe_error
 from hubd.routing import Arrivals, ConnectionEvents, Target, not_connected
 from hubd.server.batching import Batcher
 from hubd.server.handshake import CloseCode, HandshakeRequest
+from hubd.server.messages import Publish
 from hubd.server.sockets import (
     REFUSED_RECORD_CLOSES,
     KeyedFifo,
@@ -63,6 +64,7 @@ from hubd.store.connections import (
     ConnectedNotice,
     ConnectionStore,
     Disconnect,
+    PublishOutcome,
     Record,
     RecordOutcome,
     SocketControl,
@@ -403,9 +405,76 @@ class SocketRouter:
             if cleared is not False:
                 await self._deliver(entry, "handle_disconnect")
 
-    def close_socket(self, entry: SocketEntry, code: CloseCode) -> None:
-        """Close one socket on the hub's initiative (policy, internal error)."""
-        self._close(entry, code)
+    def close_socket(self, entry: SocketEntry, code: CloseCode, reason: str | None = None) -> None:
+        """Close one socket on the hub's initiative (policy, protocol error, internal error),
+        with ``reason`` (default: the code's) in its close frame."""
+        self._close(entry, code, reason)
+
+    async def publish(self, entry: SocketEntry, publish: Publish) -> PublishOutcome | None:
+        """Store what ``entry``'s sidecar publishes, fenced on its record. A publish the fence
+        refuses closes the socket as the database says it no longer belongs; one whose outcome
+        is unknown (the database failed) closes it with 1011, so the sidecar reconnects and
+        publishes again. ``None``: unknown."""
+        try:
+            async with asyncio.timeout(self._event_timeout):
+                outcome = await self._connections.publish(
+                    entry.connection_id,
+                    entry.target,
+                    endpoint=publish.endpoint,
+                    metadata=publish.metadata,
+                )
+        except (StoreError, TimeoutError) as exc:
+            entry.log.warning("sidecar_publish_failed", error=describe_error(exc))
+            self._close(entry, CloseCode.INTERNAL_ERROR)
+            return None
+        if outcome is PublishOutcome.REFUSED:
+            await self._follow_record(entry)
+        return outcome
+
+    async def declare_ready(self, entry: SocketEntry) -> bool:
+        """``entry``'s sidecar says it is ready: recorded, fenced on its record, as
+        :meth:`publish` is (and closed the same way when refused or unknown). Whether it
+        was accepted."""
+        try:
+            async with asyncio.timeout(self._event_timeout):
+                declared = await self._connections.declare_ready(entry.connection_id, entry.target)
+        except (StoreError, TimeoutError) as exc:
+            entry.log.warning("sidecar_ready_failed", error=describe_error(exc))
+            self._close(entry, CloseCode.INTERNAL_ERROR)
+            return False
+        if not declared.accepted:
+            await self._follow_record(entry)
+            return False
+        if declared.seq is not None:
+            # The declaration bumped the record's number: the one this socket now holds.
+            entry.seq = declared.seq
+            entry.log.info("sidecar_declared_ready", seq=declared.seq, ready=declared.ready)
+            self.notify_connected(entry.target)
+        return True
+
+    async def _follow_record(self, entry: SocketEntry) -> None:
+        """A write fenced on ``entry``'s record matched nothing: close the socket as the
+        database says it no longer belongs (retired, fenced, superseded) rather than wait for
+        the notification or the repair sweep; with no record of it left (cleared by a sweep),
+        1011, so the sidecar reconnects and records itself again."""
+        try:
+            async with asyncio.timeout(self._event_timeout):
+                checks = await self._connections.check_sockets(
+                    [(entry.target.allocation_id, entry.connection_id)]
+                )
+        except (StoreError, TimeoutError) as exc:
+            entry.log.warning("sidecar_record_unknown", error=describe_error(exc))
+            self._close(entry, CloseCode.INTERNAL_ERROR)
+            return
+        for check in checks:
+            if check.status is None or check.status.terminal:
+                self._close(entry, CloseCode.RETIRED)
+            elif check.generation is not None and check.generation > entry.target.generation:
+                self._close(entry, CloseCode.FENCED)
+            elif check.recorded_connection_id not in (None, entry.connection_id):
+                self._close(entry, CloseCode.SUPERSEDED)
+            elif check.recorded_connection_id is None:
+                self._close(entry, CloseCode.INTERNAL_ERROR)
 
     async def close_all(self, code: CloseCode = CloseCode.GOING_AWAY) -> None:
         """Shutdown: close every socket with ``code`` and wait for the close tasks to finish.
@@ -468,7 +537,7 @@ class SocketRouter:
             if not pending:
                 del self._pending[entry.target.allocation_id]
 
-    def _close(self, entry: SocketEntry, code: CloseCode) -> None:
+    def _close(self, entry: SocketEntry, code: CloseCode, reason: str | None = None) -> None:
         if entry.closed_by_hub is not None:
             return
         # Marked before the close frame goes out, so the socket's own handler, whenever it
@@ -480,7 +549,7 @@ class SocketRouter:
             # Not open yet: the close goes out once it is (see upgraded), or never.
             return
         self._tasks.spawn(
-            entry.ws.close(int(code), code.reason), name=f"close-{entry.connection_id}"
+            entry.ws.close(int(code), reason or code.reason), name=f"close-{entry.connection_id}"
         )
 
     async def _deliver(self, entry: SocketEntry, event: str) -> None:

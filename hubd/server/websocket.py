@@ -33,6 +33,7 @@ from websockets.typing import Subprotocol
 from hubd.config import ServerConfig
 from hubd.errors import BatchFull, StoreError
 from hubd.logs import Sampler
+from hubd.published import MAX_METADATA_BYTES
 from hubd.redaction import describe_error, scrub
 from hubd.server.batching import Batcher
 from hubd.server.connection import SidecarConnection, drain, remote_of
@@ -49,6 +50,7 @@ from hubd.server.handshake import (
 )
 from hubd.server.keepalive import Keepalive
 from hubd.server.limits import BucketMap, ListenerLimits, SourceGate, TokenBucket
+from hubd.server.messages import ProtocolError, parse_publish, parse_ready
 from hubd.server.router import SocketRouter
 from hubd.server.sockets import SocketEntry
 from hubd.server.wire import ServerStats, WireLogger, is_loopback_host, tls_context
@@ -56,6 +58,7 @@ from hubd.store.connections import (
     Admission,
     Admitted,
     ConnectionStore,
+    PublishOutcome,
     RecordOutcome,
     Served,
     SidecarIdentity,
@@ -68,6 +71,11 @@ __all__ = ["MAX_MESSAGE_SIZE", "SidecarServer"]
 log = structlog.get_logger(__name__)
 
 MAX_MESSAGE_SIZE: Final = 64 * 1024
+
+# The hub's answers to a publish and a ready that landed.
+_PUBLISHED: Final = json.dumps({"type": "published"})
+_READY: Final = json.dumps({"type": "ready_recorded"})
+_ACKNOWLEDGED: Final[dict[str, Any]] = {"type": "welcome_ack"}
 
 
 class SidecarServer:
@@ -457,7 +465,8 @@ class SidecarServer:
         try:
             if await self._router.open(entry, welcome=welcome):
                 self.stats.accepted += 1
-                await self._read(connection, entry)
+                # v1 sends no acknowledgement: its welcome is all it gets.
+                await self._read(connection, entry, acknowledged=secret is None)
             else:
                 # The router is closing it (or the peer left): let the close frame it chose go
                 # out before websockets closes the socket with 1000 on our return.
@@ -470,7 +479,13 @@ class SidecarServer:
         upgrade, the handshake timed out, the listener is closing)."""
         self._router.abandon(entry, written=entry.recorded)
 
-    async def _read(self, connection: SidecarConnection, entry: SocketEntry) -> None:
+    async def _read(
+        self, connection: SidecarConnection, entry: SocketEntry, *, acknowledged: bool
+    ) -> None:
+        """Act on the socket's messages one at a time, in order: a publish is stored (or
+        refused) before the message after it is read, so a ``ready`` after a ``publish`` finds
+        the publish written, and a sidecar that writes faster than the database is slowed to
+        it (its messages wait in websockets' bounded queue)."""
         loop = asyncio.get_running_loop()
         budget = connection.budget
         assert budget is not None
@@ -483,9 +498,52 @@ class SidecarServer:
                     connection.on_violation = None
                     self._violation(entry, "message rate exceeded")
                     continue
-                self._dispatch(entry, message)
+                data = self._dispatch(entry, message, acknowledged=acknowledged)
+                if data is _ACKNOWLEDGED:
+                    acknowledged = True
+                elif data is not None:
+                    await self._act(entry, data, acknowledged=acknowledged)
         except ConnectionClosed:
             pass
+
+    async def _act(self, entry: SocketEntry, data: dict[str, Any], *, acknowledged: bool) -> None:
+        """A ``publish`` or a ``ready``: refused with 4003 when malformed or early, else
+        written, fenced on the socket's record (architecture §4, *Publish and ready*)."""
+        if data["type"] == "publish":
+            publish = parse_publish(data, acknowledged=acknowledged)
+            if isinstance(publish, ProtocolError):
+                self._protocol_error(entry, publish)
+                return
+            outcome = await self._router.publish(entry, publish)
+            if outcome is PublishOutcome.TOO_LARGE:
+                too_large = f"publish: merged metadata is larger than {MAX_METADATA_BYTES} bytes"
+                self._protocol_error(entry, ProtocolError(too_large))
+            elif outcome is PublishOutcome.PUBLISHED:
+                self.stats.published += 1
+                await self._answer(entry, _PUBLISHED)
+        elif data["type"] == "ready":
+            ready = parse_ready(acknowledged=acknowledged)
+            if isinstance(ready, ProtocolError):
+                self._protocol_error(entry, ready)
+                return
+            if await self._router.declare_ready(entry):
+                self.stats.declared_ready += 1
+                await self._answer(entry, _READY)
+
+    async def _answer(self, entry: SocketEntry, answer: str) -> None:
+        if entry.closed_by_hub is not None:
+            return
+        try:
+            await entry.ws.send(answer)
+        except Exception as exc:  # noqa: BLE001 -- a peer that vanished is not an error
+            entry.log.info("answer_not_sent", error=describe_error(exc))
+
+    def _protocol_error(self, entry: SocketEntry, error: ProtocolError) -> None:
+        """A message the hub refuses: the socket is closed with 4003, nothing written."""
+        self.stats.protocol_errors += 1
+        if self._sampler.admit("protocol-error", time.monotonic()) is not None:
+            entry.log.warning("sidecar_protocol_error", reason=scrub(error.reason))
+        self._router.close_socket(entry, CloseCode.PROTOCOL_ERROR, error.reason)
 
     def _violation(self, entry: SocketEntry, why: str) -> None:
         """The peer broke its budget: closed with 1008. A peer that does not read the close
@@ -496,25 +554,34 @@ class SidecarServer:
             entry.log.warning("sidecar_policy_violation", reason=why)
         self._router.close_socket(entry, CloseCode.POLICY)
 
-    def _dispatch(self, entry: SocketEntry, message: str | bytes) -> None:
+    def _dispatch(
+        self, entry: SocketEntry, message: str | bytes, *, acknowledged: bool
+    ) -> dict[str, Any] | None:
+        """Act on a message that needs no database, or hand back the one that does (a
+        ``publish``, a ``ready``); ``_ACKNOWLEDGED`` for the welcome's acknowledgement."""
         if isinstance(message, bytes):
             self._ignore(entry, "binary")
-            return
+            return None
         try:
             data = json.loads(message)
         except (ValueError, RecursionError):
             # RecursionError: 64 KiB of "[" is valid-looking JSON nested too deep to parse.
             self._ignore(entry, "not_json")
-            return
+            return None
         kind = data.get("type") if isinstance(data, dict) else None
         if not isinstance(kind, str):
             self._ignore(entry, "no_type")
         elif kind == "heartbeat":
             self.stats.heartbeats += 1
-        elif kind == "welcome_ack" and entry.secret_hash is not None:
+        elif kind == "welcome_ack" and not acknowledged:
             self._router.acknowledge(entry)
+            return _ACKNOWLEDGED
+        elif kind in ("publish", "ready"):
+            result: dict[str, Any] = data
+            return result
         else:
             self._ignore(entry, "unknown_type")
+        return None
 
     def _ignore(self, entry: SocketEntry, kind: str) -> None:
         self.stats.ignored_messages += 1

@@ -55,5 +55,11 @@ class ServerStats:
     aborted: collections.Counter[str] = attrs.field(factory=collections.Counter)
     """Sockets aborted for a resource bound (write buffer, stall), by reason."""
     heartbeats: int = 0
+    published: int = 0
+    """Publishes stored."""
+    declared_ready: int = 0
+    """Declarations of readiness recorded."""
+    protocol_errors: int = 0
+    """Sockets closed with 4003 for a message the hub refused."""
     ignored_messages: int = 0
     ignored_by_kind: collections.Counter[str] = attrs.field(factory=collections.Counter)

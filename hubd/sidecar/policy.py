@@ -57,6 +57,7 @@ _STOP_CLOSES: Final = {
     # A release, like a replacement, starts a new generation, so an ordinary release closes
     # the sidecar with 4002 too: say both, in words that do not read as an error.
     4002: "released or replaced: the hub ended this generation of the allocation",
+    4003: "the hub refused a message of this sidecar (protocol error)",
 }
 _ORDINARY_CLOSES: Final = frozenset({4001, 4002})
 _RECONNECT_CLOSES: Final = {

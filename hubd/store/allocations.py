@@ -188,7 +188,12 @@ class AllocationStore(SweepQueries):
                 sidecar_ids=[] if binds is None else list(binds.sidecar_ids),
                 token_hashes=[] if binds is None else list(binds.token_hashes),
                 bindings=json.dumps(
-                    {} if binds is None else {k: list(v) for k, v in binds.provisioners.items()}
+                    {}
+                    if binds is None
+                    else {
+                        k: [*v, binds.ready_when.get(k, "connected")]
+                        for k, v in binds.provisioners.items()
+                    }
                 ),
                 connect_timeout=0.0 if binds is None else float(binds.connect_timeout),
                 instance_id=self.instance_id,
@@ -253,6 +258,7 @@ class AllocationStore(SweepQueries):
         connect_timeout: float,
         api_version: str,
         binding_fingerprint: str,
+        ready_when: str = "connected",
         effects: Effects = (),
     ) -> Allocation | None:
         return await self._fenced(
@@ -265,6 +271,7 @@ class AllocationStore(SweepQueries):
             connect_timeout=float(connect_timeout),
             api_version=api_version,
             binding_fingerprint=binding_fingerprint,
+            ready_when=ready_when,
         )
 
     async def bind_replacement_sidecar(

@@ -32,7 +32,9 @@ __all__ = [
     "Admitted",
     "ConnectedNotice",
     "ConnectionStore",
+    "Declaration",
     "Disconnect",
+    "PublishOutcome",
     "Readiness",
     "Record",
     "RecordOutcome",
@@ -200,6 +202,31 @@ class Record:
     """The allocation became ready in the same statement."""
     served: Served | None = None
     """What the sidecar serves, for a record written."""
+
+
+class PublishOutcome(enum.StrEnum):
+    """What became of a sidecar's publish."""
+
+    PUBLISHED = "published"
+    """Stored (or already so): the row shows it."""
+    TOO_LARGE = "too_large"
+    """Merged over what was stored, the metadata would pass 16 KiB: nothing was written."""
+    REFUSED = "refused"
+    """The connection no longer holds its allocation's current record (superseded, cleared,
+    fenced or retired): nothing was written."""
+
+
+@attrs.frozen(kw_only=True)
+class Declaration:
+    """What became of a sidecar's ``ready``."""
+
+    accepted: bool
+    """The connection held its allocation's current record (``False``: nothing written)."""
+    seq: int | None = None
+    """The record's new number, when the declaration was written (``None``: nothing was to
+    write: the allocation is ready once connected, or the record had declared already)."""
+    ready: bool = False
+    """The allocation became ready in the same statement."""
 
 
 # Batcher keys, hashed at each step of their way through a batch: each hash is kept.
@@ -427,6 +454,53 @@ class ConnectionStore:
             pool=pool,
         )
         return {row["connection_id"]: row for row in rows}
+
+    async def publish(
+        self,
+        connection_id: str,
+        target: Target,
+        *,
+        endpoint: str | None,
+        metadata: str | None,
+    ) -> PublishOutcome:
+        """Store what connection ``connection_id``'s sidecar publishes, fenced on that
+        connection holding ``target``'s current record: ``endpoint`` (``None``: unchanged) and
+        ``metadata`` (a checked JSON object's text, merged over the stored one key by key, a key
+        given null removed; ``None``: unchanged)."""
+        row = await self._db.fetchrow(
+            "publish",
+            SQL.publish(
+                allocation_id=target.allocation_id,
+                generation=target.generation,
+                connection_id=connection_id,
+                endpoint=endpoint,
+                metadata=metadata,
+            ),
+            pool=Pool.SOCKETS,
+        )
+        if row is None or not row["fenced_in"]:
+            return PublishOutcome.REFUSED
+        return PublishOutcome.TOO_LARGE if row["too_large"] else PublishOutcome.PUBLISHED
+
+    async def declare_ready(self, connection_id: str, target: Target) -> Declaration:
+        """Connection ``connection_id``'s sidecar says it is ready, fenced as :meth:`publish`
+        is. Where ``target`` is ready once its sidecar says so, the record is marked declared
+        and the allocation made ready in the same statement (when no on-ready hook must run
+        and it is parked waiting for its sidecar) or woken for a claim to decide."""
+        row = await self._db.fetchrow(
+            "declare ready",
+            SQL.declare_ready(
+                allocation_id=target.allocation_id,
+                generation=target.generation,
+                connection_id=connection_id,
+                instance_id=self.instance_id,
+                ready_on_connect=self._ready_on_connect,
+            ),
+            pool=Pool.SOCKETS,
+        )
+        if row is None or not row["fenced_in"]:
+            return Declaration(accepted=False)
+        return Declaration(accepted=True, seq=row["seq"], ready=row["ready"])
 
     async def reassert(self, connection_id: str, target: Target, sidecar_id: str) -> int | None:
         """Write a swept record of a socket that is still open again; its number, or ``None``

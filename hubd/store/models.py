@@ -247,3 +247,6 @@ class InitialBinds:
     """The claimer's provisioners: id → (api_version, binding_fingerprint). A row of another
     provisioner, or bound to another version or fingerprint, is leased but not bound."""
     connect_timeout: float
+    ready_when: Mapping[str, str] = attrs.field(factory=dict)
+    """Provisioner id → the default a bound row gets unless it asked how it becomes ready
+    (``"connected"`` for one not named)."""

@@ -34,8 +34,9 @@ SELECT * FROM hubd_release_allocation(:allocation_id, :reason, :instance_id);
 -- :effect_ids (destroy_effect_id): the claim is the write that makes the call due. A claim
 -- that ends without calling settles it (a failed row, see drop_lease and the provisioner
 -- check); one that stops leaves it open, and the next owner records it ambiguous.
--- A pending row whose provisioner is in :bindings ({"<id>": [api_version, fingerprint]}, the
--- claimer's provisioners) and not bound to another version or fingerprint is bound here as
+-- A pending row whose provisioner is in :bindings ({"<id>": [api_version, fingerprint,
+-- ready_when]}, the claimer's provisioners, ready_when the provisioner's default for a row that
+-- did not ask for one) and not bound to another version or fingerprint is bound here as
 -- bind_initial_sidecar binds it, with the identity at its position (:sidecar_ids,
 -- :token_hashes; none given: no row is bound) and the ensure's intent under the effect id at
 -- its position (ensure_effect_id): the claim is the write that makes that call due too.
@@ -49,7 +50,7 @@ WITH due AS (
         updated_at = now(),
         -- Decided on the row version being updated (the locked one), never on a read of it.
         (status, provisioner_api_version, provisioner_binding_fingerprint, sidecar_id,
-         token_hash, external_ref, connect_deadline, connection_ready) = (
+         token_hash, external_ref, connect_deadline, connection_ready, ready_when) = (
             SELECT CASE WHEN bind THEN 'provisioning' ELSE a.status END,
                    CASE WHEN bind THEN version ELSE a.provisioner_api_version END,
                    CASE WHEN bind THEN fingerprint ELSE a.provisioner_binding_fingerprint END,
@@ -58,16 +59,19 @@ WITH due AS (
                    CASE WHEN bind THEN NULL ELSE a.external_ref END,
                    CASE WHEN bind THEN now() + make_interval(secs => :connect_timeout)
                         ELSE a.connect_deadline END,
-                   CASE WHEN bind THEN false ELSE a.connection_ready END
+                   CASE WHEN bind THEN false ELSE a.connection_ready END,
+                   CASE WHEN bind THEN COALESCE(a.ready_when, decided.ready_when)
+                        ELSE a.ready_when END
             FROM (
                 SELECT COALESCE(a.status = 'pending' AND leases.sidecar_id IS NOT NULL
                            AND COALESCE(a.provisioner_api_version, wanted.version)
                                = wanted.version
                            AND COALESCE(a.provisioner_binding_fingerprint, wanted.fingerprint)
                                = wanted.fingerprint, false) AS bind,
-                       wanted.version, wanted.fingerprint
+                       wanted.version, wanted.fingerprint, wanted.ready_when
                 FROM (SELECT :bindings::text::jsonb -> a.provisioner_id ->> 0 AS version,
-                             :bindings::text::jsonb -> a.provisioner_id ->> 1 AS fingerprint)
+                             :bindings::text::jsonb -> a.provisioner_id ->> 1 AS fingerprint,
+                             :bindings::text::jsonb -> a.provisioner_id ->> 2 AS ready_when)
                     AS wanted
             ) AS decided)
     FROM due
@@ -153,7 +157,8 @@ SELECT id FROM dropped;
 -- name: bind_initial_sidecar
 -- pending → provisioning: bind the provisioner if unbound (:api_version, :binding_fingerprint)
 -- and a new sidecar identity (:sidecar_id, :token_hash) with a connect deadline :connect_timeout
--- seconds away.
+-- seconds away; a row that did not ask how it becomes ready gets :ready_when, the provisioner's
+-- default.
 WITH updated AS (
     UPDATE hubd_allocations SET
         status = 'provisioning',
@@ -165,6 +170,7 @@ WITH updated AS (
         external_ref = NULL,
         connect_deadline = now() + make_interval(secs => :connect_timeout),
         connection_ready = false,
+        ready_when = COALESCE(ready_when, :ready_when::text),
         updated_at = now()
     WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
       AND lease_expires_at > clock_timestamp()
@@ -352,7 +358,13 @@ WITH input AS (
               failure_message, effects)
     LEFT JOIN LATERAL (
         SELECT a.connection_seq AS seq,
-               hubd_sidecar_live(a.id, a.generation, i.ready_within, i.instance_id) AS connected
+               hubd_sidecar_live(a.id, a.generation, i.ready_within, i.instance_id)
+               -- Ready once its sidecar says so: that record's sidecar must have (readiness).
+               AND (a.ready_when IS DISTINCT FROM 'declared' OR coalesce((
+                   -- By key (LIMIT 1 keeps the look-up off a scan of every record).
+                   SELECT c.declared_ready AND c.generation = a.generation
+                   FROM hubd_sidecar_connections AS c WHERE c.allocation_id = a.id LIMIT 1),
+                   false)) AS connected
         FROM hubd_allocations AS a
         WHERE a.id = i.allocation_id AND i.ready_within IS NOT NULL
           AND i.mode = 'await_connection'

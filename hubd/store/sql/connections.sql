@@ -54,7 +54,8 @@ WHERE a.id = ANY (:allocation_ids::text[]);
 -- to every replica: waiters wake, and a replica holding an older socket of the same generation
 -- closes it as superseded. Then one of two things:
 -- * With :ready_on_connect (no on-ready hook to run) and the allocation parked waiting for this connect
---   (allocated, not ready, no initialization marker, no live lease), it becomes ready here, with
+--   (allocated, not ready, no initialization marker, no live lease, ready_when not 'declared':
+--   such a sidecar is ready once it says so, see declare_ready), it becomes ready here, with
 --   its ledger row: no claim is needed, and none can be running (a claim holds a live lease, and
 --   a claim that lost it can write nothing).
 -- * Otherwise the allocation is made due and woken (a claim holding it sees the bump when it
@@ -163,7 +164,9 @@ WITH given AS (
         SELECT id,
                (:ready_on_connect::boolean AND status = 'allocated' AND NOT connection_ready
                 AND initialization_lease_id IS NULL
-                AND (lease_expires_at IS NULL OR lease_expires_at <= clock_timestamp()))
+                AND (lease_expires_at IS NULL OR lease_expires_at <= clock_timestamp())
+                -- A sidecar that declares readiness is ready when it says so (declare_ready).
+                AND ready_when IS DISTINCT FROM 'declared')
                    AS ready_now
         FROM hubd_allocations
         WHERE id = i.allocation_id AND generation = i.generation AND sidecar_id = i.sidecar_id
@@ -445,13 +448,137 @@ SELECT allocation_id, generation FROM cleared;
 -- name: readiness
 -- Whether :generation of :allocation_id has a current record on an instance whose heartbeat is
 -- within :ttl seconds, or on the asking :instance_id itself (it holds the socket, whatever its
--- heartbeat says after an outage), and the connection number that answer belongs to (no row:
--- no allocation). Also the seconds from now to the row's connect deadline as it stands with
--- that answer (NULL: none): a disconnect since the claim read its row gave a fresh one.
+-- heartbeat says after an outage), and, when the allocation is ready once its sidecar says so
+-- (ready_when 'declared'), whether that record's sidecar said so; and the connection number that
+-- answer belongs to (no row: no allocation; a declaration bumps it too). Also the seconds from
+-- now to the row's connect deadline as it stands with that answer (NULL: none): a disconnect
+-- since the claim read its row gave a fresh one.
 SELECT a.connection_seq,
        extract(epoch FROM a.connect_deadline - now())::float8 AS deadline_in,
-       hubd_sidecar_live(a.id, :generation, :ttl, :instance_id) AS connected
+       hubd_sidecar_live(a.id, :generation, :ttl, :instance_id)
+       AND (a.ready_when IS DISTINCT FROM 'declared' OR coalesce((
+           -- By key (LIMIT 1 keeps the look-up off a scan of every record).
+           SELECT c.declared_ready AND c.generation = :generation
+           FROM hubd_sidecar_connections AS c WHERE c.allocation_id = a.id LIMIT 1), false))
+           AS connected
 FROM hubd_allocations AS a WHERE a.id = :allocation_id;
+
+-- name: publish
+-- Connection :connection_id of generation :generation of :allocation_id publishes what its sidecar
+-- serves at: :endpoint (NULL: unchanged) and :metadata (a JSON object's text, NULL: unchanged),
+-- merged over the stored object as a JSON merge patch of its top level: each key replaces the
+-- stored one, a key given null removes it. Fenced: written only while that connection holds the
+-- allocation's current record of the allocation's current generation, provisioning or allocated.
+-- The record is read in this statement's snapshot; the allocation row is locked, and its
+-- connection number, which every record, clear and declaration of readiness bumps (and which
+-- the current record carries), must still be the record's: a record or clear that commits while
+-- this statement waits for the lock moves the number on, and nothing is written. A merged object
+-- larger than the column's 16 KiB is not written either (too_large). Writes only when something
+-- changes: an unchanged publish makes no event. Returns one row: whether the fence held, and
+-- whether the merge was too large.
+WITH current AS (
+    SELECT c.seq FROM hubd_sidecar_connections AS c
+    WHERE c.allocation_id = :allocation_id AND c.connection_id = :connection_id
+      AND c.generation = :generation
+), merged AS (
+    SELECT a.id, a.endpoint AS old_endpoint, a.metadata AS old_metadata,
+           coalesce(:endpoint::text, a.endpoint) AS endpoint,
+           CASE WHEN :metadata::text IS NULL THEN a.metadata
+                ELSE (coalesce(a.metadata::jsonb, '{}'::jsonb) || :metadata::text::jsonb)
+                     - ARRAY(SELECT key FROM jsonb_each(:metadata::text::jsonb)
+                             WHERE value = 'null'::jsonb) END AS metadata
+    FROM hubd_allocations AS a
+    WHERE a.id = :allocation_id AND a.generation = :generation
+      AND a.status IN ('provisioning', 'allocated')
+      AND a.connection_seq = (SELECT seq FROM current)
+    FOR NO KEY UPDATE
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        endpoint = m.endpoint,
+        metadata = m.metadata,
+        updated_at = now()
+    FROM merged AS m
+    WHERE a.id = m.id AND a.id = :allocation_id
+      AND (m.metadata IS NULL OR octet_length(m.metadata::text) <= 16384)
+      AND (m.old_endpoint IS DISTINCT FROM m.endpoint
+           OR m.old_metadata::jsonb IS DISTINCT FROM m.metadata::jsonb)
+    RETURNING a.id
+)
+SELECT EXISTS (SELECT 1 FROM merged) AS fenced_in,
+       coalesce((SELECT octet_length(metadata::text) > 16384 FROM merged), false) AS too_large,
+       (SELECT count(*) FROM updated) AS written;
+
+-- name: declare_ready
+-- Connection :connection_id of generation :generation of :allocation_id says its sidecar is
+-- ready. Fenced as publish is (the connection holds the current record of the current
+-- generation, provisioning or allocated, and the row's connection number is still the
+-- record's). Only where the allocation is ready once its sidecar says so (ready_when
+-- 'declared') and the record has not said so yet does it write anything; then, as the record
+-- statement does for a connect: the record is marked declared, the connection number is bumped
+-- (and the record carries the new one), and with :ready_on_connect (no on-ready hook) an
+-- allocation parked waiting for its sidecar (allocated, not ready, no initialization marker, no
+-- live lease) becomes ready here, with its ledger row; otherwise the allocation is made due and
+-- woken, and a claim holding it sees the bump when it parks or marks ready. 'hubd_connected'
+-- announces the new number (waiters wake). :instance_id is the instance for the ledger. Returns
+-- one row: whether the fence held, whether anything was written, whether the allocation became
+-- ready, and the record's number.
+WITH current AS (
+    SELECT c.seq, c.declared_ready FROM hubd_sidecar_connections AS c
+    WHERE c.allocation_id = :allocation_id AND c.connection_id = :connection_id
+      AND c.generation = :generation
+), fenced AS (
+    SELECT a.id, a.ready_when IS NOT DISTINCT FROM 'declared'
+                 AND NOT (SELECT declared_ready FROM current) AS declares,
+           (:ready_on_connect::boolean AND a.status = 'allocated' AND NOT a.connection_ready
+            AND a.initialization_lease_id IS NULL
+            AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= clock_timestamp()))
+               AS ready_now
+    FROM hubd_allocations AS a
+    WHERE a.id = :allocation_id AND a.generation = :generation
+      AND a.status IN ('provisioning', 'allocated')
+      AND a.connection_seq = (SELECT seq FROM current)
+    FOR UPDATE
+), alloc AS (
+    UPDATE hubd_allocations AS a SET
+        connection_seq = a.connection_seq + 1,
+        -- As in record: readiness only where the row as updated is allocated.
+        connection_ready = a.connection_ready OR (f.ready_now AND a.status = 'allocated'),
+        next_attempt_at = CASE WHEN f.ready_now THEN NULL
+                               WHEN a.next_attempt_at IS NULL OR a.next_attempt_at > now()
+                               THEN now() ELSE a.next_attempt_at END,
+        connect_deadline = CASE WHEN f.ready_now THEN NULL ELSE a.connect_deadline END,
+        lease_id = CASE WHEN f.ready_now THEN NULL ELSE a.lease_id END,
+        lease_expires_at = CASE WHEN f.ready_now THEN NULL ELSE a.lease_expires_at END,
+        ensure_attempts = CASE WHEN f.ready_now THEN 0 ELSE a.ensure_attempts END,
+        destroy_attempts = CASE WHEN f.ready_now THEN 0 ELSE a.destroy_attempts END,
+        failure_code = CASE WHEN f.ready_now THEN NULL ELSE a.failure_code END,
+        failure_message = CASE WHEN f.ready_now THEN NULL ELSE a.failure_message END,
+        updated_at = now()
+    FROM fenced AS f
+    WHERE a.id = f.id AND a.id = :allocation_id AND f.declares
+    RETURNING a.id, a.generation, a.connection_seq, f.ready_now, a.provisioner_id
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    SELECT id, generation, :instance_id, 'mark_ready', 'allocated', 'allocated', 'committed',
+           'ready on the sidecar''s declaration'
+    FROM alloc WHERE ready_now
+), declared AS (
+    UPDATE hubd_sidecar_connections AS c SET declared_ready = true, seq = alloc.connection_seq
+    FROM alloc
+    WHERE c.allocation_id = alloc.id AND c.connection_id = :connection_id
+    RETURNING c.seq
+), notified AS (
+    SELECT pg_notify('hubd_connected',
+                     alloc.id || ':' || alloc.generation || ':' || alloc.connection_seq || ':'
+                     || :connection_id),
+           CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', alloc.provisioner_id) END
+    FROM alloc
+)
+SELECT EXISTS (SELECT 1 FROM fenced) AS fenced_in,
+       (SELECT seq FROM declared) AS seq,
+       coalesce((SELECT ready_now FROM alloc), false) AS ready,
+       (SELECT count(*) FROM notified) AS notified;
 
 -- name: check_sockets
 -- For each socket an instance holds (allocation :allocation_ids[i], connection :connection_ids[i]):
