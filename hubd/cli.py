@@ -27,6 +27,8 @@ from hubd.errors import (
     PluginLoadError,
 )
 from hubd.logs import configure_logging, flush_logs, journal_prefix, stderr_is_journal
+from hubd.sidecar.command import add_arguments as add_sidecar_arguments
+from hubd.sidecar.command import options_from as sidecar_options
 from hubd.store import Status
 
 __all__ = ["main"]
@@ -108,11 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run on the configured database.url instead of refusing (it may be shared)",
     )
     # No --config: the sidecar is configured by its HUBD_* variables only.
-    commands.add_parser(
+    sidecar = commands.add_parser(
         "sidecar",
         help="the reference sidecar (reads HUBD_URL, HUBD_TOKEN, HUBD_ALLOCATION_ID, "
         "HUBD_SIDECAR_ID, HUBD_GENERATION)",
     )
+    add_sidecar_arguments(sidecar)
     commands.add_parser("migrate", help="apply schema migrations", parents=[common])
     commands.add_parser(
         "check-config", help="validate and print the effective config", parents=[common]
@@ -262,7 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The sidecar is configured by its HUBD_* variables only, never by the hub's config.
         from hubd.sidecar.client import run_sidecar
 
-        return run_sidecar(os.environ)
+        try:
+            options = sidecar_options(args)
+        except ValueError as exc:
+            print(f"hubd sidecar: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        return run_sidecar(os.environ, options)
     try:
         config = load_config(getattr(args, "config", None))
     except ConfigError as exc:

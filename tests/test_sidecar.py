@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
 import pytest
 from websockets.exceptions import InvalidMessage
@@ -17,6 +20,7 @@ from hubd.backoff import Backoff, Retries
 from hubd.server import handshake
 from hubd.sidecar import client as sidecar_client
 from hubd.sidecar.client import (
+    Publication,
     SidecarClient,
     SidecarConfigError,
     SidecarExit,
@@ -458,3 +462,134 @@ class TestSeveralReplicas:
             finally:
                 client.stop()
                 await running
+
+
+class TestPublishing:
+    async def test_publishes_pid_and_endpoint_and_declares_ready(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """After its welcome the sidecar hands the welcome's context over, publishes its pid,
+        its endpoint and what the handler returned, and, where the allocation waits for a
+        declaration, declares itself ready once the handler returned: the row shows all of it."""
+        sidecar, _ = await sidecar_in(store, db)
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_allocations SET ready_when = 'declared', tenant_id = 'acme', "
+                "spec = '{\"size\": 3}', lease_id = NULL, lease_expires_at = NULL "
+                "WHERE id = $1",
+                sidecar.allocation_id,
+            )
+        seen: list[Mapping[str, Any]] = []
+
+        async def on_welcome(context: Mapping[str, Any]) -> Mapping[str, Any]:
+            seen.append(context)
+            return {"port": 8080}
+
+        async with running_hub(db, ready_on_connect=True) as hub:
+            client = SidecarClient(
+                settings_for(sidecar, hub.server.url),
+                backoff=FAST,
+                publication=Publication(endpoint="http://127.0.0.1:8080", metadata={"k": "v"}),
+                on_welcome=on_welcome,
+            )
+            task = asyncio.create_task(client.run())
+            await eventually(lambda: client.published == 1 and client.declared == 1)
+            async with db.pool.acquire() as conn:
+                row = await conn.fetchrow(
+                    "SELECT endpoint, metadata, connection_ready FROM hubd_allocations "
+                    "WHERE id = $1",
+                    sidecar.allocation_id,
+                )
+            client.stop()
+            await finish(task)
+        assert row["endpoint"] == "http://127.0.0.1:8080"
+        assert row["metadata"] == {"pid": os.getpid(), "port": 8080, "k": "v"}
+        assert row["connection_ready"]
+        assert seen == [
+            {
+                "allocation_id": sidecar.allocation_id,
+                "sidecar_id": sidecar.sidecar_id,
+                "generation": sidecar.generation,
+                "spec": {"size": 3},
+                "tenant": "acme",
+                "session": None,
+                "ready_when": "declared",
+            }
+        ]
+        assert client.context == seen[0]
+
+    async def test_command_gets_the_context_file_and_not_the_token(
+        self, db: Database, store: AllocationStore, tmp_path: Path
+    ) -> None:
+        """`hubd sidecar -- COMMAND` runs the command once welcomed, with HUBD_CONTEXT_FILE
+        naming a file of the welcome's context and without HUBD_TOKEN; it publishes its own and
+        the command's pid, and ends with the command's status."""
+        sidecar, _ = await sidecar_in(store, db)
+        out = tmp_path / "seen.json"
+        child = (
+            "import json, os, sys, time; "
+            "context = json.load(open(os.environ['HUBD_CONTEXT_FILE'])); "
+            "context['token_seen'] = 'HUBD_TOKEN' in os.environ; "
+            f"open({str(out)!r}, 'w').write(json.dumps(context)); "
+            # Long enough for the publish to land before the sidecar ends with the command.
+            f"deadline = time.time() + 30\n"
+            f"while time.time() < deadline and not os.path.exists({str(out) + '.stop'!r}):\n"
+            "    time.sleep(0.02)\n"
+            "sys.exit(3)"
+        )
+        code = "import sys; from hubd.cli import main; sys.exit(main(sys.argv[1:]))"
+        async with running_hub(db) as hub:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                code,
+                "sidecar",
+                "--publish-endpoint",
+                "tcp://127.0.0.1:7000",
+                "--",
+                sys.executable,
+                "-c",
+                child,
+                env={**os.environ, **sidecar.env(hub.server.url)},
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            try:
+
+                async def metadata() -> Any:
+                    async with db.pool.acquire() as conn:
+                        return await conn.fetchval(
+                            "SELECT metadata FROM hubd_allocations WHERE id = $1",
+                            sidecar.allocation_id,
+                        )
+
+                async def published() -> bool:
+                    return (await metadata()) is not None
+
+                await eventually(published, within=30, what="the sidecar's publish")
+                await eventually(out.exists, within=30, what="the command's output")
+                (tmp_path / "seen.json.stop").touch()
+                async with asyncio.timeout(30):
+                    _, err = await process.communicate()
+            finally:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+            found = await metadata()
+        assert process.returncode == 3, err
+        assert err.decode().splitlines() == ["hubd sidecar: the command exited with status 3"]
+        assert sidecar.token.encode() not in err
+        assert found["pid"] == process.pid
+        assert isinstance(found["command_pid"], int)
+        assert found["command_pid"] != process.pid
+        seen = json.loads(out.read_text())
+        assert seen.pop("token_seen") is False
+        assert seen == {
+            "allocation_id": sidecar.allocation_id,
+            "sidecar_id": sidecar.sidecar_id,
+            "generation": sidecar.generation,
+            "spec": {},
+            "tenant": None,
+            "session": None,
+            "ready_when": "connected",
+        }

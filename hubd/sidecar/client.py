@@ -17,12 +17,13 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import secrets
 import signal
 import ssl
 import sys
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import attrs
@@ -32,6 +33,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.typing import Subprotocol
 
 from hubd.backoff import Backoff
+from hubd.sidecar.command import CommandRunner, SidecarOptions
 from hubd.sidecar.policy import (
     EXIT_OK,
     EXIT_STOPPED,
@@ -50,6 +52,7 @@ __all__ = [
     "SIDECAR_PING_INTERVAL",
     "SIDECAR_PING_TIMEOUT",
     "SUBPROTOCOL",
+    "Publication",
     "SidecarClient",
     "SidecarConfigError",
     "SidecarExit",
@@ -65,7 +68,8 @@ log = structlog.get_logger(__name__)
 CONNECT_PATH: Final = "/v1/sidecars/connect"
 SUBPROTOCOL: Final = "hubd.sidecar.v2"
 SECRET_HEADER: Final = "Hubd-Reconnect-Secret"  # noqa: S105 -- a header name
-_MAX_MESSAGE_SIZE: Final = 64 * 1024
+_MAX_MESSAGE_SIZE: Final = 128 * 1024
+"""What the sidecar accepts from the hub: a welcome carries a spec of up to 64 KiB."""
 
 
 class SidecarConfigError(ValueError):
@@ -162,6 +166,31 @@ class SidecarExit:
 class _Welcome:
     interval: float
     secret: str = attrs.field(repr=False)
+    context: dict[str, Any] = attrs.field(factory=dict, repr=False)
+    """What the welcome says the sidecar serves (never the secret)."""
+
+
+@attrs.frozen(kw_only=True)
+class Publication:
+    """What the sidecar publishes after every welcome (architecture §4): an endpoint (``None``:
+    none) and metadata, to which the sidecar adds its ``pid`` and what ``on_welcome`` returns."""
+
+    endpoint: str | None = None
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def message(self, extra: Mapping[str, Any]) -> str:
+        metadata = {"pid": os.getpid(), **extra, **self.metadata}
+        body: dict[str, Any] = {"type": "publish", "metadata": metadata}
+        if self.endpoint is not None:
+            body["endpoint"] = self.endpoint
+        return json.dumps(body)
+
+
+WelcomeHandler = Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
+"""Called after each welcome is acknowledged with its context (allocation_id, sidecar_id,
+generation, spec, tenant, session, ready_when); returns metadata to publish with it. The
+sidecar declares itself ready (where the welcome's ready_when is ``declared``) once it
+returns."""
 
 
 @attrs.frozen
@@ -185,8 +214,12 @@ class SidecarClient:
         ping_timeout: float = SIDECAR_PING_TIMEOUT,
         close_timeout: float = 10.0,
         ssl_context: ssl.SSLContext | None = None,
+        publication: Publication | None = None,
+        on_welcome: WelcomeHandler | None = None,
     ) -> None:
         self._settings = settings
+        self._publication = publication
+        self._on_welcome = on_welcome
         self._backoff = backoff or Backoff()
         self._random = random or secrets.SystemRandom().random
         self._open_timeout = open_timeout
@@ -211,6 +244,12 @@ class SidecarClient:
         self._secret: str | None = None
         """The reconnect secret of the latest welcome: the next handshake's credential."""
         self.connected = False
+        self.context: Mapping[str, Any] | None = None
+        """What the latest welcome said the sidecar serves (``None``: not welcomed yet)."""
+        self.published = 0
+        """Publishes the hub answered ``published``."""
+        self.declared = 0
+        """Declarations of readiness the hub answered."""
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=32)
         """The latest decisions taken after a connection ended, newest last."""
 
@@ -310,7 +349,9 @@ class SidecarClient:
                     welcomed = True
                     self.welcomes += 1
                     self.connected = True
+                    self.context = welcome.context
                     self._log.info("sidecar_welcomed")
+                    await self._announce(ws, welcome)
                     await self._hold(ws, welcome.interval)
                 finally:
                     self.connected = False
@@ -352,7 +393,30 @@ class SidecarClient:
         secret = data.get("reconnect_secret")
         if not isinstance(secret, str) or not reconnect_secret_is_well_formed(secret):
             return None
-        return _Welcome(max(float(interval), 1.0), secret)
+        spec = data.get("spec")
+        context = {
+            "allocation_id": settings.allocation_id,
+            "sidecar_id": settings.sidecar_id,
+            "generation": settings.generation,
+            # A hub older than these fields sends none of them.
+            "spec": spec if isinstance(spec, dict) else {},
+            "tenant": _text_or_none(data.get("tenant")),
+            "session": _text_or_none(data.get("session")),
+            "ready_when": _text_or_none(data.get("ready_when")) or "connected",
+        }
+        return _Welcome(max(float(interval), 1.0), secret, context)
+
+    async def _announce(self, ws: ClientConnection, welcome: _Welcome) -> None:
+        """After each welcome: hand its context over, publish, and declare readiness where
+        the allocation waits for that. Sent without waiting for the answers: the hub acts on
+        a sidecar's messages in order, so the ready finds the publish stored."""
+        extra: Mapping[str, Any] = {}
+        if self._on_welcome is not None:
+            extra = await self._on_welcome(welcome.context)
+        if self._publication is not None:
+            await ws.send(self._publication.message(extra))
+        if welcome.context.get("ready_when") == "declared":
+            await ws.send(json.dumps({"type": "ready"}))
 
     async def _hold(self, ws: ClientConnection, interval: float) -> None:
         """Stay connected: answer pings (websockets does), send a heartbeat every interval."""
@@ -360,13 +424,34 @@ class SidecarClient:
         while True:
             try:
                 async with asyncio.timeout(interval):
-                    await ws.recv()  # the hub sends nothing else in v2; anything is ignored
+                    message = await ws.recv()
             except TimeoutError:
                 await ws.send(heartbeat)
+            else:
+                self._answered(message)
+
+    def _answered(self, message: str | bytes) -> None:
+        """The hub's answer to a publish or a ready; anything else is ignored."""
+        try:
+            data: Any = json.loads(message)
+        except ValueError:
+            return
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind == "published":
+            self.published += 1
+            self._log.info("sidecar_published")
+        elif kind == "ready_recorded":
+            self.declared += 1
+            self._log.info("sidecar_declared_ready")
 
 
-def run_sidecar(env: Mapping[str, str]) -> int:
-    """``hubd sidecar``: run until SIGTERM/SIGINT (exit 0) or until the hub says stop (exit 1).
+def _text_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def run_sidecar(env: Mapping[str, str], options: SidecarOptions | None = None) -> int:
+    """``hubd sidecar``: run until SIGTERM/SIGINT (exit 0), until the hub says stop (exit 1),
+    or, with a command, until the command ends (its exit status).
 
     A missing or malformed variable exits 2; every failure prints one line on stderr.
     """
@@ -375,20 +460,42 @@ def run_sidecar(env: Mapping[str, str]) -> int:
     except SidecarConfigError as exc:
         print(f"hubd sidecar: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    outcome = asyncio.run(_main(settings))
+    outcome = asyncio.run(_main(settings, options or SidecarOptions(), env))
     if outcome.code != EXIT_OK:
         print(f"hubd sidecar: {outcome.reason}", file=sys.stderr)
     return outcome.code
 
 
-async def _main(settings: SidecarSettings) -> SidecarExit:
-    client = SidecarClient(settings)
+async def _main(
+    settings: SidecarSettings, options: SidecarOptions, env: Mapping[str, str]
+) -> SidecarExit:
+    runner = CommandRunner(options, env)
+    client = SidecarClient(
+        settings,
+        publication=Publication(endpoint=options.endpoint, metadata=options.metadata),
+        on_welcome=runner.welcomed,
+    )
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:
         loop.add_signal_handler(signum, client.stop)
     try:
-        return await client.run()
+        running = loop.create_task(client.run(), name="sidecar")
+        ended = loop.create_task(runner.exited.wait(), name="sidecar-command-exit")
+        try:
+            await asyncio.wait({running, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if not running.done():
+            # The command ended: so does the sidecar, with the command's status.
+            client.stop()
+            await running
+            if runner.failure is not None:
+                return SidecarExit(EXIT_USAGE, runner.failure)
+            code = runner.exit_status
+            return SidecarExit(code, f"the command exited with status {code}")
+        return running.result()
     finally:
+        await runner.stop()
         for signum in signals:
             loop.remove_signal_handler(signum)
