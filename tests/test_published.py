@@ -380,3 +380,26 @@ class TestDeclaredReadiness:
         assert parked is not None
         assert not parked.connection_ready
         assert parked.next_attempt_at is not None
+
+
+class TestAcrossReplicas:
+    async def test_only_the_current_replica_socket_publishes(
+        self, db: Database, sidecar: Sidecar
+    ) -> None:
+        """A sidecar that reconnected to another replica (with its secret) publishes there;
+        its old socket, still open on the first replica, which has not heard of the takeover,
+        writes nothing when it publishes and is closed with 4000."""
+        async with (
+            running_hub(db, instance_id="in_one") as one,
+            running_hub(db, instance_id="in_two") as two,
+            dial(one.url, sidecar.headers()) as old,
+        ):
+            welcome = await welcomed(old)
+            headers = sidecar.headers(**{"Hubd-Reconnect-Secret": welcome["reconnect_secret"]})
+            async with dial(two.url, headers) as new:
+                await welcomed(new)
+                await old.send(json.dumps({"type": "publish", "endpoint": "http://one"}))
+                assert await close_code_of(old) == 4000
+                assert await published_of(db, sidecar.allocation_id) == (None, None)
+                assert await publish(new, endpoint="http://two") == {"type": "published"}
+        assert (await published_of(db, sidecar.allocation_id))[0] == "http://two"
