@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import difflib
 import json
 import sys
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from hubd.client import Client
 from hubd.config import Config
 from hubd.errors import (
     InvalidRequest,
@@ -84,7 +86,7 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
             else:
                 print(allocation.id, flush=True)
             if args.wait:
-                return await _wait(store, allocation.id, args.timeout)
+                return await _wait(db, allocation.id, args.timeout)
             return EXIT_OK
         if command == "release":
             released = await store.release(args.id, reason="released from the command line")
@@ -139,30 +141,32 @@ async def _check_provisioner(db: Database, config: Config, provisioner_id: str) 
         )
 
 
-async def _wait(store: AllocationStore, allocation_id: str, limit: float) -> int:
+async def _wait(db: Database, allocation_id: str, limit: float) -> int:
+    """Follow the allocation on the event feed (LISTEN, not polling) until it is ready or
+    ends, printing each change of its state."""
     last: tuple[str, int, bool] | None = None
+    states = Client(db.pool).watch(allocation_id)
     try:
-        async with asyncio.timeout(limit):
-            while True:
-                allocation = await store.get(allocation_id)
-                state = (str(allocation.status), allocation.generation, allocation.ready)
+        async with asyncio.timeout(limit), contextlib.aclosing(states):
+            async for info in states:
+                state = (info.status, info.generation, info.ready)
                 if state != last:
                     last = state
-                    label = "ready" if allocation.ready else str(allocation.status)
+                    label = "ready" if info.ready else info.status
                     print(
-                        f"{allocation_id}: {label} (generation {allocation.generation})",
+                        f"{allocation_id}: {label} (generation {info.generation})",
                         file=sys.stderr,
                         flush=True,
                     )
-                if allocation.ready:
+                if info.ready:
                     return EXIT_OK
-                if allocation.status.terminal:
+                if info.terminal:
                     print(
-                        f"{allocation_id}: {allocation.failure_code}: {allocation.failure_message}",
+                        f"{allocation_id}: {info.failure_code}: {info.failure_message}",
                         file=sys.stderr,
                     )
                     return EXIT_FAILED
-                await asyncio.sleep(0.2)
+        raise AssertionError("a watch ends only when it is closed")
     except TimeoutError:
         status = last[0] if last is not None else "unknown"
         print(

@@ -11,7 +11,7 @@ import asyncio
 import builtins
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from typing import Any, Final
 
 import asyncpg
@@ -26,7 +26,7 @@ from hubd.errors import (
     StoreError,
 )
 
-__all__ = ["AllocationEnded", "Client"]
+__all__ = ["AllocationEnded", "Client", "settled"]
 
 HEALTH_INTERVAL: Final = 30.0
 """While no notification arrives, how often a follower checks that its connection still
@@ -198,13 +198,14 @@ class Client:
         tenant: str | None = None,
         allocation_id: str | None = None,
         health_interval: float = HEALTH_INTERVAL,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Every event after position ``since``, oldest first, and then each one as it commits,
         forever (break out of the loop to stop). Keep the last ``position`` you handled: after
         a restart, ``since=position`` resumes with no gap. The follower waits on
         ``LISTEN hubd_events`` and reads the feed when told; a dropped connection is reopened
         and the feed read from the cursor, so nothing is missed. A cursor the feed no longer
-        keeps raises :class:`~hubd.errors.EventCursorExpired`: read :meth:`snapshot` again."""
+        keeps raises :class:`~hubd.errors.EventCursorExpired`: read :meth:`snapshot` again.
+        Close it when done (``contextlib.aclosing``), so its connection goes back at once."""
         follower = Follower(
             self._pool,
             cursor=since,
@@ -216,6 +217,22 @@ class Client:
             while True:
                 for event in await follower.next_batch():
                     yield event
+
+    async def watch(
+        self, allocation_id: str, *, health_interval: float = HEALTH_INTERVAL
+    ) -> AsyncGenerator[AllocationInfo, None]:
+        """The allocation as it stands now, then again after each of its events, forever
+        (break out to stop); :class:`~hubd.errors.AllocationNotFound` if unknown. Waits on
+        notifications, not by polling. Close it when done (``contextlib.aclosing``)."""
+        follower = Follower(
+            self._pool, cursor=0, allocation_id=allocation_id, health_interval=health_interval
+        )
+        async with follower:
+            yield await follower.start_at_state(allocation_id)
+            while True:
+                # Each batch holds at least one event of this allocation: look again.
+                await follower.next_batch()
+                yield await self.get(allocation_id)
 
     async def wait_ready(
         self,
@@ -232,24 +249,17 @@ class Client:
         """
         info: AllocationInfo | None = None
         try:
-            async with asyncio.timeout(timeout):
-                follower = Follower(
-                    self._pool,
-                    cursor=0,
-                    allocation_id=allocation_id,
-                    health_interval=health_interval,
-                )
-                async with follower:
-                    info = await follower.start_at_state(allocation_id)
-                    while not _settled(info):
-                        # Each batch holds at least one event of this allocation: look again.
-                        await follower.next_batch()
-                        info = await self.get(allocation_id)
+            states = self.watch(allocation_id, health_interval=health_interval)
+            async with asyncio.timeout(timeout), contextlib.aclosing(states):
+                async for info in states:
+                    if settled(info):
+                        break
         except TimeoutError:
             status = f" (it is {info.status})" if info is not None else ""
             raise TimeoutError(
                 f"allocation {allocation_id} not ready after {timeout:g}s{status}"
             ) from None
+        assert info is not None
         if not info.ready:
             raise AllocationEnded(info)
         return info
@@ -272,6 +282,6 @@ class Client:
         return AllocationInfo.from_row(row) if row is not None else None
 
 
-def _settled(info: AllocationInfo) -> bool:
-    """Ready, or never going to be."""
+def settled(info: AllocationInfo) -> bool:
+    """Ready, or never going to be (releasing or finished)."""
     return info.ready or info.terminal or info.status == "releasing"
