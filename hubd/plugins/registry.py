@@ -2,7 +2,8 @@
 
 A provisioner's ``plugin`` names a **factory**, looked up in this order:
 
-1. a built-in name: ``"local"`` (:mod:`hubd.plugins.local`);
+1. a built-in name: ``"local"`` (:mod:`hubd.plugins.local`) or ``"container"``
+   (:mod:`hubd.plugins.container`, with the ``containers`` extra);
 2. ``"package.module:attr"`` (anything with a colon): the module is imported and ``attr``, which
    may be dotted (``"pkg.mod:Class.create"``), is looked up in it;
 3. otherwise the name of an entry point in the group ``hubd.provisioners`` of an installed
@@ -55,7 +56,11 @@ __all__ = [
 
 ENTRY_POINT_GROUP: Final = "hubd.provisioners"
 
-BUILTIN_PLUGINS: Final[Mapping[str, str]] = {"local": "hubd.plugins.local:create"}
+BUILTIN_PLUGINS: Final[Mapping[str, str]] = {
+    "local": "hubd.plugins.local:create",
+    # Needs the containers extra (aiodocker); importing it says so when that is missing.
+    "container": "hubd.plugins.container:create",
+}
 """Built-in plugin names and the factory each stands for. Looked up first, so an installed
 distribution cannot take over a built-in name."""
 

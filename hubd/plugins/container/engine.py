@@ -1,0 +1,230 @@
+"""The container engine's API (dockerd's, or Podman's Docker-compatible one) as the provisioner
+uses it: a client per operation, every call bounded in time, every failure translated into one
+of three errors whose messages name the socket and carry no secret.
+
+A client per operation, not one for the process: the factory runs before any event loop, a
+provisioner has no close hook, and an engine restarted between two calls leaves a pooled
+client holding dead connections. Opening a Unix socket costs well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
+
+import aiodocker
+import aiohttp
+
+from hubd.errors import PluginError
+from hubd.plugins.container.options import EngineSocket
+from hubd.plugins.protocol import Ownership
+from hubd.redaction import REDACTED, scrub
+
+__all__ = [
+    "API_VERSION",
+    "EngineFailed",
+    "EngineSession",
+    "EngineTimeout",
+    "EngineUnavailable",
+    "clean",
+    "open_session",
+]
+
+API_VERSION: Final = "v1.41"
+"""Pinned, not negotiated (a round trip saved per operation): dockerd since 20.10 and Podman's
+compatible API since 3.0 speak it."""
+_MAX_MESSAGE: Final = 300
+_LOG_TAIL_LINES: Final = 5
+_LOG_TAIL_CHARS: Final = 600
+_MIN_SECRET: Final = 8  # shorter "secrets" (test values) would shred every message
+# aiodocker's "could not connect" nests the reason in brackets: "… [… [Connection refused]]".
+_REASON: Final = re.compile(r"\[([^\[\]]+)\]+\s*$")
+_CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# Podman answers a name conflict with 500 and this text where dockerd answers 409.
+_IN_USE: Final = re.compile(r"already in use", re.IGNORECASE)
+_NO_IMAGE: Final = re.compile(r"no such image|image not known|not found", re.IGNORECASE)
+
+T = TypeVar("T")
+
+
+class EngineUnavailable(PluginError):
+    """The engine's socket refused, is missing, or dropped the connection: retried later."""
+
+
+class EngineTimeout(PluginError):
+    """The engine did not answer a call within its budget: retried later."""
+
+
+class EngineFailed(PluginError):
+    """The engine answered with an error status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409 or (self.status == 500 and bool(_IN_USE.search(self.message)))
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def image_missing(self) -> bool:
+        return self.status == 404 and bool(_NO_IMAGE.search(self.message))
+
+
+def clean(text: str, secret: str | None = None, *, limit: int = _MAX_MESSAGE) -> str:
+    """``text`` as one bounded, printable line with ``secret`` and anything token-shaped
+    replaced: engine messages and container logs end up in the ledger."""
+    if secret and len(secret) >= _MIN_SECRET:
+        text = text.replace(secret, REDACTED)
+    text = _CONTROL.sub(" ", text).strip()
+    if len(text) > limit:
+        text = "…" + text[-(limit - 1) :]
+    return scrub(text)
+
+
+class EngineSession:
+    """One operation's client. Every call runs under ``api_timeout`` (plus what the call
+    itself waits, such as a stop's grace), capped by the claim's deadline."""
+
+    def __init__(
+        self,
+        docker: aiodocker.Docker,
+        socket: EngineSocket,
+        *,
+        api_timeout: float,
+        ownership: Ownership,
+        secret: str | None,
+    ) -> None:
+        self._docker = docker
+        self.socket = socket
+        self._api_timeout = api_timeout
+        self._ownership = ownership
+        self._secret = secret
+
+    async def _call(self, what: str, call: Callable[[], Awaitable[T]], *, waits: float = 0) -> T:
+        remaining = self._ownership.deadline() - time.monotonic()
+        budget = max(min(self._api_timeout + waits, remaining), 0.0)
+        try:
+            async with asyncio.timeout(budget):
+                return await call()
+        except TimeoutError:
+            raise EngineTimeout(
+                f"container engine at {self.socket.display} did not answer {what} within "
+                f"{budget:.3g}s"
+            ) from None
+        except aiodocker.DockerError as exc:
+            if exc.status == 900:  # aiodocker's code for "could not connect"
+                reason = _REASON.search(str(exc.message))
+                raise EngineUnavailable(
+                    f"container engine at {self.socket.display} ({self.socket.found_by}) is "
+                    f"unreachable: "
+                    + clean(reason[1] if reason else str(exc.message), self._secret)
+                ) from None
+            raise EngineFailed(exc.status, clean(str(exc.message), self._secret)) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(
+                f"container engine at {self.socket.display} failed during {what}: "
+                f"{type(exc).__name__}: {clean(str(exc), self._secret)}"
+            ) from None
+
+    async def inspect(self, name: str) -> dict[str, Any] | None:
+        """The container's inspect document, or ``None`` if there is no such container."""
+        container = self._docker.containers.container(name)
+        try:
+            return await self._call("inspect", container.show)
+        except EngineFailed as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    async def create(self, body: Mapping[str, Any], name: str) -> str:
+        """The new container's id. The body holds the token: it never reaches a message."""
+        created = await self._call(
+            "create", lambda: self._docker.containers.create(dict(body), name=name)
+        )
+        return str(created.id)
+
+    async def start(self, name: str) -> None:
+        await self._call("start", self._docker.containers.container(name).start)
+
+    async def stop(self, name: str, grace: float) -> None:
+        """SIGTERM (the image's stop signal), SIGKILL after ``grace``: the engine does both."""
+        seconds = max(round(grace), 0)
+        container = self._docker.containers.container(name)
+        try:
+            await self._call("stop", lambda: container.stop(t=seconds), waits=seconds)
+        except EngineFailed as exc:
+            # 304 (already stopped) is not an error to aiodocker; 404 is "already gone".
+            if not exc.not_found:
+                raise
+
+    async def remove(self, name: str) -> bool:
+        """Remove the container, killing it first if it still runs; ``False`` if it was
+        already gone."""
+        container = self._docker.containers.container(name)
+        try:
+            await self._call("remove", lambda: container.delete(force=True, v=True))
+        except EngineFailed as exc:
+            if exc.not_found:
+                return False
+            raise
+        return True
+
+    async def logs_tail(self, name: str) -> str:
+        """The last few lines the container wrote, cleaned for a message; empty if unreadable."""
+        container = self._docker.containers.container(name)
+        try:
+            lines: Sequence[str] = await self._call(
+                "logs",
+                lambda: container.log(stdout=True, stderr=True, tail=_LOG_TAIL_LINES),
+            )
+        except PluginError:
+            return ""
+        text = " | ".join(line.strip() for line in lines if line.strip())
+        return clean(text, self._secret, limit=_LOG_TAIL_CHARS)
+
+    async def pull(self, image: str) -> None:
+        await self._call("pull", lambda: self._docker.images.pull(image))
+
+    async def list_labelled(self, label: str, value: str) -> list[dict[str, Any]]:
+        """Every container (running or not) labelled ``label=value``."""
+        listed = await self._call(
+            "list",
+            lambda: self._docker.containers.list(all=True, filters={"label": [f"{label}={value}"]}),
+        )
+        return [
+            {"Id": container.id, "Labels": container["Labels"] or {}, "State": container["State"]}
+            for container in listed
+        ]
+
+
+@contextlib.asynccontextmanager
+async def open_session(
+    socket: EngineSocket,
+    *,
+    api_timeout: float,
+    ownership: Ownership | None = None,
+    secret: str | None = None,
+) -> AsyncIterator[EngineSession]:
+    docker = aiodocker.Docker(url=socket.url, api_version=API_VERSION)
+    try:
+        yield EngineSession(
+            docker,
+            socket,
+            api_timeout=api_timeout,
+            ownership=ownership or Ownership.unbounded(),
+            secret=secret,
+        )
+    finally:
+        # Shielded: a cancelled operation must still close its connections, or aiohttp
+        # warns about an unclosed session when the object is collected.
+        await asyncio.shield(docker.close())

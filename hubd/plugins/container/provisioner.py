@@ -1,0 +1,342 @@
+"""The ``container`` provisioner itself: create, find again and remove sidecar containers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket as socketlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from hubd.plugins.container.engine import (
+    EngineFailed,
+    EngineSession,
+    EngineTimeout,
+    EngineUnavailable,
+    open_session,
+)
+from hubd.plugins.container.options import ContainerOptions, parse_options
+from hubd.plugins.container.spec import (
+    LABEL_DEPLOYMENT,
+    SIDECAR_ID,
+    Kinship,
+    container_name,
+    create_body,
+    endpoint_of,
+    external_ref,
+    is_ours,
+    kinship,
+    running_sidecar,
+)
+from hubd.plugins.protocol import (
+    Accepted,
+    Destroyed,
+    DestroyRejected,
+    DestroyRequest,
+    DestroyResult,
+    EnsureRequest,
+    EnsureResult,
+    Ownership,
+    Rejected,
+    RunningSidecar,
+)
+
+__all__ = ["API_VERSION", "SETTLE", "ContainerProvisioner", "create"]
+
+log = structlog.get_logger(__name__)
+
+API_VERSION: Final = "1"
+SETTLE: Final = 0.2
+"""How long ``ensure`` watches a started container: an exit within it is a failed start,
+answered with the tail of its logs."""
+_RUNNING: Final = frozenset({"running", "restarting"})
+_NOT_STARTED: Final = frozenset({"created", "configured"})  # "configured": Podman's word
+
+
+def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> ContainerProvisioner:
+    """The plugin factory (see :mod:`hubd.plugins.registry`). Keeps nothing under
+    ``state_dir``: the engine's labels are the provisioner's whole state."""
+    del state_dir
+    parsed = parse_options(options, provisioner_id=id)
+    log.info(
+        "container_engine_socket",
+        provisioner=id,
+        socket=parsed.socket.display,
+        found_by=parsed.socket.found_by,
+        image=parsed.image,
+    )
+    return ContainerProvisioner(id=id, options=parsed)
+
+
+def _not_owned(what: str) -> str:
+    return f"the claim no longer owns the allocation; {what}"
+
+
+class ContainerProvisioner:
+    """Runs each sidecar as a container named after its sidecar id; see :mod:`hubd.plugins.
+    container` for the guarantees."""
+
+    def __init__(self, *, id: str, options: ContainerOptions, settle: float = SETTLE) -> None:
+        self.id = id
+        self.api_version = API_VERSION
+        self.binding_fingerprint = options.binding_fingerprint
+        self.options = options
+        self._settle = settle
+        self._host = socketlib.gethostname()
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"<ContainerProvisioner id={self.id!r} socket={self.options.socket.display!r} "
+            f"image={self.options.image!r}>"
+        )
+
+    def _session(
+        self, ownership: Ownership, secret: str | None = None
+    ) -> contextlib.AbstractAsyncContextManager[EngineSession]:
+        return open_session(
+            self.options.socket,
+            api_timeout=self.options.api_timeout,
+            ownership=ownership,
+            secret=secret,
+        )
+
+    # -- ensure ----------------------------------------------------------------------------------
+
+    async def ensure(self, request: EnsureRequest) -> EnsureResult:
+        """Create and start the sidecar's container, or adopt the one already there."""
+        if not SIDECAR_ID.fullmatch(request.sidecar_id):
+            return Rejected(
+                code="invalid_sidecar_id",
+                message="sidecar id is not usable as a container name",
+                retryable=False,
+            )
+        async with self._exclusive(request.sidecar_id):
+            try:
+                async with self._session(request.ownership, request.token) as engine:
+                    return await self._ensure(engine, request)
+            except EngineUnavailable as exc:
+                return Rejected(code="engine_unavailable", message=str(exc), retryable=True)
+            except EngineTimeout as exc:
+                return Rejected(code="engine_timeout", message=str(exc), retryable=True)
+            except EngineFailed as exc:
+                return Rejected(
+                    code="engine_error",
+                    message=f"container engine answered {exc.status}: {exc.message}",
+                    retryable=True,
+                )
+
+    async def _ensure(self, engine: EngineSession, request: EnsureRequest) -> EnsureResult:
+        name = container_name(request.sidecar_id)
+        found = await engine.inspect(name)
+        if found is not None:
+            adopted = await self._adopt(engine, request, found)
+            if adopted is not None:
+                return adopted
+        if not request.ownership.still_owned():
+            return Rejected(code="claim_lost", message=_not_owned("nothing was created"),
+                            retryable=True)  # fmt: skip
+        body = create_body(self.options, self.id, request)
+        try:
+            await self._create(engine, body, name)
+        except EngineFailed as exc:
+            if not exc.conflict:
+                raise
+            # Another process (a replica that took the claim over, this one before a
+            # restart) created it between our inspect and our create: adopt that one.
+            found = await engine.inspect(name)
+            adopted = None if found is None else await self._adopt(engine, request, found)
+            if adopted is None:
+                raise
+            return adopted
+        except _ImageMissing as exc:
+            return Rejected(code="image_not_found", message=str(exc), retryable=False)
+        # Recorded in the engine from here on (by name and labels): a cancellation now
+        # leaves a container that the destroy hubd runs next will find.
+        if not request.ownership.still_owned():
+            with contextlib.suppress(EngineFailed, EngineUnavailable, EngineTimeout):
+                await engine.remove(name)
+            return Rejected(code="claim_lost", message=_not_owned("the container was removed"),
+                            retryable=True)  # fmt: skip
+        return await self._start(engine, request, name)
+
+    async def _create(self, engine: EngineSession, body: Mapping[str, Any], name: str) -> None:
+        try:
+            await engine.create(body, name)
+        except EngineFailed as exc:
+            if not exc.image_missing:
+                raise
+            if self.options.pull == "never":
+                raise _ImageMissing(
+                    f"image {self.options.image!r} is not on the engine at "
+                    f'{self.options.socket.display} and pull = "never"'
+                ) from None
+            try:
+                await engine.pull(self.options.image)
+            except EngineFailed as pulled:
+                raise _ImageMissing(
+                    f"image {self.options.image!r} is not on the engine at "
+                    f"{self.options.socket.display} and could not be pulled: {pulled.message}"
+                ) from None
+            await engine.create(body, name)
+
+    async def _adopt(
+        self, engine: EngineSession, request: EnsureRequest, found: Mapping[str, Any]
+    ) -> EnsureResult | None:
+        """What to answer for a container already under the sidecar's name; ``None`` when it
+        was removed (stale) and a new one is to be created."""
+        name = container_name(request.sidecar_id)
+        labels = (found.get("Config") or {}).get("Labels")
+        match kinship(labels, self.options.deployment, request):
+            case Kinship.FOREIGN:
+                # A new sidecar id gets a new name, so the replacement does not meet it.
+                return Rejected(
+                    code="name_conflict",
+                    message=f"a container named {name} exists that this provisioner did not "
+                    f"create (its {LABEL_DEPLOYMENT} label is not {self.options.deployment!r})",
+                    retryable=True,
+                )
+            case Kinship.STALE:
+                if not request.ownership.still_owned():
+                    return Rejected(code="claim_lost", message=_not_owned("nothing was removed"),
+                                    retryable=True)  # fmt: skip
+                log.warning("stale_container_replaced", provisioner=self.id, container=name)
+                await engine.remove(name)
+                return None
+            case Kinship.OURS:
+                pass
+        status = str((found.get("State") or {}).get("Status", ""))
+        if status in _RUNNING:
+            log.info("sidecar_container_adopted", provisioner=self.id, container=name)
+            return self._accepted(found)
+        if status in _NOT_STARTED:
+            # An ensure that was interrupted between create and start.
+            if not request.ownership.still_owned():
+                return Rejected(code="claim_lost", message=_not_owned("nothing was started"),
+                                retryable=True)  # fmt: skip
+            return await self._start(engine, request, name)
+        return await self._exited(engine, name, found)
+
+    async def _start(
+        self, engine: EngineSession, request: EnsureRequest, name: str
+    ) -> EnsureResult:
+        await engine.start(name)
+        if self._settle > 0:
+            await asyncio.sleep(self._settle)
+        found = await engine.inspect(name)
+        if found is None:
+            return Rejected(
+                code="sidecar_exited",
+                message=f"container {name} was removed right after it started",
+                retryable=True,
+            )
+        if str((found.get("State") or {}).get("Status", "")) not in _RUNNING:
+            return await self._exited(engine, name, found)
+        log.info(
+            "sidecar_container_started",
+            provisioner=self.id,
+            container=name,
+            allocation_id=request.allocation_id,
+            generation=request.generation,
+        )
+        return self._accepted(found)
+
+    async def _exited(self, engine: EngineSession, name: str, found: Mapping[str, Any]) -> Rejected:
+        """A container of this sidecar that is not running: the sidecar failed. Retryable:
+        hubd destroys it (the container stays until then, logs and all) and replaces it."""
+        state = found.get("State") or {}
+        tail = await engine.logs_tail(name)
+        return Rejected(
+            code="sidecar_exited",
+            message=(
+                f"container {name} is {state.get('Status', 'not running')} "
+                f"(exit code {state.get('ExitCode', '?')})"
+                + (f": {tail}" if tail else " (no output)")
+            ),
+            retryable=True,
+        )
+
+    def _accepted(self, found: Mapping[str, Any]) -> Accepted:
+        container_id = str(found.get("Id", ""))
+        return Accepted(
+            external_ref(container_id),
+            endpoint=endpoint_of(self.options, found),
+            metadata={
+                "container": str(found.get("Name", "")).lstrip("/"),
+                "id": container_id[:12],
+                "image": self.options.image,
+                "engine": self.options.socket.display,
+                "host": self._host,
+            },
+        )
+
+    # -- destroy ---------------------------------------------------------------------------------
+
+    async def destroy(self, request: DestroyRequest) -> DestroyResult:
+        """Stop (SIGTERM, SIGKILL after ``stop_timeout``) and remove the sidecar's container;
+        ``Destroyed`` when there is none (anymore)."""
+        if not SIDECAR_ID.fullmatch(request.sidecar_id):
+            return Destroyed()  # no container can carry that name
+        name = container_name(request.sidecar_id)
+        async with self._exclusive(request.sidecar_id):
+            try:
+                async with self._session(request.ownership) as engine:
+                    found = await engine.inspect(name)
+                    if found is None:
+                        return Destroyed()
+                    labels = (found.get("Config") or {}).get("Labels")
+                    if not is_ours(labels, self.options.deployment, request.sidecar_id):
+                        log.warning("foreign_container_left_alone", provisioner=self.id,
+                                    container=name)  # fmt: skip
+                        return Destroyed()
+                    if not request.ownership.still_owned():
+                        return DestroyRejected(
+                            code="claim_lost",
+                            message=_not_owned("nothing was stopped"),
+                            retryable=True,
+                        )
+                    if str((found.get("State") or {}).get("Status", "")) in _RUNNING:
+                        await engine.stop(name, self.options.stop_timeout)
+                    await engine.remove(name)
+            except (EngineUnavailable, EngineTimeout) as exc:
+                return DestroyRejected(code="engine_unavailable", message=str(exc),
+                                       retryable=True)  # fmt: skip
+            except EngineFailed as exc:
+                return DestroyRejected(
+                    code="engine_error",
+                    message=f"container engine answered {exc.status}: {exc.message}",
+                    retryable=True,
+                )
+        log.info("sidecar_container_removed", provisioner=self.id, container=name)
+        return Destroyed()
+
+    # -- inventory -------------------------------------------------------------------------------
+
+    async def list_sidecars(self) -> Sequence[RunningSidecar]:
+        """Every container labelled with this deployment, running or not (an exited one is
+        still something to remove)."""
+        async with self._session(Ownership.unbounded()) as engine:
+            listed = await engine.list_labelled(LABEL_DEPLOYMENT, self.options.deployment)
+        found = (running_sidecar(container) for container in listed)
+        return [sidecar for sidecar in found if sidecar is not None]
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, sidecar_id: str) -> AsyncIterator[None]:
+        """One call at a time per sidecar in this process; across processes the engine's
+        unique names are the arbiter."""
+        lock, users = self._locks.setdefault(sidecar_id, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[sidecar_id]
+
+
+class _ImageMissing(Exception):
+    pass

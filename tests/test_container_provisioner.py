@@ -1,0 +1,408 @@
+"""The ``container`` provisioner against a real engine (a private Podman service, see
+``tests/containerkit.py``): in process, and under a real ``hubd run`` with the reference sidecar
+inside each container. Skipped with the reason where no engine can be had, failed instead
+under ``HUBD_REQUIRE_CONTAINER_ENGINE=1``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import textwrap
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiodocker
+import pytest
+
+from hubd.plugins.container import ContainerProvisioner, create
+from hubd.plugins.protocol import Accepted, Destroyed, DestroyRequest, EnsureRequest, Rejected
+from hubd.store import AllocationStore, LedgerStore, Status, connect_database
+from tests import containerkit
+from tests.clikit import run_hubd, run_hubd_async
+from tests.daemonkit import DaemonProcess, free_port
+from tests.reconcilerkit import poll_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="session")
+def engine() -> containerkit.Engine:
+    return containerkit.engine()
+
+
+@pytest.fixture
+def deployment() -> str:
+    """A deployment label of the test's own: what it lists and what is removed after it."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def cleanup(engine: containerkit.Engine, deployment: str) -> AsyncIterator[None]:
+    yield
+    async with aiodocker.Docker(url=engine.socket) as docker:
+        for listed in await docker.containers.list(
+            all=True, filters={"label": [f"io.hubd.deployment={deployment}"]}
+        ):
+            await listed.delete(force=True)
+
+
+def provisioner(
+    engine: containerkit.Engine, deployment: str, **options: Any
+) -> ContainerProvisioner:
+    return create(
+        id="container",
+        options=containerkit.options(engine, deployment=deployment, **options),
+        state_dir=Path("/nonexistent"),
+    )
+
+
+def ensure_request(sidecar_id: str | None = None, **overrides: Any) -> EnsureRequest:
+    values: dict[str, Any] = {
+        "allocation_id": f"al_{uuid.uuid4().hex}",
+        "generation": 1,
+        "tenant_id": None,
+        "session_id": None,
+        "spec": {},
+        "sidecar_id": sidecar_id or f"sc_{uuid.uuid4().hex}",
+        "token": f"hubd_sc_{uuid.uuid4().hex}{uuid.uuid4().hex}",
+        "hub_ws_url": "ws://127.0.0.1:9",
+        **overrides,
+    }
+    return EnsureRequest(**values)
+
+
+def destroy_request(request: EnsureRequest, ref: str | None = None) -> DestroyRequest:
+    return DestroyRequest(
+        allocation_id=request.allocation_id,
+        generation=request.generation + 1,
+        sidecar_id=request.sidecar_id,
+        external_ref=ref,
+    )
+
+
+def config(
+    path: Path,
+    *,
+    database_url: str,
+    state_dir: Path,
+    engine: containerkit.Engine,
+    deployment: str,
+    server_port: int = 0,
+    extra: str = "",
+) -> Path:
+    options = containerkit.options(engine, deployment=deployment, port=18080)
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            [database]
+            url = "{database_url}"
+            [state]
+            dir = "{state_dir}"
+            [server]
+            listen = "127.0.0.1:{server_port}"
+            [admin]
+            listen = "127.0.0.1:0"
+            [reconciler]
+            lease_duration = "10s"
+            connect_timeout = "30s"
+            operation_timeout = "8s"
+            poll_interval = "1s"
+            repair_interval = "2s"
+            shutdown_grace = "5s"
+            [instance]
+            heartbeat_interval = "1s"
+            ttl = "5s"
+            [log]
+            format = "json"
+            level = "info"
+            """
+        )
+        + extra
+        + '\n[[provisioners]]\nid = "container"\nplugin = "container"\n'
+        + "[provisioners.options]\n"
+        + containerkit.toml_options(options)
+        + "\n"
+    )
+    return path
+
+
+async def request(env: dict[str, str], *, wait: bool = True) -> str:
+    extra = ["--wait", "--timeout", "60s"] if wait else []
+    done = await run_hubd_async("alloc", "request", "--provisioner", "container", *extra, env=env)
+    assert done.code == 0, done.err
+    return done.out.strip()
+
+
+async def ready(store: AllocationStore, ids: list[str]) -> bool:
+    rows = [await store.get(i) for i in ids]
+    return all(row.ready for row in rows)
+
+
+def token_of(inspected: dict[str, Any]) -> str:
+    for item in inspected["Config"]["Env"]:
+        if item.startswith("HUBD_TOKEN="):
+            return str(item.removeprefix("HUBD_TOKEN="))
+    raise AssertionError("the container has no HUBD_TOKEN")
+
+
+class TestProvisioner:
+    """Calls made in this process, as a claim makes them."""
+
+    @pytest.mark.usefixtures("cleanup")
+    async def test_retried_ensure_adopts(
+        self, engine: containerkit.Engine, deployment: str
+    ) -> None:
+        """A second ensure of one sidecar id, from another provisioner instance (a restarted
+        hubd, another replica), adopts the running container: same reference, one container;
+        a container left created but never started (an ensure cut short) is started."""
+        first = provisioner(engine, deployment, command=["sleep", "300"])
+        request = ensure_request()
+        accepted = await first.ensure(request)
+        assert isinstance(accepted, Accepted), accepted
+        assert accepted.metadata is not None
+        assert accepted.metadata["container"] == f"hubd-{request.sidecar_id}"
+        again = await provisioner(engine, deployment, command=["sleep", "300"]).ensure(request)
+        assert again == accepted
+        assert len(await containerkit.containers(engine, deployment)) == 1
+
+        interrupted = ensure_request()
+        async with aiodocker.Docker(url=engine.socket) as docker:
+            from hubd.plugins.container.spec import container_name, create_body
+
+            await docker.containers.create(
+                create_body(first.options, first.id, interrupted),
+                name=container_name(interrupted.sidecar_id),
+            )
+        started = await first.ensure(interrupted)
+        assert isinstance(started, Accepted), started
+        states = sorted(
+            c["State"]["Status"] for c in await containerkit.containers(engine, deployment)
+        )
+        assert states == ["running", "running"]
+
+    @pytest.mark.usefixtures("cleanup")
+    async def test_container_that_exits_is_retryable_with_its_logs(
+        self, engine: containerkit.Engine, deployment: str
+    ) -> None:
+        """A container whose command exits at once is a retryable sidecar_exited rejection
+        quoting its last output, with the token it printed hidden; destroy then removes it."""
+        made = provisioner(
+            engine,
+            deployment,
+            command=["sh", "-c", 'echo "token $HUBD_TOKEN"; echo failing; exit 3'],
+        )
+        request = ensure_request()
+        result = await made.ensure(request)
+        assert isinstance(result, Rejected), result
+        assert (result.code, result.retryable) == ("sidecar_exited", True)
+        assert "exit code 3" in result.message
+        assert "failing" in result.message
+        assert request.token not in result.message
+        assert request.token.removeprefix("hubd_sc_") not in result.message
+        assert await made.destroy(destroy_request(request)) == Destroyed()
+        assert await containerkit.containers(engine, deployment) == []
+
+    async def test_missing_image_is_not_retryable(
+        self, engine: containerkit.Engine, deployment: str
+    ) -> None:
+        """With pull = "never", an image the engine lacks fails the allocation: a
+        non-retryable image_not_found naming the image; nothing is left behind."""
+        made = provisioner(engine, deployment, image="localhost/hubd-absent:1")
+        result = await made.ensure(ensure_request())
+        assert isinstance(result, Rejected), result
+        assert (result.code, result.retryable) == ("image_not_found", False)
+        assert "localhost/hubd-absent:1" in result.message
+        assert await containerkit.containers(engine, deployment) == []
+
+    async def test_engine_down_is_retryable_naming_the_socket(
+        self, engine: containerkit.Engine, tmp_path: Path
+    ) -> None:
+        """An engine that does not answer (no socket there) is a retryable rejection of
+        ensure and of destroy, naming the socket."""
+        socket = tmp_path / "gone.sock"
+        made = create(
+            id="container",
+            options=containerkit.options(engine, socket=str(socket)),
+            state_dir=tmp_path,
+        )
+        request = ensure_request()
+        result = await made.ensure(request)
+        assert isinstance(result, Rejected), result
+        assert (result.code, result.retryable) == ("engine_unavailable", True)
+        assert str(socket) in result.message
+        gone = await made.destroy(destroy_request(request))
+        assert not isinstance(gone, Destroyed)
+        assert gone.retryable
+        assert str(socket) in gone.message
+
+    def test_check_config_without_aiodocker(self, tmp_path: Path) -> None:
+        """Without aiodocker installed, check-config of a config naming the container
+        plugin exits 2 saying which extra to install."""
+        blocker = tmp_path / "site" / "aiodocker"
+        blocker.mkdir(parents=True)
+        (blocker / "__init__.py").write_text("raise ImportError('blocked by the test')\n")
+        path = tmp_path / "hubd.toml"
+        path.write_text(
+            '[[provisioners]]\nid = "c"\nplugin = "container"\n'
+            '[provisioners.options]\nimage = "x"\n'
+        )
+        env = {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        done = run_hubd("check-config", "--config", str(path), env=env)
+        assert done.code == 2, done.err
+        assert "hubd[containers]" in done.err
+
+
+class TestThroughDaemon:
+    """``hubd run`` with the container provisioner; the reference sidecar in each container."""
+
+    @pytest.mark.usefixtures("cleanup")
+    async def test_ready_then_released(
+        self,
+        engine: containerkit.Engine,
+        deployment: str,
+        database_url: str,
+        observer: AllocationStore,
+        state_dir: Path,
+    ) -> None:
+        """An allocation becomes ready with its sidecar connected from inside a container
+        labelled with it; its endpoint is the published port; the token is in the
+        container's environment only (no label, no command line, no log line, no ledger
+        entry); released, the container is removed."""
+        path = config(
+            state_dir / "hubd.toml",
+            database_url=database_url, state_dir=state_dir, engine=engine, deployment=deployment,
+        )  # fmt: skip
+        env = {"HUBD_DATABASE_URL": database_url}
+        daemon = DaemonProcess(path)
+        await daemon.start()
+        try:
+            allocation_id = await request(env)
+            row = await observer.get(allocation_id)
+            assert row.ready
+            assert row.endpoint == "127.0.0.1:18080"
+            # The metadata is the sidecar's own: it published before the acceptance was
+            # recorded (docs/plugins.md, Results).
+            assert row.metadata is not None
+            (inspected,) = await containerkit.containers(engine, deployment)
+            labels = inspected["Config"]["Labels"]
+            assert labels["io.hubd.allocation-id"] == allocation_id
+            assert labels["io.hubd.sidecar-id"] == row.sidecar_id
+            assert labels["io.hubd.generation"] == "1"
+            token = token_of(inspected)
+            assert token not in repr(labels) + repr(inspected["Config"]["Cmd"])
+
+            done = await run_hubd_async("alloc", "release", allocation_id, env=env)
+            assert done.code == 0, done.err
+            await poll_until(lambda: _released(observer, allocation_id), within=60, every=0.2)
+            assert await containerkit.containers(engine, deployment) == []
+        finally:
+            await daemon.signal(signal.SIGTERM)
+            await daemon.wait()
+            await daemon.kill()
+        db = await connect_database(database_url)
+        try:
+            history = await LedgerStore(db, instance_id="observer").history(allocation_id)
+        finally:
+            await db.close()
+        assert history
+        assert token not in repr(history)
+        assert token not in daemon.output
+        assert token.removeprefix("hubd_sc_") not in daemon.output
+
+    @pytest.mark.usefixtures("cleanup")
+    async def test_orphan_sweep_removes_a_stray_container(
+        self,
+        engine: containerkit.Engine,
+        deployment: str,
+        database_url: str,
+        observer: AllocationStore,
+        state_dir: Path,
+    ) -> None:
+        """A container labelled with this deployment and a known allocation, but not its
+        current sidecar, is destroyed by the orphan sweep; the allocation's own stays."""
+        path = config(
+            state_dir / "hubd.toml",
+            database_url=database_url, state_dir=state_dir, engine=engine, deployment=deployment,
+            extra='[orphans]\ninterval = "1s"\ngrace = "1s"\n',
+        )  # fmt: skip
+        env = {"HUBD_DATABASE_URL": database_url}
+        daemon = DaemonProcess(path)
+        await daemon.start()
+        try:
+            allocation_id = await request(env)
+            row = await observer.get(allocation_id)
+            stray = ensure_request(allocation_id=allocation_id, generation=1)
+            made = provisioner(engine, deployment, command=["sleep", "300"])
+            assert isinstance(await made.ensure(stray), Accepted)
+            assert len(await containerkit.containers(engine, deployment)) == 2
+
+            async def only_the_current() -> bool:
+                listed = await containerkit.containers(engine, deployment)
+                return [c["Config"]["Labels"]["io.hubd.sidecar-id"] for c in listed] == [
+                    row.sidecar_id
+                ]
+
+            await poll_until(only_the_current, within=60, every=0.3)
+            swept = await daemon.wait_for_log("orphan_sidecar_destroyed", within=30)
+            assert swept["sidecar_id"] == stray.sidecar_id
+            assert (await observer.get(allocation_id)).ready
+        finally:
+            await daemon.signal(signal.SIGTERM)
+            await daemon.wait()
+            await daemon.kill()
+
+    @pytest.mark.usefixtures("cleanup")
+    async def test_kill_9_then_restart_adopts(
+        self,
+        engine: containerkit.Engine,
+        deployment: str,
+        database_url: str,
+        observer: AllocationStore,
+        state_dir: Path,
+    ) -> None:
+        """hubd killed with SIGKILL while its sidecars run in containers: the containers stay
+        up, their sidecars reconnect to the restarted hubd, every allocation is ready again
+        on the same container, and no container is duplicated."""
+        path = config(
+            state_dir / "hubd.toml",
+            database_url=database_url, state_dir=state_dir, engine=engine, deployment=deployment,
+            server_port=free_port(),  # sidecars dial the same address after the restart
+        )  # fmt: skip
+        env = {"HUBD_DATABASE_URL": database_url}
+        first = DaemonProcess(path)
+        await first.start()
+        try:
+            ids = list(await asyncio.gather(*(request(env) for _ in range(3))))
+            before = sorted(c["Id"] for c in await containerkit.containers(engine, deployment))
+            assert len(before) == 3
+            await first.signal(signal.SIGKILL)
+            assert await first.wait() == -signal.SIGKILL
+        finally:
+            await first.kill()
+        second = DaemonProcess(path)
+        await second.start()
+        try:
+
+            async def reconnected() -> bool:
+                connected = [
+                    line for line in second.lines if line.get("event") == "sidecar_connected"
+                ]
+                return len(connected) >= len(ids) and await ready(observer, ids)
+
+            # Connected to the second hubd: the rows' readiness alone may predate the kill.
+            await poll_until(reconnected, within=90, every=0.3)
+            rows = [await observer.get(i) for i in ids]
+            assert all(row.generation == 1 for row in rows)
+            after = sorted(c["Id"] for c in await containerkit.containers(engine, deployment))
+            assert after == before
+        finally:
+            await second.signal(signal.SIGTERM)
+            await second.wait()
+            await second.kill()
+
+
+async def _released(store: AllocationStore, allocation_id: str) -> bool:
+    return (await store.get(allocation_id)).status is Status.RELEASED
