@@ -7,6 +7,7 @@
      ├── EmbeddedPostgresError            the embedded server cannot be had
      ├── StoreError                       the database refused or failed a statement
      │    ├── DatabaseUnavailable (ConnectionError)   unreachable; "unknown", never "absent"
+     │    │    └── DatabaseReadOnly                   only a read-only server answered
      │    ├── AllocationNotFound (LookupError)        no allocation with that id
      │    ├── SchemaMissing                           the database was never migrated
      │    └── InvalidRequest (ValueError)             bad input to the store
@@ -28,6 +29,7 @@ __all__ = [
     "AllocationNotFound",
     "BatchFull",
     "ConfigError",
+    "DatabaseReadOnly",
     "DatabaseUnavailable",
     "EmbeddedPostgresError",
     "EventCursorExpired",
@@ -66,6 +68,11 @@ class StoreError(HubdError):
 
 class DatabaseUnavailable(StoreError, ConnectionError):
     """The database cannot be reached right now."""
+
+
+class DatabaseReadOnly(DatabaseUnavailable):
+    """The server that answered is read-only (a standby, or ``default_transaction_read_only``):
+    as unavailable as one that does not answer, since hubd's every step writes."""
 
 
 class AllocationNotFound(StoreError, LookupError):

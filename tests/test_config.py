@@ -261,6 +261,31 @@ class TestValidation:
             assert load(tmp_path, f'[database]\nurl = "{url}"\n').database.url == url
 
     @pytest.mark.parametrize(
+        ("query", "fragment"),
+        [
+            ("target_session_attrs=standby", "would pick a standby"),
+            ("target_session_attrs=read-only", "would pick a standby"),
+            ("target_session_attrs=bogus", "must be read-write, primary, any"),
+        ],
+    )
+    def test_database_url_target_session_attrs(
+        self, tmp_path: pathlib.Path, query: str, fragment: str
+    ) -> None:
+        """A multi-host URL is checked as a connect would use it: a target that picks a
+        standby, or none libpq knows, is refused at load, password hidden."""
+        url = f"postgresql://hubd:{PASSWORD}@a:5432,b:5433/hubd?{query}"
+        with pytest.raises(ConfigError, match=r"^database\.url: ") as info:
+            load(tmp_path, f'[database]\nurl = "{url}"\n')
+        assert fragment in str(info.value)
+        assert PASSWORD not in str(info.value)
+        good = "postgresql://hubd@a:5432,b:5433/hubd?target_session_attrs=read-write"
+        assert load(tmp_path, f'[database]\nurl = "{good}"\n').database.url == good
+
+    def test_database_url_empty_host_in_list(self, tmp_path: pathlib.Path) -> None:
+        with pytest.raises(ConfigError, match="an empty host in the host list"):
+            load(tmp_path, '[database]\nurl = "postgresql://hubd@a,,b/hubd"\n')
+
+    @pytest.mark.parametrize(
         ("present", "missing"),
         [("tls_cert", "server.tls_key"), ("tls_key", "server.tls_cert")],
     )

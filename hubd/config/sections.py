@@ -27,6 +27,7 @@ from hubd.config.kinds import (
     metadata,
     problem,
 )
+from hubd.dburl import hosts_problem
 from hubd.reconciler.settings import claim_rules_problem
 from hubd.redaction import redact_dsn as redact_url
 from hubd.units import format_duration, parse_duration, parse_listen
@@ -163,7 +164,7 @@ def _dsn_problem(url: str) -> str | None:
             port = hostport.rpartition(":")[2] if ":" in hostport else ""
         if port and not (port.isdigit() and 0 < int(port) < 65536):
             return f"port {port[:20]!r} is not a number from 1 to 65535"
-    return None
+    return hosts_problem(url)
 
 
 @attrs.frozen(kw_only=True)

@@ -20,11 +20,15 @@ from hubd.backoff import Retries
 from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.running import Listening
-from hubd.errors import StoreError
+from hubd.errors import DatabaseReadOnly, StoreError
+from hubd.store.hosts import try_hosts
 
 __all__ = ["Heartbeat", "registered"]
 
 log = structlog.get_logger(__name__)
+
+HOSTS_REPORT_INTERVAL = 30.0
+"""While beats fail, how often at most the log says what each of the URL's hosts answers."""
 
 
 @contextlib.asynccontextmanager
@@ -80,6 +84,9 @@ class Heartbeat:
         """Monotonic time since which this instance's heartbeats have kept succeeding."""
         self._last = now
         """Monotonic time of the last heartbeat the database accepted."""
+        self.read_only = False
+        """Whether the last beat found only a read-only server (read by readiness)."""
+        self._hosts_reported: float | None = None
 
     @property
     def overdue(self) -> bool:
@@ -105,12 +112,16 @@ class Heartbeat:
             raise_if_cancelled()
             await asyncio.sleep(pause)
             try:
-                present = await instances.heartbeat(instance_id)
-                if not present:
-                    # Removed by an operator or judged dead by a peer: come back, since our
-                    # sockets are real.
-                    await _register(self._parts, self._hub_ws_url, self._provisioner_ids)
-                    log.warning("instance_row_missing_registered_again")
+                # A beat's budget is the interval: one held by a silent connection is a failed
+                # beat (its connection closed, see Database.connection), retried soon on a
+                # fresh one, not a wait for TCP to give up.
+                async with asyncio.timeout(self._interval):
+                    present = await instances.heartbeat(instance_id)
+                    if not present:
+                        # Removed by an operator or judged dead by a peer: come back, since
+                        # our sockets are real.
+                        await _register(self._parts, self._hub_ws_url, self._provisioner_ids)
+                        log.warning("instance_row_missing_registered_again")
                 now = time.monotonic()
                 if not present or now - last_success > self._ttl:
                     # Peers may have swept our records as dead meanwhile (a database outage, a
@@ -126,13 +137,27 @@ class Heartbeat:
                 elif self._since is None:
                     self._since = now
                 last_success = self._last = now
+                self.read_only = False
+                self._hosts_reported = None
                 retries.reset()
                 pause = self._interval
                 self._metrics.database_up.set(1)
-            except StoreError as exc:
+            except (StoreError, TimeoutError) as exc:
                 self._since = None
+                self.read_only = isinstance(exc, DatabaseReadOnly)
                 self._metrics.database_up.set(0)
-                log.warning("heartbeat_failed", error=str(exc))
+                log.warning("heartbeat_failed", error=str(exc) or "no answer within the interval")
                 # Replace every pooled connection at once rather than lose one beat to each.
                 await self._parts.db.lease_pool.expire_connections()
+                await self._report_hosts()
                 pause = retries.next_delay()
+
+    async def _report_hosts(self) -> None:
+        """Say what each host of the URL answers, at most once per HOSTS_REPORT_INTERVAL."""
+        now = time.monotonic()
+        reported = self._hosts_reported
+        if reported is not None and now - reported < HOSTS_REPORT_INTERVAL:
+            return
+        self._hosts_reported = now
+        hosts = await try_hosts(self._parts.dsn, within=min(self._interval, 5.0))
+        log.warning("database_hosts_tried", hosts=hosts)

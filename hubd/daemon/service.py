@@ -245,6 +245,9 @@ class Daemon:
             return "shutting down"
         if self._running is None or self._heartbeat is None:
             return "starting"
+        if self._heartbeat.read_only:
+            # A read-only server answers at once, so no beat is overdue; but none can write.
+            return "database read-only"
         if self._heartbeat.overdue:
             return "database unreachable"
         if not self._running.listener.healthy:

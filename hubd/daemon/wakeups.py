@@ -7,6 +7,9 @@ that connection is lost it is re-opened with backoff and a full poll follows, si
 notifications sent meanwhile are gone. A
 self-notification sent through the ordinary pool every ``selfcheck_interval`` proves the path end
 to end; when it does not come back in time the connection is recycled and readiness reports it.
+The self-check's statement is freed at its timeout whatever the network does: an interrupted
+statement closes its connection rather than wait for a cancellation to be acknowledged
+(:meth:`hubd.store.database.Database.connection`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import structlog
 
 from hubd.backoff import Retries
 from hubd.daemon.cancellation import raise_if_cancelled
+from hubd.dburl import connect_options
 from hubd.errors import StoreError
 from hubd.store.channels import (
     CHANNELS,
@@ -101,12 +105,13 @@ class NotificationListener:
 
     async def run(self) -> None:
         """Listen forever; reconnect with capped backoff whenever the connection is lost."""
-        retries = Retries.doubling(0.5, 10.0)
+        # Capped low: the first connect after a partition heals ends the wait for the poll.
+        retries = Retries.doubling(0.5, 5.0)
         while True:
             raise_if_cancelled()
             conn: asyncpg.Connection | None = None
             try:
-                conn = await asyncpg.connect(self._dsn, timeout=10)
+                conn = await asyncpg.connect(self._dsn, timeout=10, **connect_options(self._dsn))
                 await init_connection(conn)
                 lost = asyncio.Event()
                 conn.add_termination_listener(_setter(lost))

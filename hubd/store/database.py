@@ -16,13 +16,34 @@ hubd owns every use of a pooled connection and leaves no session state behind (n
 SET, no cursors; the one advisory lock is released, or its connection closed, by its holder), so
 a connection goes back to its pool without asyncpg's reset query: that saves a round trip on
 every release. An open transaction is still rolled back by asyncpg itself.
+
+Every connection has a bound on silence (docs/operations.md):
+
+- a **read-only session is never kept**: every pool connects with
+  ``target_session_attrs=read-write`` unless the URL names another value, so a connect walks
+  the URL's host list to a writable server; a statement that meets a read-only server
+  (SQLSTATE 25006: a standby, a server whose ``default_transaction_read_only`` was turned on
+  under open sessions) closes its connection and expires every pool, which then reconnect
+  through the host list;
+- **TCP keepalives and ``TCP_USER_TIMEOUT``** on every TCP socket, on both ends;
+- a **statement interrupted** by its budget (``command_timeout``, or any ``asyncio.timeout``
+  around the block) closes its connection at once: asyncpg would otherwise send a
+  CancelRequest over a new connection and hold the pool's release until the server
+  acknowledges it, which a partitioned network never does;
+- a connection **idle for** :data:`QUIET_PERIOD` is checked with one short statement before it
+  is handed out; a busy connection never is, so the hot paths keep one round trip per
+  statement.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import logging
+import socket
+import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -31,15 +52,18 @@ import asyncpg
 import attrs
 from asyncpg import Connection, Record
 
+from hubd.dburl import connect_options, host_labels
 from hubd.errors import (
     API_SQLSTATES,
     AllocationNotFound,
+    DatabaseReadOnly,
     DatabaseUnavailable,
     InvalidRequest,
     SchemaMissing,
     StoreError,
 )
 from hubd.redaction import redact_dsn
+from hubd.store.hosts import try_hosts
 from hubd.store.queries import Bound
 
 __all__ = [
@@ -67,6 +91,13 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.InternalClientError,
 )
 
+# Errors that mean "this server takes no writes": a standby, or a server set read-only. The
+# second is asyncpg's answer when no host of the URL is writable.
+_READ_ONLY: tuple[type[BaseException], ...] = (
+    asyncpg.ReadOnlySQLTransactionError,
+    asyncpg.TargetServerAttributeNotMatched,
+)
+
 # Errors after which a connection's protocol state cannot be trusted: it is closed rather than
 # returned to its pool, since no reset query on release would notice (see _keep_session).
 _BROKEN: tuple[type[BaseException], ...] = (
@@ -74,6 +105,10 @@ _BROKEN: tuple[type[BaseException], ...] = (
     asyncpg.InternalClientError,
     asyncpg.PostgresConnectionError,
 )
+
+
+# A statement's end that leaves the connection in doubt (see Database.connection).
+_INTERRUPTED: tuple[type[BaseException], ...] = (*_BROKEN, TimeoutError, asyncio.CancelledError)
 
 
 class _QuietReconnects(logging.Filter):
@@ -85,7 +120,7 @@ class _QuietReconnects(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:
             error = record.exc_info[1]
-            if isinstance(error, _UNAVAILABLE):
+            if isinstance(error, (*_UNAVAILABLE, *_READ_ONLY)):
                 record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
                 record.args = ()
                 record.exc_info = None
@@ -119,6 +154,8 @@ def translate_errors(what: str) -> Iterator[None]:
         if api_error is not None:
             raise api_error(f"{what}: {exc}") from exc
         raise InvalidRequest(f"{what}: rejected by the schema ({exc.__class__.__name__})") from exc
+    except _READ_ONLY as exc:
+        raise DatabaseReadOnly(f"{what}: database read-only ({exc.__class__.__name__})") from exc
     except _UNAVAILABLE as exc:
         raise DatabaseUnavailable(
             f"{what}: database unavailable ({exc.__class__.__name__})"
@@ -132,8 +169,84 @@ def translate_errors(what: str) -> Iterator[None]:
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:
-    """Per-connection setup: JSON columns round-trip as Python objects."""
+    """Per-connection setup: keepalives on its socket; JSON columns round-trip as Python
+    objects."""
+    bound_silence(conn)
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+# A TCP peer that vanished (a host that died, a NAT or firewall that lost the connection's
+# state) is found by the kernel: an idle connection after KEEPIDLE + KEEPCNT * KEEPINTVL
+# seconds, one with unacknowledged data after USER_TIMEOUT. PostgreSQL's own end gets the same
+# settings (SESSION_SETTINGS), so the server ends a dead hubd session and its locks too.
+TCP_KEEPIDLE = 10
+TCP_KEEPINTVL = 5
+TCP_KEEPCNT = 3
+TCP_USER_TIMEOUT_MS = 25_000
+
+
+def bound_silence(conn: asyncpg.Connection) -> None:
+    """Turn on keepalives and ``TCP_USER_TIMEOUT`` on ``conn``'s socket (TCP only: a Unix
+    socket has no silent peer). asyncpg takes no socket options, so they are set on the
+    connected socket, which it exposes only through its transport."""
+    transport = getattr(conn, "_transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", TCP_KEEPIDLE),
+        ("TCP_KEEPINTVL", TCP_KEEPINTVL),
+        ("TCP_KEEPCNT", TCP_KEEPCNT),
+        ("TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_MS),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux has them all; other platforms some
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+QUIET_PERIOD = 10.0
+"""Seconds a pooled connection may sit unused before it is checked before its next use."""
+IDLE_CHECK_TIMEOUT = 2.0
+"""How long the check of an idle connection may take before the connection counts as dead."""
+
+# One statement: a standby reads ``on`` (recovery forces it), as does a server whose
+# default_transaction_read_only was turned on after the connection was made.
+_IDLE_CHECK = "SELECT current_setting('transaction_read_only')"
+
+
+class _Usage:
+    """When each pooled connection was last handed back (or opened), to tell the quiet ones."""
+
+    def __init__(self) -> None:
+        self._last: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+    async def opened(self, conn: asyncpg.Connection) -> None:
+        """The pools' ``init`` hook: a session that starts read-only is refused here too (with
+        ``target_session_attrs=any`` asyncpg would take it), from the settings the server
+        reports at startup, so at no cost of a round trip."""
+        settings = conn.get_settings()
+        for name in ("default_transaction_read_only", "in_hot_standby"):
+            if getattr(settings, name, "off") == "on":
+                raise asyncpg.ReadOnlySQLTransactionError(f"session opened with {name} on")
+        await init_connection(conn)
+        self._last[conn] = time.monotonic()
+
+    def used(self, pooled: asyncpg.Connection) -> None:
+        raw = _raw(pooled)
+        if raw is not None:
+            self._last[raw] = time.monotonic()
+
+    def quiet(self, pooled: asyncpg.Connection) -> bool:
+        raw = _raw(pooled)
+        last = self._last.get(raw) if raw is not None else None
+        return last is None or time.monotonic() - last >= QUIET_PERIOD
+
+
+def _raw(pooled: asyncpg.Connection) -> Any:
+    # A pool hands out a proxy made anew on each acquire; the connection behind it is the
+    # one thing that lives as long as the session (asyncpg names it nowhere public).
+    return getattr(pooled, "_con", pooled)
 
 
 class Pool(enum.Enum):
@@ -159,6 +272,7 @@ class Database:
     lease_pool: asyncpg.Pool
     identity_pool: asyncpg.Pool
     socket_pool: asyncpg.Pool
+    usage: _Usage = attrs.field(factory=_Usage, repr=False)
 
     @asynccontextmanager
     async def connection(
@@ -174,12 +288,66 @@ class Database:
             if conn is not None:
                 yield conn
                 return
-            async with self._pools[pool].acquire() as pooled:
-                try:
-                    yield pooled
-                except _BROKEN:
-                    pooled.terminate()
+            chosen = self._pools[pool]
+            pooled = await self._acquire(chosen)
+            try:
+                yield pooled
+            except _READ_ONLY:
+                await self._met_read_only(pooled)
+                raise
+            except _INTERRUPTED:
+                # Interrupted mid-statement (its budget, a claim's deadline, a shutdown), the
+                # connection may have a cancellation in flight, which asyncpg's release would
+                # wait for without a limit; and a broken one cannot be trusted. Either way:
+                # close it now, so the caller is free at its budget.
+                pooled.terminate()
+                raise
+            else:
+                self.usage.used(pooled)
+            finally:
+                await chosen.release(pooled)
+
+    async def _acquire(self, chosen: asyncpg.Pool) -> asyncpg.Connection:
+        """A connection of ``chosen``; one that sat unused for :data:`QUIET_PERIOD` first
+        answers a check, or is closed and another one taken."""
+        # Every connection of the pool may have died together (a partition, a restart): a
+        # failed check expires them all, so the next acquire opens a new one.
+        for _ in range(2):
+            pooled: asyncpg.Connection = await chosen.acquire()
+            if not self.usage.quiet(pooled):
+                return pooled
+            try:
+                async with asyncio.timeout(IDLE_CHECK_TIMEOUT):
+                    read_only = await pooled.fetchval(_IDLE_CHECK)
+            except _READ_ONLY:
+                await self._met_read_only(pooled)
+                await chosen.release(pooled)
+                raise
+            except (Exception, asyncio.CancelledError) as exc:
+                pooled.terminate()
+                await chosen.release(pooled)
+                if not isinstance(exc, (TimeoutError, *_UNAVAILABLE)):
                     raise
+                await chosen.expire_connections()
+                continue
+            if read_only == "on":
+                await self._met_read_only(pooled)
+                await chosen.release(pooled)
+                raise asyncpg.ReadOnlySQLTransactionError("idle check: session is read-only")
+            self.usage.used(pooled)
+            return pooled
+        # Two dead in a row: let the caller retry as it would after any outage.
+        raise TimeoutError("no pooled connection answered its idle check")
+
+    async def _met_read_only(self, pooled: asyncpg.Connection) -> None:
+        """A read-only session is never kept: close it, and have every pool replace its
+        connections, which are most likely on the same server; the new ones walk the host
+        list to a writable one."""
+        pooled.terminate()
+        for each in self._pools.values():
+            # Returns at once: it bumps the pool's generation, so each connection is closed
+            # when next released or acquired.
+            await each.expire_connections()
 
     async def fetchrow(
         self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
@@ -252,7 +420,15 @@ SOCKET_POOL_SIZE = 4
 # look at the record): the CPU of a whole lifecycle run varied by 60% with when each connection
 # planned. With sequential scans off, each of those statements takes its index; a statement no
 # index serves still scans (docs/performance.md, "Plans that do not depend on the statistics").
-SESSION_SETTINGS = {"plan_cache_mode": "force_generic_plan", "enable_seqscan": "off"}
+SESSION_SETTINGS = {
+    "plan_cache_mode": "force_generic_plan",
+    "enable_seqscan": "off",
+    # The server's end of the keepalives (see bound_silence); ignored on Unix sockets.
+    "tcp_keepalives_idle": str(TCP_KEEPIDLE),
+    "tcp_keepalives_interval": str(TCP_KEEPINTVL),
+    "tcp_keepalives_count": str(TCP_KEEPCNT),
+    "tcp_user_timeout": str(TCP_USER_TIMEOUT_MS),
+}
 
 
 def connections_opened(pool_size: int) -> int:
@@ -278,6 +454,8 @@ async def connect_database(
         Pool.SOCKETS: socket_pool_size,
     }
     opened: dict[Pool, asyncpg.Pool] = {}
+    usage = _Usage()
+    options = {**connect_options(dsn), **kwargs}
     with translate_errors(f"connect to {redact_dsn(dsn)}"):
         try:
             for which, size in sizes.items():
@@ -285,15 +463,21 @@ async def connect_database(
                     dsn,
                     min_size=1,
                     max_size=size,
-                    init=init_connection,
+                    init=usage.opened,
                     reset=_keep_session,
                     timeout=connect_timeout,
                     server_settings=SESSION_SETTINGS,
-                    **kwargs,
+                    **options,
                 )
-        except BaseException:
+        except BaseException as exc:
             for each in opened.values():
                 await each.close()
+            if len(host_labels(dsn)) > 1 and isinstance(exc, (*_UNAVAILABLE, *_READ_ONLY)):
+                # asyncpg reports the last host's error alone: say what each one answered.
+                tried = "; ".join(await try_hosts(dsn, within=connect_timeout))
+                raise DatabaseUnavailable(
+                    f"connect to {redact_dsn(dsn)}: no writable host ({tried})"
+                ) from exc
             raise
     return Database(
         dsn=dsn,
@@ -301,4 +485,5 @@ async def connect_database(
         lease_pool=opened[Pool.LEASE],
         identity_pool=opened[Pool.IDENTITY],
         socket_pool=opened[Pool.SOCKETS],
+        usage=usage,
     )
