@@ -388,3 +388,80 @@ class TestPausedReplica:
             assert tracebacks(paused, other) == []
         finally:
             await stop_all(paused, other)
+
+
+class TestFrozenReplica:
+    async def test_a_frozen_replicas_healthy_sidecars_are_kept(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """Three replicas, every sidecar told all three addresses, the smallest connect
+        deadline the configuration accepts: the replica holding the most sockets is frozen
+        (SIGSTOP) for 2x and then 4x the lease, long enough each time for its peers to sweep
+        its records. Its sidecars cannot know (their sockets stay open), and no healthy
+        allocation may be released or replaced for it: the window a sweep gives covers the
+        sidecar's keepalive, so the resumed replica writes its records back first."""
+        lease = 4.0
+        ports = [free_port() for _ in range(3)]
+        urls = ",".join(f"ws://127.0.0.1:{p}" for p in ports)
+        env = {
+            "HUBD_SERVER_PUBLIC_URL": urls,
+            "HUBD_RECONCILER_CONNECT_TIMEOUT": "500ms",
+            "HUBD_RECONCILER_LEASE_DURATION": f"{lease:g}s",
+            "HUBD_RECONCILER_OPERATION_TIMEOUT": "3s",
+        }
+        daemons = []
+        for index, port in enumerate(ports):
+            config = write_config(
+                state_dir / f"hubd-{index}.toml",
+                database_url=database_url,
+                state_dir=state_dir,
+                marker=marker,
+                server_port=port,
+            )
+            daemons.append(DaemonProcess(config, env=env))
+        await install_observer(database_url)
+        conn = await asyncpg.connect(database_url)
+        try:
+            for daemon in daemons:
+                await daemon.start()
+            ids = await request_many(12, {"HUBD_DATABASE_URL": database_url})
+            await poll_until(lambda: all_ready(observer, ids), within=120, every=0.2)
+            before = await generations(observer, ids)
+            pids = sidecar_pids(marker)
+            head = await ledger_head(database_url)
+            for pause in (2 * lease, 4 * lease):
+                holder = await conn.fetchrow(
+                    "SELECT i.id, i.pid "
+                    "FROM hubd_sidecar_connections c JOIN hubd_instances i "
+                    "ON i.id = c.instance_id GROUP BY i.id, i.pid ORDER BY count(*) DESC LIMIT 1"
+                )
+                frozen = next(d for d in daemons if d.process and d.process.pid == holder["pid"])
+                swept_before = await _swept(conn, holder["id"])
+                await frozen.signal(signal.SIGSTOP)
+                try:
+                    # The fault's length: the peers must have swept the frozen replica's
+                    # records meanwhile, which the ledger shows below.
+                    await asyncio.sleep(pause)
+                finally:
+                    await frozen.signal(signal.SIGCONT)
+                assert await _swept(conn, holder["id"]) > swept_before, "no sweep during the pause"
+                await poll_until(lambda: all_ready(observer, ids), within=90, every=0.2)
+            assert await generations(observer, ids) == before
+            assert sidecar_pids(marker) == pids
+            assert await abandoning_writes(database_url, ids, head) == []
+            assert broken(await violations(database_url)) == {}
+            assert tracebacks(*daemons) == []
+        finally:
+            await conn.close()
+            await stop_all(*daemons)
+
+
+async def _swept(conn: asyncpg.Connection, instance_id: str) -> int:
+    """How many of ``instance_id``'s connection records its peers have swept so far."""
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM hubd_allocation_ledger "
+            "WHERE kind = 'connection_swept' AND message = $1",
+            f"instance {instance_id} stopped heartbeating",
+        )
+    )

@@ -29,7 +29,6 @@ from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server.limits import ListenerLimits
 from hubd.server.router import SocketRouter
 from hubd.server.websocket import SidecarServer
-from hubd.sidecar.client import SIDECAR_PING_INTERVAL, SIDECAR_PING_TIMEOUT
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from hubd.store.connections import (
     ConnectionStore,
@@ -49,7 +48,6 @@ __all__ = [
     "new_instance_id",
     "opened_database",
     "wake_listener",
-    "warn_about_timeouts",
 ]
 
 log = structlog.get_logger(__name__)
@@ -88,22 +86,6 @@ async def opened_database(dsn: str, config: Config) -> AsyncIterator[Database]:
         yield db
     finally:
         await db.close()
-
-
-def warn_about_timeouts(config: Config) -> None:
-    keepalive = SIDECAR_PING_INTERVAL + SIDECAR_PING_TIMEOUT
-    if config.reconciler.connect_timeout < config.instance.ttl + keepalive:
-        # A sidecar notices a frozen replica only when its keepalive fails; its records
-        # are swept after one TTL. A connect deadline shorter than both gives up on a
-        # healthy sidecar before it can reach a live replica.
-        log.warning(
-            "connect_timeout_shorter_than_failover",
-            hint="reconciler.connect_timeout is shorter than instance.ttl plus the reference "
-            "sidecar's keepalive: a sidecar whose replica freezes may be given up before "
-            "it reaches another",
-            connect_timeout=config.reconciler.connect_timeout,
-            needed=config.instance.ttl + keepalive,
-        )
 
 
 @attrs.frozen(kw_only=True)

@@ -36,7 +36,6 @@ from hubd.daemon.running import (
     listening,
     new_instance_id,
     opened_database,
-    warn_about_timeouts,
 )
 from hubd.daemon.stopping import Stopping, say_what_keeps_running
 from hubd.daemon.supervisor import Supervisor
@@ -121,7 +120,6 @@ class Daemon:
             # The pools close after every part that uses them has stopped, and before the
             # embedded server goes, or its shutdown would wait on our connections.
             db = await stack.enter_async_context(opened_database(dsn, cfg))
-            warn_about_timeouts(cfg)
             parts = Listening.build(
                 cfg, db, dsn, self.instance_id, ready_on_connect=self._on_ready is None
             )

@@ -19,6 +19,7 @@ from hubd.daemon.metrics import Metrics
 from hubd.daemon.running import Running
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.errors import StoreError
+from hubd.liveness import swept_reconnect_window
 from hubd.reconciler.orphans import OrphanCollector
 from hubd.store.events import EventStore
 
@@ -90,6 +91,7 @@ class Sweeps:
     async def repair(self) -> None:
         interval = self.config.reconciler.repair_interval
         ttl = self.config.instance.ttl
+        swept_window = swept_reconnect_window(self.config.reconciler.connect_timeout)
         connections, instances = self.running.parts.connections, self.running.parts.instances
         events = EventStore(self.running.parts.db)
         while True:
@@ -97,12 +99,12 @@ class Sweeps:
             await asyncio.sleep(interval)
             try:
                 # Records of instances that stopped heartbeating (never our own: our sockets
-                # are open, whatever our heartbeat says) are cleared and their sidecars get the
-                # usual connect deadline to come back to a live replica, in one statement each.
+                # are open, whatever our heartbeat says) are cleared, in one statement. Their
+                # sidecars may not know yet: a frozen replica's sockets stay open, so the
+                # deadline first allows for the sidecar's keepalive to notice, then the usual
+                # connect deadline to come back to a live replica.
                 swept = (
-                    await connections.sweep_stale(
-                        ttl, connect_timeout=self.config.reconciler.connect_timeout
-                    )
+                    await connections.sweep_stale(ttl, connect_timeout=swept_window)
                     if self.heartbeat.may_judge_peers()
                     else []
                 )

@@ -33,6 +33,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.typing import Subprotocol
 
 from hubd.backoff import Backoff
+from hubd.liveness import SIDECAR_PING_INTERVAL, SIDECAR_PING_TIMEOUT
 from hubd.sidecar.command import CommandRunner, SidecarOptions
 from hubd.sidecar.policy import (
     EXIT_OK,
@@ -104,11 +105,6 @@ def connect_url(base: str) -> str:
     if parts.path in ("", "/"):
         parts = parts._replace(path=CONNECT_PATH)
     return urllib.parse.urlunsplit(parts)
-
-
-SIDECAR_PING_INTERVAL: Final = 20.0
-SIDECAR_PING_TIMEOUT: Final = 20.0
-"""The reference sidecar's keepalive: how long it takes at most to notice a hub that froze."""
 
 
 @attrs.frozen(kw_only=True)
