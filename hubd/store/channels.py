@@ -15,6 +15,7 @@ from hubd.store.connections import CONNECTED_CHANNEL, SOCKETS_CHANNEL
 __all__ = [
     "CHANNELS",
     "CONNECTED_CHANNEL",
+    "EVENTS_CHANNEL",
     "SELFCHECK_CHANNEL",
     "SOCKETS_CHANNEL",
     "WAKE_CHANNEL",
@@ -30,3 +31,8 @@ SELFCHECK_CHANNEL: Final = "hubd_selfcheck"
 
 CHANNELS: Final = (WAKE_CHANNEL, CONNECTED_CHANNEL, SOCKETS_CHANNEL, SELFCHECK_CHANNEL)
 """Every channel a daemon listens on."""
+
+EVENTS_CHANNEL: Final = "hubd_events"
+"""The application's channel (docs/api.md): an event entered the feed; payload: its position
+and what it says. Sent by the feed's trigger, heard by applications (``hubd.client``), never by
+a daemon."""
