@@ -1,0 +1,179 @@
+"""A real ``hubd run`` on a primary with a streaming standby (docs/operations.md): the primary
+crashes and the standby is promoted, then the old primary comes back as a read-only standby
+listed first and every session is reset. Each step is judged on committed rows, the ledger and
+the live sidecar processes; the poll interval is 30 s, so anything prompt came from NOTIFY."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from hubd.store.migrate import apply_migrations
+from tests.daemonkit import DaemonProcess, http_get, sidecar_pids, write_config
+from tests.faultkit import ABANDONING, stop_all
+from tests.pgcluster import Cluster, cluster
+from tests.reconcilerkit import poll_until
+from tests.test_daemon import request_many
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+DATABASE = "hubd"
+PROMPT = 15.0
+"""Half the poll interval: an allocation ready within it was woken by a notification."""
+
+
+@pytest.fixture
+def ha() -> Iterator[Cluster]:
+    try:
+        with cluster() as running:
+            yield running
+    except RuntimeError as exc:
+        if "binaries" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+@pytest.fixture
+async def url(ha: Cluster) -> str:
+    """The database on the cluster, migrated; a URL naming both hosts and no
+    ``target_session_attrs`` (hubd asks for a writable one by itself)."""
+    conn = await asyncpg.connect(ha.maintenance(ha.primary))
+    try:
+        await conn.execute(f"CREATE DATABASE {DATABASE}")
+    finally:
+        await conn.close()
+    conn = await asyncpg.connect(ha.url(DATABASE, ha.primary))
+    try:
+        await apply_migrations(conn)
+    finally:
+        await conn.close()
+    return ha.url(DATABASE)
+
+
+async def _writable(url: str) -> asyncpg.Connection:
+    return await asyncpg.connect(url, target_session_attrs="read-write", timeout=10)
+
+
+async def _rows(url: str, ids: list[str]) -> dict[str, tuple[str, int, bool]]:
+    conn = await _writable(url)
+    try:
+        rows = await conn.fetch(
+            "SELECT id, status, generation, connection_ready FROM hubd_allocations "
+            "WHERE id = ANY($1::text[])",
+            ids,
+        )
+    finally:
+        await conn.close()
+    return {r["id"]: (r["status"], r["generation"], r["connection_ready"]) for r in rows}
+
+
+async def _all_ready(url: str, ids: list[str]) -> bool:
+    try:
+        rows = await _rows(url, ids)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        return False  # mid-promotion: no writable host for a moment
+    return len(rows) == len(ids) and all(
+        status == "allocated" and ready for status, _, ready in rows.values()
+    )
+
+
+async def _abandoning(url: str, ids: list[str]) -> list[str]:
+    conn = await _writable(url)
+    try:
+        rows = await conn.fetch(
+            "SELECT allocation_id, kind FROM hubd_allocation_ledger "
+            "WHERE allocation_id = ANY($1::text[]) AND kind = ANY($2::text[])",
+            ids,
+            list(ABANDONING),
+        )
+    finally:
+        await conn.close()
+    return [f"{r['allocation_id']} {r['kind']}" for r in rows]
+
+
+async def _replayed(ha: Cluster) -> None:
+    """Wait until the standby has replayed everything the primary wrote (replication is
+    asynchronous: a crash could otherwise lose the last commits, docs/operations.md)."""
+    primary = await asyncpg.connect(ha.maintenance(ha.primary))
+    standby = await asyncpg.connect(ha.maintenance(ha.standby))
+    try:
+        target = await primary.fetchval("SELECT pg_current_wal_lsn()")
+
+        async def caught_up() -> bool:
+            return bool(
+                await standby.fetchval("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn", target)
+            )
+
+        await poll_until(caught_up, within=30, every=0.05)
+    finally:
+        await primary.close()
+        await standby.close()
+
+
+async def _end_sessions(maintenance: str) -> None:
+    conn = await asyncpg.connect(maintenance)
+    try:
+        await conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = $1 AND pid <> pg_backend_pid()",
+            DATABASE,
+        )
+    finally:
+        await conn.close()
+
+
+def _count(daemon: DaemonProcess, event: str, since: int) -> int:
+    return sum(1 for line in daemon.lines[since:] if line.get("event") == event)
+
+
+async def test_hubd_follows_a_promotion_and_skips_the_old_primary_rejoined_as_standby(
+    ha: Cluster, url: str, marker: str, state_dir: Path
+) -> None:
+    config = write_config(
+        state_dir / "hubd.toml", database_url=url, state_dir=state_dir, marker=marker
+    )
+    daemon = DaemonProcess(config, env={"HUBD_RECONCILER_POLL_INTERVAL": "30s"})
+    env = {"HUBD_DATABASE_URL": url}
+    await daemon.start()
+    try:
+        healthy = await request_many(4, env)
+        await poll_until(lambda: _all_ready(url, healthy), within=60, every=0.2)
+        before = await _rows(url, healthy)
+        pids = sidecar_pids(marker)
+        await _replayed(ha)
+
+        # The primary crashes; the standby is promoted.
+        await asyncio.to_thread(ha.crash_primary_and_promote)
+        promoted = len(daemon.lines)
+        first = await request_many(1, env)
+        await poll_until(lambda: _all_ready(url, first), within=PROMPT, every=0.1)
+        await poll_until(lambda: _all_ready(url, healthy), within=PROMPT, every=0.1)
+
+        # The old primary returns as a standby, still listed first, and every session on the
+        # new primary is reset: hubd must not settle on the read-only one.
+        await asyncio.to_thread(ha.follow, ha.standby)
+        await _end_sessions(ha.maintenance(ha.primary))
+        rejoined = len(daemon.lines)
+        second = await request_many(1, env)
+        await poll_until(lambda: _all_ready(url, second), within=PROMPT, every=0.1)
+
+        async def ready() -> bool:
+            return (await http_get(daemon.admin_url + "/readyz")) == (200, "ready\n")
+
+        await poll_until(ready, within=PROMPT, every=0.1)
+
+        # Nothing healthy was given up: same rows, same generations, same processes.
+        assert await _rows(url, healthy) == before
+        assert sidecar_pids(marker) >= pids
+        assert await _abandoning(url, [*healthy, *first, *second]) == []
+        # No loop: the failures are the few statements that met the fault, not a stream.
+        for since in (promoted, rejoined):
+            assert _count(daemon, "claim_failed_in_store", since) <= 5
+            assert _count(daemon, "heartbeat_failed", since) <= 5
+        assert not any("Traceback" in line for line in daemon.raw)
+    finally:
+        await stop_all(daemon)
