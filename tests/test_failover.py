@@ -388,6 +388,44 @@ class TestSilence:
                 await task
 
 
+class TestRecycle:
+    async def test_a_recycled_listener_listens_again_at_once(
+        self, proxied: Database, proxy: Blackhole, database_url: str
+    ) -> None:
+        """After an outage the daemon recycles its LISTEN connection rather than wait for the
+        self-check (a minute away here): a recycle ends whatever the listener is doing, a
+        connect that hangs on a dead network included (its own timeout is 10 s)."""
+        connected: list[str] = []
+        reconnects: list[None] = []
+        listener = NotificationListener(
+            dsn=proxy.url(database_url),
+            db=proxied,
+            on_wake=lambda: None,
+            on_connected=connected.append,
+            on_reconnected=lambda: reconnects.append(None),
+            selfcheck_interval=60,
+        )
+        task = asyncio.create_task(listener.run(), name="listener")
+        try:
+            await eventually(lambda: listener.healthy, what="listening")
+            proxy.drop()
+            listener.recycle()  # its new connect is swallowed by the dead network
+            await eventually(lambda: not listener.healthy, what="the old connection dropped")
+            proxy.heal()
+            listener.recycle()
+            await eventually(lambda: len(reconnects) == 2, within=5, what="listening again")
+            conn = await asyncpg.connect(database_url)
+            try:
+                await conn.execute("SELECT pg_notify('hubd_connected', 'after-recycle')")
+            finally:
+                await conn.close()
+            await eventually(lambda: "after-recycle" in connected, what="the notice")
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+
 def _select(value: int) -> Bound:
     return Bound(
         Statement(source="test", name="select", sql="SELECT $1::int", params=("v",)), (value,)

@@ -16,6 +16,7 @@ from hubd.store.migrate import apply_migrations
 from tests.daemonkit import DaemonProcess, http_get, sidecar_pids, write_config
 from tests.faultkit import ABANDONING, stop_all
 from tests.pgcluster import Cluster, cluster
+from tests.proxykit import blackhole
 from tests.reconcilerkit import poll_until
 from tests.test_daemon import request_many
 
@@ -177,3 +178,50 @@ async def test_hubd_follows_a_promotion_and_skips_the_old_primary_rejoined_as_st
         assert not any("Traceback" in line for line in daemon.raw)
     finally:
         await stop_all(daemon)
+
+
+@pytest.mark.parametrize("mode", ["hold", "drop"])
+async def test_hubd_comes_back_promptly_after_a_partition(
+    mode: str, database_url: str, marker: str, state_dir: Path
+) -> None:
+    """The network between hubd and PostgreSQL goes silent for longer than the instance TTL:
+    ``hold`` delivers what it held at the heal (TCP outlived the partition), ``drop`` leaves
+    every connection open at its start dead for good (a vanished peer, a NAT that lost its
+    state). Either way the healthy allocations are kept, and a request made at the heal is
+    ready well inside the 30 s poll: its notification reached a live LISTEN connection and
+    its sidecar's handshake found a live pooled connection."""
+    async with blackhole(database_url) as proxy:
+        url = proxy.url(database_url)
+        config = write_config(
+            state_dir / "hubd.toml", database_url=url, state_dir=state_dir, marker=marker
+        )
+        daemon = DaemonProcess(config, env={"HUBD_RECONCILER_POLL_INTERVAL": "30s"})
+        env = {"HUBD_DATABASE_URL": database_url}
+        await daemon.start()
+        try:
+            healthy = await request_many(4, env)
+            await poll_until(lambda: _all_ready(database_url, healthy), within=60, every=0.2)
+            before = await _rows(database_url, healthy)
+            pids = sidecar_pids(marker)
+            started = len(daemon.lines)
+            proxy.hold() if mode == "hold" else proxy.drop()
+
+            async def lapsed() -> bool:
+                return _count(daemon, "heartbeat_failed", started) >= 2
+
+            # The partition lasts until the daemon has seen it twice and for longer than
+            # its TTL (5 s), so its peers (none here) could have judged it dead.
+            await poll_until(lapsed, within=30, every=0.1)
+            await asyncio.sleep(6)
+            proxy.heal()
+            healed = len(daemon.lines)
+            fresh = await request_many(1, env)
+            await poll_until(lambda: _all_ready(database_url, fresh), within=PROMPT, every=0.1)
+            await poll_until(lambda: _all_ready(database_url, healthy), within=PROMPT, every=0.1)
+            assert await _rows(database_url, healthy) == before
+            assert sidecar_pids(marker) >= pids
+            assert await _abandoning(database_url, [*healthy, *fresh]) == []
+            assert _count(daemon, "claim_failed_in_store", healed) <= 5
+            assert not any("Traceback" in line for line in daemon.raw)
+        finally:
+            await stop_all(daemon)

@@ -11,7 +11,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import asyncpg
 import structlog
@@ -71,8 +71,10 @@ class Heartbeat:
         interval: float,
         ttl: float,
         verify_soon: asyncio.Event,
+        on_recovered: Callable[[], None] = lambda: None,
     ) -> None:
         self._parts = parts
+        self._on_recovered = on_recovered
         self._hub_ws_url = hub_ws_url
         self._provisioner_ids = provisioner_ids
         self._metrics = metrics
@@ -108,6 +110,7 @@ class Heartbeat:
         # failed beat: retry soon, since peers count this instance dead after one TTL.
         retries = Retries.doubling(0.2, self._interval)
         pause = self._interval
+        failing = False
         while True:
             raise_if_cancelled()
             await asyncio.sleep(pause)
@@ -139,6 +142,13 @@ class Heartbeat:
                 last_success = self._last = now
                 self.read_only = False
                 self._hosts_reported = None
+                if failing:
+                    # The database answers again. Whatever else was open across the outage
+                    # may be dead without knowing it (a partition that dropped its packets):
+                    # the notification listener reconnects now rather than at its next
+                    # self-check, which may be a minute away.
+                    failing = False
+                    self._on_recovered()
                 retries.reset()
                 pause = self._interval
                 self._metrics.database_up.set(1)
@@ -147,8 +157,11 @@ class Heartbeat:
                 self.read_only = isinstance(exc, DatabaseReadOnly)
                 self._metrics.database_up.set(0)
                 log.warning("heartbeat_failed", error=str(exc) or "no answer within the interval")
-                # Replace every pooled connection at once rather than lose one beat to each.
-                await self._parts.db.lease_pool.expire_connections()
+                failing = True
+                # Replace every pooled connection, of every pool, at once: after a restart
+                # each would cost one failed statement, and after a partition that dropped
+                # its packets each would hold its caller until a budget ran out.
+                await self._parts.db.expire_all()
                 await self._report_hosts()
                 pause = retries.next_delay()
 

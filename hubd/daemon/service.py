@@ -159,6 +159,7 @@ class Daemon:
                 interval=cfg.instance.heartbeat_interval,
                 ttl=cfg.instance.ttl,
                 verify_soon=self._verify_soon,
+                on_recovered=running.listener.recycle,
             )
             self._running = running
             # Start-up repair comes before anything says ready: a probe that passes must find

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import asyncpg
@@ -87,6 +87,7 @@ class NotificationListener:
         self._nonces: dict[str, asyncio.Future[None]] = {}
         self.healthy = False
         self.up = asyncio.Event()  # set once the first connection listens
+        self._recycle = asyncio.Event()
 
     def _notified(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
         if channel == WAKE_CHANNEL:
@@ -103,29 +104,25 @@ class NotificationListener:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
+    def recycle(self) -> None:
+        """Drop the LISTEN connection and open a new one now, whatever it is doing (listening,
+        connecting, waiting to retry); a full poll follows as after any reconnect. For when
+        the connection may be dead without knowing it: the database answered again after an
+        outage."""
+        self._recycle.set()
+
     async def run(self) -> None:
-        """Listen forever; reconnect with capped backoff whenever the connection is lost."""
+        """Listen forever; reconnect with capped backoff whenever the connection is lost, at
+        once when recycled."""
         # Capped low: the first connect after a partition heals ends the wait for the poll.
         retries = Retries.doubling(0.5, 5.0)
         while True:
             raise_if_cancelled()
-            conn: asyncpg.Connection | None = None
+            self._recycle.clear()
             try:
-                conn = await asyncpg.connect(self._dsn, timeout=10, **connect_options(self._dsn))
-                await init_connection(conn)
-                lost = asyncio.Event()
-                conn.add_termination_listener(_setter(lost))
-                for channel in CHANNELS:
-                    await conn.add_listener(channel, self._notified)
-                self.healthy = True
-                self.up.set()
-                retries.reset()
-                log.info("wake_listener_listening")
-                # Anything notified while we were not listening is lost: poll everything once,
-                # and compare the sockets held here with the database.
-                self._on_wake()
-                self._on_reconnected()
-                await self._watch(lost)
+                if await _unless(self._recycle, self._listen(retries)):
+                    log.info("wake_listener_recycled")
+                    continue
             except (
                 OSError,
                 TimeoutError,
@@ -134,11 +131,33 @@ class NotificationListener:
                 asyncpg.InternalClientError,
             ) as exc:
                 log.warning("wake_listener_connection_lost", error=str(exc))
-            finally:
-                self.healthy = False
-                if conn is not None:
-                    conn.terminate()
-            await asyncio.sleep(retries.next_delay())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(retries.next_delay()):
+                    await self._recycle.wait()
+
+    async def _listen(self, retries: Retries) -> None:
+        """One connection: listen on it until it is lost or stops delivering."""
+        conn: asyncpg.Connection | None = None
+        try:
+            conn = await asyncpg.connect(self._dsn, timeout=10, **connect_options(self._dsn))
+            await init_connection(conn)
+            lost = asyncio.Event()
+            conn.add_termination_listener(_setter(lost))
+            for channel in CHANNELS:
+                await conn.add_listener(channel, self._notified)
+            self.healthy = True
+            self.up.set()
+            retries.reset()
+            log.info("wake_listener_listening")
+            # Anything notified while we were not listening is lost: poll everything once,
+            # and compare the sockets held here with the database.
+            self._on_wake()
+            self._on_reconnected()
+            await self._watch(lost)
+        finally:
+            self.healthy = False
+            if conn is not None:
+                conn.terminate()
 
     async def _watch(self, lost: asyncio.Event) -> None:
         """Return when the connection is lost or stops delivering our own notifications."""
@@ -172,3 +191,21 @@ class NotificationListener:
 
 def _setter(event: asyncio.Event) -> Callable[[Any], None]:
     return lambda _conn: event.set()
+
+
+async def _unless(event: asyncio.Event, work: Coroutine[Any, Any, None]) -> bool:
+    """Run ``work`` to its end, or until ``event`` is set, when it is cancelled and True is
+    returned. Its own exceptions propagate."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for each in (task, waiter):
+            each.cancel()
+        # Both are awaited here, so neither outlives this call.
+        await asyncio.gather(task, waiter, return_exceptions=True)
+    if task.done() and not task.cancelled():
+        task.result()  # its exception, if any
+        return False
+    return True

@@ -344,9 +344,13 @@ class Database:
         connections, which are most likely on the same server; the new ones walk the host
         list to a writable one."""
         pooled.terminate()
+        await self.expire_all()
+
+    async def expire_all(self) -> None:
+        """Have every pool replace every connection it holds: each idle one at its next
+        acquire, each busy one when released. Returns at once (it bumps each pool's
+        generation); for when the connections are likely dead or on the wrong server."""
         for each in self._pools.values():
-            # Returns at once: it bumps the pool's generation, so each connection is closed
-            # when next released or acquired.
             await each.expire_connections()
 
     async def fetchrow(
