@@ -774,6 +774,40 @@ class TestLeases:
         ambiguous = [e for e in history_after if e.phase is Phase.AMBIGUOUS]
         assert [(e.kind, e.lease_id) for e in ambiguous] == [("ensure", first_lease)]
 
+    async def test_a_claim_fenced_by_a_release_gives_its_lease_back(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A release lands while a claim is inside ensure (the release keeps the claim's lease,
+        so no other claim starts meanwhile). The claim's next write is fenced and it stops; it
+        then gives the lease back at once rather than let the row wait out the lease (or the
+        poll after it): the release is claimable, and done, right away."""
+        settings = ReconcilerSettings(lease_duration=60, connect_timeout=30, operation_timeout=10)
+        reconciler = make_reconciler(db, router, provisioner, settings=settings)
+        gate = Gate(Accepted("made"))
+        provisioner.ensure_script.append(gate)
+        allocation = await store.request(provisioner_id="fake")
+        claim = asyncio.create_task(reconciler.reconcile_next())
+        await gate.started.wait()
+        await store.release(allocation.id)
+        leased = await store.get(allocation.id)
+        assert leased.lease_id is not None  # the release left the claim its lease
+        gate.release.set()
+        assert await claim
+        given_back = await store.get(allocation.id)
+        assert given_back.status is Status.RELEASING
+        assert given_back.lease_id is None
+        assert await reconciler.reconcile_next()  # the destroy, with no lease to wait out
+        assert (await store.get(allocation.id)).status is Status.RELEASED
+        # The claim's ensure intent stays open for the destroy to settle: giving the lease
+        # back is not a statement that ensure was never called.
+        ensure = [e for e in await ledger.history(allocation.id) if e.kind == "ensure"]
+        assert "not_called" not in {e.error_code for e in ensure}
+
     async def test_refused_renewal_aborts_the_claim(
         self,
         store: AllocationStore,

@@ -394,20 +394,23 @@ class TestFrozenReplica:
     async def test_a_frozen_replicas_healthy_sidecars_are_kept(
         self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
     ) -> None:
-        """Three replicas, every sidecar told all three addresses, the smallest connect
-        deadline the configuration accepts: the replica holding the most sockets is frozen
+        """Three replicas, every sidecar told all three addresses, a connect deadline far
+        shorter than a sidecar's keepalive: the replica holding the most sockets is frozen
         (SIGSTOP) for 2x and then 4x the lease, long enough each time for its peers to sweep
         its records. Its sidecars cannot know (their sockets stay open), and no healthy
         allocation may be released or replaced for it: the window a sweep gives covers the
-        sidecar's keepalive, so the resumed replica writes its records back first."""
-        lease = 4.0
+        sidecar's keepalive, so the resumed replica writes its records back first. (With
+        ``connect_timeout`` alone as the window, the sweep's deadline falls inside the 4x
+        pause and the allocations are released. The deadline is 5 s, not less, only because
+        a fresh sidecar's first connect must fit in it on a loaded machine.)"""
+        lease = 5.0
         ports = [free_port() for _ in range(3)]
         urls = ",".join(f"ws://127.0.0.1:{p}" for p in ports)
         env = {
             "HUBD_SERVER_PUBLIC_URL": urls,
-            "HUBD_RECONCILER_CONNECT_TIMEOUT": "500ms",
+            "HUBD_RECONCILER_CONNECT_TIMEOUT": "5s",
             "HUBD_RECONCILER_LEASE_DURATION": f"{lease:g}s",
-            "HUBD_RECONCILER_OPERATION_TIMEOUT": "3s",
+            "HUBD_RECONCILER_OPERATION_TIMEOUT": "4s",
         }
         daemons = []
         for index, port in enumerate(ports):

@@ -96,6 +96,8 @@ class ClaimRun:
     bound_token: str | None = attrs.field(default=None, repr=False)
     """The raw token of the identity the claim statement bound (never durable)."""
     lost: LeaseLost | None = None
+    fenced_out: bool = False
+    """A final write matched nothing: the row moved on without this claim (a release, a peer)."""
     task: asyncio.Task[Any] | None = None
     """The task the claim's steps run in, while they run: a lost lease cancels it."""
     _cancelled: bool = attrs.field(default=False, init=False)
@@ -228,6 +230,7 @@ class ClaimRun:
             nonlocal written
             written = await write()
             if written is None:
+                self.fenced_out = True
                 self.log.info("final_write_matched_nothing_claim_lost")
             elif written.status is not self.allocation.status:
                 self.services.observer.transition(str(self.allocation.status), str(written.status))

@@ -331,12 +331,28 @@ class Reconciler:
                 self._observer.lease_lost()
                 cause = claim.lost or failure
                 claim.log.info("claim_stopped_lease_lost", reason=str(cause))
+                await self._give_back(claim)
             elif failure is not None:
                 await self._park_after_error(claim, failure)
+            elif claim.fenced_out:
+                await self._give_back(claim)
         finally:
             lease.stop()
             self._renewer.unregister(lease)
             del self._active[aid]
+
+    async def _give_back(self, claim: ClaimRun) -> None:
+        """End the lease of a claim whose writes no longer match. A release keeps the lease of
+        the claim it fences, so the row would otherwise wait out the lease (and then the poll)
+        before anyone destroys. Nothing of the claim runs any more, so ending the lease now is
+        what its expiry would do; while a plugin call of it still runs, the lease stays that
+        call's bound."""
+        aid = claim.allocation.id
+        if self._work.is_busy(aid):
+            return
+        with contextlib.suppress(StoreError):
+            if await self._store.give_back_lease(aid, claim.lease_id):
+                claim.log.info("lease_given_back")
 
     async def _park_after_error(self, claim: ClaimRun, error: BaseException) -> None:
         # A database that cannot answer is an expected condition, handled by parking the row

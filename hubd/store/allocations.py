@@ -247,6 +247,15 @@ class AllocationStore(SweepQueries):
         )
         return row is not None
 
+    async def give_back_lease(self, allocation_id: str, lease_id: str) -> bool:
+        """End ``lease_id`` early, leaving the row (its open intents too) as an expired lease
+        would; ``False`` when it was no longer ours."""
+        row = await self._db.fetchrow(
+            "give back lease",
+            SQL.give_back_lease(allocation_id=allocation_id, lease_id=lease_id),
+        )
+        return row is not None
+
     # -- fenced transitions --------------------------------------------------------------------
 
     async def bind_initial_sidecar(

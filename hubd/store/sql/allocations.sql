@@ -154,6 +154,15 @@ WITH dropped AS (
 )
 SELECT id FROM dropped;
 
+-- name: give_back_lease
+-- A claim that stopped because its lease no longer fenced its writes (a release or a peer moved
+-- the row on) ends :lease_id early: the row is claimable at once instead of after the lease runs
+-- out. Nothing else changes, its open intents included: the next claim settles them as it would
+-- after an expired lease. Only while the lease is still :lease_id.
+UPDATE hubd_allocations SET lease_id = NULL, lease_expires_at = NULL
+WHERE id = :allocation_id AND lease_id = :lease_id
+RETURNING id;
+
 -- name: bind_initial_sidecar
 -- pending → provisioning: bind the provisioner if unbound (:api_version, :binding_fingerprint)
 -- and a new sidecar identity (:sidecar_id, :token_hash) with a connect deadline :connect_timeout
