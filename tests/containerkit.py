@@ -5,6 +5,11 @@ reference sidecar (this checkout, this interpreter) in it.
 No engine (not root, no Podman, no busybox, or it fails to start) skips the tests that need
 one, with the reason; under ``HUBD_REQUIRE_CONTAINER_ENGINE=1`` (set by ``.ci/run`` where
 ``.ci/install-podman`` started an engine) it fails them instead.
+
+A second engine runs every container under gVisor (``.ci/container-engine start DIR runsc``)
+for the tests of a sandboxed runtime. Where runsc is missing or cannot run a container here
+(the script's own probe, exit 3), those tests skip with the reason even under that variable:
+what is required is that gVisor works wherever it can.
 """
 
 from __future__ import annotations
@@ -55,9 +60,16 @@ class Engine:
 _lock = threading.Lock()
 _engine: Engine | None = None
 _failure: str | None = None
+_gvisor: Engine | None = None
+_gvisor_failure: str | None = None
+_gvisor_unusable: str | None = None
 
 
-def _start() -> Engine:
+class _RuntimeUnusable(RuntimeError):
+    """The engine's runtime cannot run a container on this machine (not hubd's doing)."""
+
+
+def _start(runtime: str = "runc") -> Engine:
     if sys.platform != "linux" or os.geteuid() != 0:
         raise RuntimeError("needs root on Linux for a private Podman engine")
     for tool in ("podman", "busybox"):
@@ -65,12 +77,14 @@ def _start() -> Engine:
             raise RuntimeError(f"needs {tool} (.ci/install-podman installs it)")
     directory = Path(tempfile.mkdtemp(prefix="hubd-engine"))
     done = subprocess.run(
-        [str(SCRIPT), "start", str(directory)],
+        [str(SCRIPT), "start", str(directory), runtime],
         capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
     if done.returncode != 0:
         subprocess.run([str(SCRIPT), "stop", str(directory)], capture_output=True, check=False)
         shutil.rmtree(directory, ignore_errors=True)
+        if done.returncode == 3:
+            raise _RuntimeUnusable(done.stderr.strip()[-500:])
         raise RuntimeError(f".ci/container-engine start failed: {done.stderr.strip()[-500:]}")
     engine = Engine(socket=done.stdout.strip(), directory=directory)
     atexit.register(_stop, engine)
@@ -99,6 +113,33 @@ def engine() -> Engine:
     if REQUIRED:
         pytest.fail(f"HUBD_REQUIRE_CONTAINER_ENGINE=1 but no container engine: {_failure}")
     pytest.skip(f"no container engine: {_failure}")
+
+
+def gvisor_engine() -> Engine:
+    """An engine of the process's own whose every container runs under gVisor (runsc),
+    started on first call; skips where runsc is missing or cannot work here, and otherwise
+    as :func:`engine` does."""
+    global _gvisor, _gvisor_failure, _gvisor_unusable  # noqa: PLW0603 -- as engine()
+    engine()  # the plain engine's verdict first: no Podman is no Podman, under gVisor too
+    with _lock:
+        if _gvisor is None and _gvisor_failure is None and _gvisor_unusable is None:
+            if shutil.which("runsc") is None:
+                _gvisor_unusable = "runsc is not installed (.ci/install-podman installs it)"
+            else:
+                try:
+                    _gvisor = _start("runsc")
+                except _RuntimeUnusable as exc:
+                    _gvisor_unusable = str(exc)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                    _gvisor_failure = str(exc)
+    if _gvisor is not None:
+        return _gvisor
+    if _gvisor_unusable is not None:
+        pytest.skip(f"no gVisor here: {_gvisor_unusable}")
+    assert _gvisor_failure is not None
+    if REQUIRED:
+        pytest.fail(f"HUBD_REQUIRE_CONTAINER_ENGINE=1 but no gVisor engine: {_gvisor_failure}")
+    pytest.skip(f"no gVisor engine: {_gvisor_failure}")
 
 
 def sidecar_binds() -> list[str]:

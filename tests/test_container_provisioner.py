@@ -17,6 +17,7 @@ from typing import Any
 import aiodocker
 import pytest
 
+from hubd.client import Client
 from hubd.plugins.container import ContainerProvisioner, create
 from hubd.plugins.protocol import Accepted, Destroyed, DestroyRequest, EnsureRequest, Rejected
 from hubd.store import AllocationStore, LedgerStore, Status, connect_database
@@ -217,6 +218,20 @@ class TestProvisioner:
         assert "localhost/hubd-absent:1" in result.message
         assert await containerkit.containers(engine, deployment) == []
 
+    async def test_runtime_the_engine_ignores_is_refused(
+        self, engine: containerkit.Engine, deployment: str
+    ) -> None:
+        """A ``runtime`` the engine does not report for the container it made (Podman's
+        compatible API ignores it) is a non-retryable runtime_unsupported naming both
+        runtimes, before the container ever starts; nothing is left behind."""
+        made = provisioner(engine, deployment, runtime="runsc", command=["sleep", "300"])
+        result = await made.ensure(ensure_request())
+        assert isinstance(result, Rejected), result
+        assert (result.code, result.retryable) == ("runtime_unsupported", False)
+        assert "'runsc'" in result.message
+        assert "'oci'" in result.message
+        assert await containerkit.containers(engine, deployment) == []
+
     async def test_engine_down_is_retryable_naming_the_socket(
         self, engine: containerkit.Engine, tmp_path: Path
     ) -> None:
@@ -257,6 +272,94 @@ class TestProvisioner:
 
 class TestThroughDaemon:
     """``hubd run`` with the container provisioner; the reference sidecar in each container."""
+
+    @pytest.mark.timeout(360)
+    @pytest.mark.usefixtures("cleanup")
+    async def test_twenty_concurrent_allocations(
+        self,
+        engine: containerkit.Engine,
+        deployment: str,
+        database_url: str,
+        observer: AllocationStore,
+        state_dir: Path,
+    ) -> None:
+        """Twenty allocations requested at once (more than the daemon claims at a time) all
+        become ready, each with exactly one running container, labelled with its allocation
+        and its current sidecar; released at once, every one is released and the engine lists
+        no container of the deployment."""
+        path = config(
+            state_dir / "hubd.toml",
+            database_url=database_url, state_dir=state_dir, engine=engine, deployment=deployment,
+        )  # fmt: skip
+        daemon = DaemonProcess(path)
+        await daemon.start()
+        try:
+            async with await Client.connect(database_url, max_size=20) as client:
+                requested = await asyncio.gather(*(client.request("container") for _ in range(20)))
+                ids = [allocation.id for allocation in requested]
+                await poll_until(lambda: ready(observer, ids), within=240, every=0.5)
+                rows = [await observer.get(i) for i in ids]
+                listed = await containerkit.containers(engine, deployment)
+                assert sorted(
+                    (c["Config"]["Labels"]["io.hubd.allocation-id"],
+                     c["Config"]["Labels"]["io.hubd.sidecar-id"],
+                     c["State"]["Status"])
+                    for c in listed
+                ) == sorted((row.id, row.sidecar_id, "running") for row in rows)  # fmt: skip
+
+                await asyncio.gather(*(client.release(i) for i in ids))
+                await poll_until(lambda: _all_released(observer, ids), within=120, every=0.5)
+            assert await containerkit.containers(engine, deployment) == []
+            rows = [await observer.get(i) for i in ids]
+            assert {(row.status, row.ready) for row in rows} == {(Status.RELEASED, False)}
+        finally:
+            await daemon.signal(signal.SIGTERM)
+            await daemon.wait()
+            await daemon.kill()
+
+    async def test_sidecar_under_gvisor(
+        self,
+        deployment: str,
+        database_url: str,
+        observer: AllocationStore,
+        state_dir: Path,
+    ) -> None:
+        """On an engine whose runtime is runsc, the reference sidecar runs inside gVisor's
+        user-space kernel and still reaches the hub: the allocation becomes ready, the engine
+        ran its container with runsc, no host process is the sidecar (the sandbox runs it);
+        released, the container is removed. Skipped with the reason where runsc is missing or
+        cannot run a container here."""
+        gvisor = containerkit.gvisor_engine()
+        path = config(
+            state_dir / "hubd.toml",
+            database_url=database_url, state_dir=state_dir, engine=gvisor, deployment=deployment,
+        )  # fmt: skip
+        env = {"HUBD_DATABASE_URL": database_url}
+        daemon = DaemonProcess(path)
+        await daemon.start()
+        try:
+            allocation_id = await request(env)
+            row = await observer.get(allocation_id)
+            assert row.ready
+            (inspected,) = await containerkit.containers(gvisor, deployment)
+            name = inspected["Name"].lstrip("/")
+            runtime = gvisor.podman("inspect", "--format", "{{.OCIRuntime}}", name).stdout
+            assert runtime.strip() == "runsc"
+            assert _host_processes_with(f"HUBD_SIDECAR_ID={row.sidecar_id}") == []
+
+            done = await run_hubd_async("alloc", "release", allocation_id, env=env)
+            assert done.code == 0, done.err
+            await poll_until(lambda: _released(observer, allocation_id), within=60, every=0.2)
+            assert await containerkit.containers(gvisor, deployment) == []
+        finally:
+            await daemon.signal(signal.SIGTERM)
+            await daemon.wait()
+            await daemon.kill()
+            async with aiodocker.Docker(url=gvisor.socket) as docker:
+                for left in await docker.containers.list(
+                    all=True, filters={"label": [f"io.hubd.deployment={deployment}"]}
+                ):
+                    await left.delete(force=True)
 
     @pytest.mark.usefixtures("cleanup")
     async def test_ready_then_released(
@@ -406,3 +509,21 @@ class TestThroughDaemon:
 
 async def _released(store: AllocationStore, allocation_id: str) -> bool:
     return (await store.get(allocation_id)).status is Status.RELEASED
+
+
+async def _all_released(store: AllocationStore, ids: list[str]) -> bool:
+    return all([await _released(store, i) for i in ids])
+
+
+def _host_processes_with(entry: str) -> list[int]:
+    """Host processes whose environment holds ``entry`` (``NAME=value``)."""
+    needle = entry.encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if needle in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found

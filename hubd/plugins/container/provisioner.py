@@ -223,6 +223,10 @@ class ContainerProvisioner:
     async def _start(
         self, engine: EngineSession, request: EnsureRequest, name: str
     ) -> EnsureResult:
+        if self.options.runtime is not None:
+            refused = await self._runtime_refused(engine, request, name)
+            if refused is not None:
+                return refused
         await engine.start(name)
         if self._settle > 0:
             await asyncio.sleep(self._settle)
@@ -243,6 +247,33 @@ class ContainerProvisioner:
             generation=request.generation,
         )
         return self._accepted(found)
+
+    async def _runtime_refused(
+        self, engine: EngineSession, request: EnsureRequest, name: str
+    ) -> Rejected | None:
+        """A rejection when the engine did not take the ``runtime`` option, before anything
+        runs: Podman's Docker-compatible API ignores a container's runtime (and reports
+        ``oci``), and a sidecar meant for a sandboxing runtime must not start under the
+        default one instead. Not retryable (the container is removed first): every retry
+        would meet the same engine."""
+        found = await engine.inspect(name)
+        if found is None:
+            return None  # removed meanwhile: the start says so
+        reported = (found.get("HostConfig") or {}).get("Runtime")
+        if reported == self.options.runtime:
+            return None
+        if not request.ownership.still_owned():
+            return Rejected(code="claim_lost", message=_not_owned("nothing was removed"),
+                            retryable=True)  # fmt: skip
+        await engine.remove(name)
+        return Rejected(
+            code="runtime_unsupported",
+            message=f"the container engine at {self.options.socket.display} made container "
+            f"{name} with runtime {reported!r}, not {self.options.runtime!r}, and it was "
+            "removed; Podman's Docker-compatible API ignores a container's runtime: make it "
+            "the service's default (containers.conf) and leave the option unset",
+            retryable=False,
+        )
 
     async def _exited(self, engine: EngineSession, name: str, found: Mapping[str, Any]) -> Rejected:
         """A container of this sidecar that is not running: the sidecar failed. Retryable:
