@@ -119,7 +119,9 @@ class Supervisor:
                     log.warning("claims_wait_for_database", error=str(exc))
                 else:
                     log.debug("claims_still_wait_for_database", error=str(exc))
-                await self._pause(retries.next_delay())
+                # A wake-up ends the pause early: the one that matters comes from the
+                # notification listener listening again, the moment the database is back.
+                await self.waker.wait(retries.next_delay())
                 continue
             except StoreError as exc:
                 self.sweeps.metrics.loop_errors.labels(kind=type(exc).__name__).inc()

@@ -328,7 +328,7 @@ class Database:
                 await chosen.release(pooled)
                 if not isinstance(exc, (TimeoutError, *_UNAVAILABLE)):
                     raise
-                await chosen.expire_connections()
+                await _expire(chosen)
                 continue
             if read_only == "on":
                 await self._met_read_only(pooled)
@@ -347,11 +347,11 @@ class Database:
         await self.expire_all()
 
     async def expire_all(self) -> None:
-        """Have every pool replace every connection it holds: each idle one at its next
-        acquire, each busy one when released. Returns at once (it bumps each pool's
-        generation); for when the connections are likely dead or on the wrong server."""
+        """Have every pool replace every connection it holds: each idle one closed now, each
+        busy one when released. For when the connections are likely dead or on the wrong
+        server; returns at once."""
         for each in self._pools.values():
-            await each.expire_connections()
+            await _expire(each)
 
     async def fetchrow(
         self, what: str, query: Bound, *, pool: Pool = Pool.MAIN, conn: Connection | None = None
@@ -403,6 +403,19 @@ class Database:
     def terminate(self) -> None:
         for pool in reversed(list(self._pools.values())):
             pool.terminate()
+
+
+async def _expire(pool: asyncpg.Pool) -> None:
+    """``pool.expire_connections()``, with its idle connections closed at once, without a
+    goodbye. asyncpg would close each politely at its next acquire, in a task nobody awaits;
+    on a connection a partition killed, that close waits out its timeout and ends in an
+    unretrieved exception (a traceback in the log). A busy one is replaced when released:
+    if it was interrupted, :meth:`Database.connection` has already closed it."""
+    await pool.expire_connections()
+    for holder in getattr(pool, "_holders", ()):
+        con = getattr(holder, "_con", None)
+        if con is not None and getattr(holder, "_in_use", None) is None and not con.is_closed():
+            con.terminate()
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:
