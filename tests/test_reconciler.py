@@ -509,6 +509,61 @@ class TestConnectDeadline:
         assert kinds[-1] == "park_await_connection"
         assert not [kind for kind in kinds if kind.startswith("begin_")]
 
+    async def test_a_record_written_back_between_the_look_and_the_give_up_wins(
+        self,
+        store: AllocationStore,
+        ledger: LedgerStore,
+        db: Database,
+        router: RecordingRouter,
+        provisioner: ScriptedProvisioner,
+    ) -> None:
+        """A replica froze and a peer swept its record (no window left here, to reach the
+        race); a claim looks at the record, finds none past the deadline, and is about to give
+        the sidecar up when the resumed replica writes its record back. The give-up is fenced
+        on the connection number the claim saw: the allocation keeps its generation and reads
+        ready again, and nothing is released for a socket that stayed open."""
+        settings = ReconcilerSettings(
+            lease_duration=6, connect_timeout=30, operation_timeout=1
+        )  # automatic recovery off: a give-up would release
+        held = ConnectionStore(db, instance_id=router.instance_id)
+
+        class WriteBackAfterTheLook:
+            armed: tuple[str, Target, str] | None = None
+            written_back: int | None = None
+
+            async def at(self, site: Site) -> None:
+                if site.boundary is Boundary.AFTER_READINESS and self.armed is not None:
+                    connection_id, target, sidecar_id = self.armed
+                    self.armed = None
+                    self.written_back = await held.reassert(connection_id, target, sidecar_id)
+
+        hook = WriteBackAfterTheLook()
+        reconciler = make_reconciler(db, router, provisioner, settings=settings, faults=hook)
+        await router.heartbeat()
+        ready = await to_ready(store, reconciler, router)
+        assert ready.sidecar_id is not None
+        target, connection_id = router.current[ready.id]
+        async with db.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour' WHERE id = $1",
+                router.instance_id,
+            )
+        peer = ConnectionStore(db, instance_id="peer")
+        swept = await peer.sweep_stale(20, connect_timeout=0)
+        assert [s.allocation_id for s in swept] == [ready.id]
+        hook.armed = (connection_id, target, ready.sidecar_id)
+        assert await reconciler.reconcile_next()
+        assert hook.armed is None
+        assert hook.written_back is not None
+        await reconciler.reconcile_until_idle()
+        after = await store.get(ready.id)
+        assert after.status is Status.ALLOCATED
+        assert after.generation == ready.generation
+        assert after.ready
+        kinds = [entry.kind for entry in await ledger.history(ready.id)]
+        assert "connection_swept" in kinds
+        assert not [kind for kind in kinds if kind.startswith("begin_")], kinds
+
 
 class TestHooks:
     async def test_hook_runs_under_marker(
