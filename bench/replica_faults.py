@@ -14,7 +14,7 @@ allocations; the replica holding the most sockets is killed with SIGKILL; prints
 every allocation was ready again on a survivor, and whether any generation changed.
 
 The suite runs both at CI size (tests/test_replica_processes.py); these are the full-size runs
-behind the numbers in README's replica section.
+behind the numbers in docs/operations.md's replica section.
 """
 
 from __future__ import annotations
