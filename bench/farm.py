@@ -13,7 +13,8 @@ are retried after it, as a real sidecar would; 4000/4001/4002 and 401/409 end th
 
 Connections are spread over source addresses 127.0.0.2-127.0.0.250 (all loopback on Linux) so
 that the listener's per-source caps see many hosts, as they would in production, and at most
-``--concurrency`` handshakes are in flight at once.
+``--concurrency`` handshakes are in flight at once. The ``sources`` request changes the addresses
+(one address: what the local provisioner, host networking or a NAT give every sidecar).
 
 The farm runs on uvloop unless ``--loop asyncio`` says otherwise. It stands in for sidecars on
 other machines, yet shares the measured cores with the daemon and PostgreSQL: on the standard
@@ -190,6 +191,10 @@ class Farm:
         op = request["op"]
         if op == "hold":
             self.hold = bool(request["value"])
+            return {}
+        if op == "sources":
+            # The addresses sidecars dial from from now on; none: the spread default.
+            self.sources = itertools.cycle(request.get("value") or _SOURCES)
             return {}
         if op == "connect_held":
             for sidecar in self.sidecars.values():

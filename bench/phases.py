@@ -30,6 +30,7 @@ __all__ = [
     "BareSockets",
     "BenchConfig",
     "backend_pid",
+    "burst",
     "cpu",
     "daemon_config",
     "idle_commits",
@@ -282,6 +283,31 @@ async def lifecycle(
             "ready": _per(_spent(cpu_start, cpu_ready), n),
             "release": _per(_spent(cpu_ready, cpu_done), n),
         },
+    }
+
+
+async def burst(
+    dsn: str, store: AllocationStore, *, n: int, within: float, stats: asyncpg.Connection
+) -> dict[str, Any]:
+    """``n`` allocations requested in one transaction, timed until all are ready, then released
+    in one transaction, timed until all are released: the rates of :func:`lifecycle`, measured
+    the same way, without its counts of commits, WAL and CPU."""
+    since = await stats.fetchval("SELECT now()")
+    ids = await _request(store, dsn, n)
+    committed = time.monotonic()
+    all_ready, ready, _ = await _poll_until(stats, ids, since, ready=True, within=within)
+    ready_seconds = time.monotonic() - committed
+    await _release(store, dsn, ids)
+    release_committed = time.monotonic()
+    all_done, done, _ = await _poll_until(stats, ids, since, ready=False, within=within)
+    release_seconds = time.monotonic() - release_committed
+    return {
+        "n": n,
+        "complete": all_ready and all_done,
+        "ready": ready,
+        "ready_seconds": ready_seconds,
+        "ready_rate": ready / ready_seconds,
+        "lifecycle_rate": min(ready, done) / (ready_seconds + release_seconds),
     }
 
 

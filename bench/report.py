@@ -95,6 +95,14 @@ class Measures:
             Target(on="ratio", op=">=", value=1),
             "alloc/s",
         )
+        row(
+            "ready_rate_one_source",
+            f"pending→ready, 16 claims, N={n}, every sidecar from one address (vs from 249)",
+            _get(results, "claims_16", "one_source", "ready_rate"),
+            ready16,
+            Target(on="ratio", op=">=", value=0.8),
+            "alloc/s",
+        )
         for claims in (64, 256):
             ready = _get(results, f"claims_{claims}", "lifecycle", "ready_rate")
             life = _get(results, f"claims_{claims}", "lifecycle", "lifecycle_rate")
@@ -253,6 +261,13 @@ _PAIRED = (
     ("lifecycle, 256 / 16 claims", "claims_256", "lifecycle_rate", "claims_16", "lifecycle_rate"),
     ("pending→ready, 64 / 16 claims", "claims_64", "ready_rate", "claims_16", "ready_rate"),
     ("pending→ready, 256 / 16 claims", "claims_256", "ready_rate", "claims_16", "ready_rate"),
+    (
+        "pending→ready, one address / spread",
+        "claims_16",
+        "one_source_ready_rate",
+        "claims_16",
+        "ready_rate",
+    ),
 )
 
 
@@ -265,7 +280,10 @@ def round_ratios(results: dict[str, Any]) -> list[tuple[str, list[float]]]:
     for label, part, key, base_part, base_key in _PAIRED:
         ours = _get(results, part, "rounds") or []
         theirs = _get(results, base_part, "rounds") or []
-        ratios = _pairwise([a[key] for a in ours], [b.get(base_key) or 0.0 for b in theirs])
+        values = [a.get(key) for a in ours]
+        if None in values:
+            continue  # not measured in every round (an older run, a failed part)
+        ratios = _pairwise(values, [b.get(base_key) or 0.0 for b in theirs])
         if ratios:
             paired.append((label, ratios))
     return paired
@@ -354,6 +372,9 @@ def render(report: dict[str, Any]) -> str:
             for n, ratios in storms
         )
     errors = {k: v["error"] for k, v in report["results"].items() if "error" in v}
+    burst_error = _get(report["results"], "claims_16", "one_source", "error")
+    if burst_error:
+        errors["claims_16 one-address burst"] = burst_error
     for name, error in errors.items():
         out.append(f"FAILED {name}: {error}")
     skipped = report["results"].get("pgqueuer", {}).get("skipped")

@@ -10,7 +10,8 @@ What runs, in order, on one PostgreSQL (the embedded one in a temporary director
    allocation, asyncpg, 16 workers) with its commits counted, and PgQueuer batch 1;
 2. periodic statement cost at 10,000 and at many more terminal rows (``bench.scale``);
 3. for 16, 64 and 256 ``max_concurrent_claims``, a fresh ``hubd run``: the lifecycle of N
-   allocations, the commits it took, then idle commits per second; at 16 also connect → ready
+   allocations, the commits it took, then idle commits per second; at 16 also the same burst
+   with every sidecar dialling from one address (on another fresh daemon), and connect → ready
    latency on the then idle daemon;
 4. for every socket count, a fresh daemon and a fresh bare websockets server: RSS per idle
    socket and the reconnect storm.
@@ -52,6 +53,8 @@ from hubd.store.migrate import apply_migrations
 __all__ = ["SIZES", "Size", "main", "run"]
 
 CLAIMS = (16, 64, 256)
+ONE_SOURCE = "127.0.0.1"
+"""The one address of the one-address burst: the local provisioner's sidecars dial from it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -297,6 +300,8 @@ class Run:
             cycle["commits_raw"] - result["idle"]["rate"] * cycle["window_seconds"]
         ) / self.size.lifecycle
         result["lifecycle"] = cycle
+        if claims == CLAIMS[0]:
+            result["one_source"] = await self.one_source_burst(claims)
         if claims == CLAIMS[0] and first:
             daemon = await self.daemon(claims)
             try:
@@ -307,6 +312,37 @@ class Run:
             finally:
                 await daemon.stop()
                 await self.farm.call("forget")
+        return result
+
+    async def one_source_burst(self, claims: int) -> dict[str, Any]:
+        """The lifecycle's burst again, on a fresh daemon, with every sidecar dialling from
+        one address; a failure is recorded here and leaves the spread burst's figures be."""
+        assert self.stats is not None
+        await self.watcher.mute()
+        await phases.vacuum(self.stats)
+        db, store = await phases.open_store(self.dsn)
+        await self.farm.call("sources", value=[ONE_SOURCE])
+        try:
+            daemon = await self.daemon(claims, max_sockets=self.size.lifecycle + 1_000)
+            try:
+                result = await phases.burst(
+                    self.dsn,
+                    store,
+                    n=self.size.lifecycle,
+                    within=self.size.within,
+                    stats=self.stats,
+                )
+                result["listener_refusals"] = await daemon.refusals()
+            finally:
+                await daemon.stop()
+        except Exception as exc:  # noqa: BLE001 -- one broken measure must not hide the rest
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            await db.close()
+            await self.farm.call("sources", value=None)
+            await self.farm.call("forget")
+            await self.watcher.unmute()
         return result
 
     async def socket_phase(self, n: int) -> dict[str, Any]:
@@ -375,6 +411,12 @@ def combine_claims(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for key in medians:
         lifecycle[key] = statistics.median(cycle[key] for cycle in cycles)
     combined["lifecycle"] = lifecycle
+    bursts = [each.get("one_source", {}) for each in rounds]
+    if all("ready_rate" in burst for burst in bursts):
+        one_source = dict(bursts[0])
+        for key in ("ready_rate", "lifecycle_rate"):
+            one_source[key] = statistics.median(burst[key] for burst in bursts)
+        combined["one_source"] = one_source
     seconds = sum(each["idle"]["seconds"] for each in rounds)
     commits = sum(each["idle"]["commits"] for each in rounds)
     combined["idle"] = {"seconds": seconds, "commits": commits, "rate": commits / seconds}
@@ -385,6 +427,7 @@ def combine_claims(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "commits_per_lifecycle": each["lifecycle"]["commits_per_lifecycle"],
             "idle_rate": each["idle"]["rate"],
             "cpu_ms": each["lifecycle"]["cpu_ms"],
+            "one_source_ready_rate": each.get("one_source", {}).get("ready_rate"),
         }
         for each in rounds
     ]

@@ -104,6 +104,23 @@ grace = 2
     return config
 
 
+async def ready_after_request(dsn: str, allocation_ids: list[str]) -> list[float]:
+    """For each allocation, seconds from its request to its first ``mark_ready`` ledger row,
+    by the database's clock."""
+    db = await connect_database(dsn)
+    try:
+        async with db.pool.acquire() as conn:
+            rows = await conn.fetch(
+                "SELECT extract(epoch FROM min(l.at) - a.created_at) AS seconds"
+                " FROM hubd_allocations a JOIN hubd_allocation_ledger l ON l.allocation_id = a.id"
+                " WHERE a.id = ANY($1) AND l.kind = 'mark_ready' GROUP BY a.id",
+                allocation_ids,
+            )
+    finally:
+        await db.close()
+    return [float(row["seconds"]) for row in rows]
+
+
 async def ledger_rows(dsn: str, allocation_id: str) -> int:
     """The allocation's ledger rows (it only ever grows)."""
     db = await connect_database(dsn)
@@ -211,6 +228,44 @@ async def half_open(port: int, size: int, seconds: float, attacker: Attacker) ->
 
     await asyncio.gather(*(_quietly(one(i)) for i in range(size)))
     return size
+
+
+def _spread_source(index: int) -> str:
+    """An address of a /24 of its own: a flood no range's share contains."""
+    return f"127.{1 + index // 250}.{2 + index % 250}.1"
+
+
+async def half_open_reconnecting(port: int, size: int, seconds: float, attacker: Attacker) -> int:
+    """``size`` connections from 200 addresses (each of a /24 of its own), each sending the
+    request line and headers but never the blank line that ends them, and opened again the
+    moment the hub closes it (a refusal, an eviction), for ``seconds`` or until
+    ``attacker.enough`` is set. Returns the connections opened."""
+    partial = _request(port, {"Hubd-Allocation-Id": "al_" + "0" * 32})
+    deadline = time.monotonic() + seconds
+    opened = 0
+
+    async def one(index: int) -> None:
+        nonlocal opened
+        while time.monotonic() < deadline and not attacker.enough.is_set():
+            try:
+                reader, writer = await _connect(port, _spread_source(index % 200))
+            except OSError:
+                # Out of ports or descriptors for a moment: the flood goes on.
+                await asyncio.sleep(0.01)
+                continue
+            opened += 1
+            try:
+                writer.write(partial)
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    while await reader.read(4096):
+                        pass
+            except (OSError, TimeoutError):
+                pass
+            finally:
+                writer.close()
+
+    await asyncio.gather(*(one(i) for i in range(size)))
+    return opened
 
 
 async def bad_tokens(port: int, size: int, seconds: float, attacker: Attacker) -> int:
@@ -399,6 +454,7 @@ Attack = Callable[[int, int, float, "Attacker"], Coroutine[Any, Any, int]]
 ATTACKS: dict[str, Attack] = {
     "header-flood": header_flood,
     "half-open": half_open,
+    "half-open-reconnecting": half_open_reconnecting,
     "bad-tokens": bad_tokens,
     "ping-flood": ping_flood,
     "reconnect-loop": reconnect_loop,
@@ -418,6 +474,8 @@ class Attacker:
     identity: dict[str, str] = attrs.field(repr=False)
     outcomes: collections.Counter[str] = attrs.field(factory=collections.Counter)
     dropped_after: float | None = None
+    enough: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
+    """Set to end an attack that stops when asked (the reconnecting flood) before its time."""
 
 
 @attrs.define
@@ -436,7 +494,13 @@ class Measured:
     readyz_separate: dict[str, Any] = attrs.field(factory=dict)
     """/readyz as a process of its own saw it during the attack (the benchmark's prober)."""
     legit: list[float] = attrs.field(factory=list)
+    """Seconds each legitimate ``alloc request --wait`` took, the CLI's own start included."""
+    legit_ready: list[float] = attrs.field(factory=list)
+    """Seconds from each legitimate request's commit to its allocation's first ready, by the
+    database's clock: the hub's part of ``legit``."""
     legit_failures: int = 0
+    legit_while_attacked: bool = False
+    """Whether every legitimate request was done before the attack was."""
     log_lines: int = 0
     outcomes: dict[str, int] = attrs.field(factory=dict)
     dropped_after: float | None = None
@@ -459,9 +523,14 @@ async def measure(
     attacker: Attacker,
     legit_requests: int = 1,
     separate_prober: Prober | None = None,
+    dsn: str | None = None,
+    until_legit_done: bool = False,
 ) -> Measured:
     """Run one attack against ``daemon`` while probing /readyz and making legitimate
-    ``alloc request --wait`` calls; settle, then measure again."""
+    ``alloc request --wait`` calls; settle, then measure again. With the daemon's ``dsn``, also
+    how long each legitimate allocation took to be ready after its request. With
+    ``until_legit_done``, an attack that can be stopped runs (for ``seconds`` at most) until
+    the legitimate requests are done."""
     assert daemon.process is not None
     pid = daemon.process.pid
     port = int(daemon.sidecar_url.rsplit(":", 1)[1])
@@ -487,6 +556,8 @@ async def measure(
             result.readyz_worst = max(result.readyz_worst, time.monotonic() - started)
             await asyncio.sleep(0.05)
 
+    requested: list[str] = []
+
     async def legit() -> None:
         for _ in range(legit_requests):
             started = time.monotonic()
@@ -495,6 +566,7 @@ async def measure(
             )
             if outcome.code == 0:
                 result.legit.append(time.monotonic() - started)
+                requested.append(outcome.out.strip())
             else:
                 result.legit_failures += 1
 
@@ -505,11 +577,16 @@ async def measure(
         attack = asyncio.create_task(ATTACKS[name](port, size, seconds, attacker))
         # Started with the attack: the CLI's own start-up takes longer than the attack's.
         await legit()
+        result.legit_while_attacked = not attack.done()
+        if until_legit_done:
+            attacker.enough.set()
         result.offered = await attack
         result.seconds = time.monotonic() - started
         done.set()
         await prober
     result.readyz_separate = seen
+    if dsn is not None and requested:
+        result.legit_ready = await ready_after_request(dsn, requested)
     result.outcomes = dict(attacker.outcomes)
     result.dropped_after = attacker.dropped_after
     # Settled: the descriptors the attack made the daemon hold are given back.

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 EVERY_MEASURE = {
     "ready_rate_16",
     "lifecycle_rate_16",
+    "ready_rate_one_source",
     "lifecycle_vs_pgqueuer",
     "ready_rate_64",
     "lifecycle_rate_64",
@@ -144,6 +145,10 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
             "request:committed",
             "bind_sidecar:committed",
         ]
+    # The burst again with every sidecar from one address, each round beside the spread one.
+    one_source = report["results"]["claims_16"]["one_source"]
+    assert one_source["complete"], one_source
+    assert all(r["one_source_ready_rate"] > 0 for r in report["results"]["claims_16"]["rounds"])
     floor = report["results"]["floor"]
     assert floor["rate"] == statistics.median(each["rate"] for each in floor["rounds"])
     assert len(floor["rounds"]) == 2

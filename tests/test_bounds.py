@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from typing import Any
 
 import structlog
 from websockets.exceptions import ConnectionClosed
@@ -16,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from hubd.config import Config, ServerConfig
 from hubd.daemon.running import Listening
 from hubd.server.limits import ListenerLimits
+from hubd.server.slots import OVER_SHARE, SLOW
 from hubd.store import AllocationStore, Database
 from tests.polling import eventually
 from tests.wskit import (
@@ -92,35 +94,48 @@ class TestHandshakeBounds:
             status, _, body = await http_status(reader)
             assert (status, body) == (431, b"request header line too long\n")
 
-    async def test_unfinished_handshakes_capped_per_source(
+    async def test_over_source_cap_waits_for_a_slot(
         self, db: Database, store: AllocationStore
     ) -> None:
-        """Handshakes that never finish hold at most the per-source cap: the next one from that
-        address gets 429 with Retry-After, while another address still connects."""
+        """A sidecar whose address already holds its cap of unfinished handshakes is neither
+        refused nor read: it waits, and is welcomed once one of its address's slots frees;
+        another address connects meanwhile."""
         sidecar, _ = await sidecar_in(store, db)
+        bystander, _ = await sidecar_in(store, db)
         limits = ListenerLimits(max_handshakes_per_source=2)
-        async with running_hub(db, limits=limits) as hub:
-            async with (
-                raw_socket(hub.server, source="127.0.0.2") as (_, first),
-                raw_socket(hub.server, source="127.0.0.2") as (_, second),
-            ):
-                first.write(b"GET / HTTP/1.1\r\n")
-                second.write(b"GET / HTTP/1.1\r\n")
-                await eventually(lambda: hub.server.gate.handshakes == 2)
-                async with raw_socket(hub.server, source="127.0.0.2") as (reader, _):
-                    status, headers, body = await http_status(reader)
-                assert (status, body) == (429, b"too many handshakes from this address\n")
-                assert headers["retry-after"] == str(limits.retry_after)
-                await legit_welcome(hub, sidecar)
-            await eventually(lambda: hub.server.gate.handshakes == 0)
-            assert hub.server.gate.sources == 0
+        async with running_hub(db, limits=limits) as hub, contextlib.AsyncExitStack() as stack:
+            holders = [
+                await stack.enter_async_context(raw_socket(hub.server, source="127.0.0.2"))
+                for _ in range(2)
+            ]
+            for _, writer in holders:
+                writer.write(b"GET / HTTP/1.1\r\n")
+            await eventually(lambda: hub.server.gate.handshakes == 2)
+
+            async def queued() -> dict[str, Any]:
+                async with dial(hub.url, sidecar.headers(), local_addr=("127.0.0.2", 0)) as ws:
+                    return await welcome_of(ws)
+
+            waiting = asyncio.create_task(queued())
+            await eventually(lambda: hub.server.gate.waiting == 1)
+            await legit_welcome(hub, bystander)
+            assert not waiting.done()
+            holders[0][1].close()
+            async with asyncio.timeout(10):
+                assert (await waiting)["allocation_id"] == sidecar.allocation_id
+            assert hub.server.stats.queued == 1
+            assert not hub.server.stats.rejected
+            assert not hub.server.stats.refused_early
+        await eventually(lambda: hub.server.gate.sources == 0)
 
     async def test_unfinished_handshakes_capped_in_total(
         self, db: Database, store: AllocationStore
     ) -> None:
-        """Over the total cap of unfinished handshakes, any address gets 503 at once while no
-        unfinished handshake is old enough to be evicted."""
-        limits = ListenerLimits(max_handshakes=2, handshake_eviction_age=1e9)
+        """Over the total cap of unfinished handshakes a new socket waits for a slot, and is
+        refused with 503 and Retry-After once it has waited its bound with none freed."""
+        limits = ListenerLimits(
+            max_handshakes=2, max_queue_wait=0.2, header_timeout=600, min_header_budget=600
+        )
         async with running_hub(db, limits=limits) as hub:
             async with (
                 raw_socket(hub.server, source="127.0.0.2") as _,
@@ -128,32 +143,93 @@ class TestHandshakeBounds:
             ):
                 await eventually(lambda: hub.server.gate.handshakes == 2)
                 async with raw_socket(hub.server, source="127.0.0.4") as (reader, _):
-                    status, headers, _body = await http_status(reader)
-                assert status == 503
-                assert "retry-after" in headers
+                    status, headers, body = await http_status(reader)
+                assert (status, body) == (503, b"too many handshakes\n")
+                assert headers["retry-after"] == str(limits.retry_after)
             await eventually(lambda: hub.server.gate.sockets == 0)
 
-    async def test_stale_handshake_evicted_for_a_new_one(
+    async def test_slow_request_evicted_before_an_older_complete_one(
         self, db: Database, store: AllocationStore
     ) -> None:
-        """With every handshake slot held by sockets that never sent a byte, a legitimate
-        sidecar is not refused: the oldest unfinished handshake is aborted to make room."""
+        """With every slot taken, the handshake that has not sent its whole request within the
+        budget is evicted, not the older one whose request is complete and waits for the
+        database, which is then welcomed."""
+        fast, _ = await sidecar_in(store, db)
+        limits = ListenerLimits(max_handshakes=2, min_header_budget=0.3)
+        async with running_hub(db, limits=limits, lookup_timeout=60) as hub:
+            locker = await db.pool.acquire()
+            transaction = locker.transaction()
+            await transaction.start()
+            try:
+                await locker.execute("LOCK TABLE hubd_allocations IN ACCESS EXCLUSIVE MODE")
+
+                async def welcomed() -> dict[str, Any]:
+                    async with dial(hub.url, fast.headers()) as ws:
+                        return await welcome_of(ws)
+
+                first = asyncio.create_task(welcomed())
+                await eventually(lambda: hub.server.stats.handshakes_in_progress == 1)
+                async with raw_socket(hub.server, source="127.0.0.2") as (slow, writer):
+                    writer.write(b"GET /v1/sidecars/connect HTTP/1.1\r\nHost: x\r\n")
+                    await eventually(lambda: hub.server.gate.handshakes == 2)
+                    async with asyncio.timeout(10):
+                        with contextlib.suppress(ConnectionError):
+                            assert await slow.read() == b""  # aborted, never answered
+                assert hub.server.stats.aborted == {SLOW: 1}
+                assert not first.done()
+            finally:
+                await transaction.rollback()
+                await db.pool.release(locker)
+            async with asyncio.timeout(30):
+                assert (await first)["allocation_id"] == fast.allocation_id
+        assert not hub.server.stats.rejected
+
+    async def test_range_over_its_share_gives_way(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """One address (and so its /24) holding more than its share of the unfinished-handshake
+        slots gives one up at once to a sidecar of another range that waits, although none of
+        its handshakes has run out of time and the sidecar's range has an unfinished handshake
+        of its own (it is not in good standing)."""
         sidecar, _ = await sidecar_in(store, db)
-        limits = ListenerLimits(max_handshakes=2, handshake_eviction_age=0.0)
+        limits = ListenerLimits(
+            max_handshakes=4,
+            max_handshakes_per_source=4,
+            max_handshakes_per_prefix=2,
+            header_timeout=600,
+            min_header_budget=600,
+        )
+        async with running_hub(db, limits=limits) as hub, contextlib.AsyncExitStack() as stack:
+            for source in ("127.0.2.1", "127.0.2.1", "127.0.2.1", "127.0.0.9"):
+                _, writer = await stack.enter_async_context(raw_socket(hub.server, source=source))
+                writer.write(b"GET / HTTP/1.1\r\n")
+            await eventually(lambda: hub.server.gate.handshakes == 4)
+            async with asyncio.timeout(10):
+                await legit_welcome(hub, sidecar)
+            assert hub.server.stats.aborted == {OVER_SHARE: 1}
+            assert not hub.server.stats.rejected
+
+    async def test_sidecar_takes_the_slot_of_an_unfinished_handshake(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """With every slot held by handshakes that sent part of their request and stopped, a
+        sidecar of another range is welcomed at once, not after their budget: the oldest gives
+        up its slot to it."""
+        sidecar, _ = await sidecar_in(store, db)
+        limits = ListenerLimits(max_handshakes=2, header_timeout=600, min_header_budget=600)
         async with running_hub(db, limits=limits) as hub:
             async with (
-                raw_socket(hub.server, source="127.0.0.2") as (oldest, _),
-                raw_socket(hub.server, source="127.0.0.3") as _,
+                raw_socket(hub.server, source="127.0.2.1") as (oldest, first),
+                raw_socket(hub.server, source="127.0.3.1") as (_, second),
             ):
+                first.write(b"GET / HTTP/1.1\r\n")
+                second.write(b"GET / HTTP/1.1\r\n")
                 await eventually(lambda: hub.server.gate.handshakes == 2)
-                await legit_welcome(hub, sidecar)
                 async with asyncio.timeout(10):
-                    try:
-                        left = await oldest.read()
-                    except ConnectionResetError:
-                        left = b""
-                assert left == b""  # aborted, never answered
-                assert hub.server.stats.aborted["evicted by a newer handshake"] >= 1
+                    await legit_welcome(hub, sidecar)
+                    with contextlib.suppress(ConnectionError):
+                        assert await oldest.read() == b""  # aborted, never answered
+                assert hub.server.stats.aborted == {SLOW: 1}
             await eventually(lambda: hub.server.gate.sockets == 0)
 
     async def test_socket_cap(self, db: Database, store: AllocationStore) -> None:

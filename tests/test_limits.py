@@ -5,16 +5,27 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import attrs
+
 from hubd.daemon.fdlimit import plan_descriptors
 from hubd.logs import Sampler
+from hubd.server.handshake import Rejection
 from hubd.server.limits import (
     DESCRIPTOR_HEADROOM,
     BucketMap,
     HeaderScanner,
     ListenerLimits,
-    SourceGate,
     TokenBucket,
     connection_cap,
+)
+from hubd.server.slots import (
+    OVER_SHARE,
+    SLOW,
+    RateMeter,
+    SourceGate,
+    Tally,
+    header_budget,
+    prefix_of,
 )
 
 LIMITS = ListenerLimits(
@@ -27,6 +38,14 @@ LIMITS = ListenerLimits(
     bad_handshake_rate=1.0,
     bad_handshake_burst=2,
     max_tracked=3,
+)
+# Handshake slots small enough to fill by hand: 4 in all, 2 per address, 2 per range.
+GATE = ListenerLimits(
+    max_connections=64,
+    max_handshakes=4,
+    max_handshakes_per_source=2,
+    max_handshakes_per_prefix=2,
+    max_waiting=4,
 )
 
 
@@ -63,53 +82,226 @@ class TestHeaderScanner:
 
 class TestSourceGate:
     def test_per_source_and_total(self) -> None:
-        """Unfinished handshakes are capped per source, then in total; finishing frees both."""
-        gate = SourceGate(LIMITS)
-        for source in ("a", "a"):
-            assert gate.admit(source, 0.0) is None
-            gate.opened(source)
-        refused = gate.admit("a", 0.0)
-        assert refused is not None
-        assert refused.status == 429
-        gate.opened("b")
-        total = gate.admit("c", 0.0)
-        assert total is not None
-        # A slot is evictable within the eviction age: the refused socket is told to come
-        # back then, not after the general Retry-After.
-        assert (total.status, total.reason, total.retry_after) == (503, "too many handshakes", 1)
-        assert LIMITS.retry_after > 1
-        gate.handshake_over("a")
-        assert gate.admit("c", 0.0) is None
-        assert gate.sources == 2
+        """Unfinished handshakes are capped per source, then in total; a socket over either cap
+        waits instead of being refused, and takes the slot its turn frees."""
+        gate: SourceGate[str] = SourceGate(GATE)
+        assert gate.arrive("a1", "10.0.0.1", 0.0) is True
+        assert gate.arrive("a2", "10.0.0.1", 0.0) is True
+        assert gate.arrive("a3", "10.0.0.1", 0.0) is False
+        assert gate.arrive("b1", "10.0.1.1", 0.0) is True
+        assert gate.arrive("c1", "10.0.2.1", 0.0) is True
+        assert gate.arrive("d1", "10.0.3.1", 0.0) is False
+        assert (gate.handshakes, gate.waiting, gate.sockets) == (4, 2, 6)
+        gate.handshake_over("b1", 0.1)
+        # b1's slot is not a3's address's: it goes to the socket waiting for any slot.
+        assert gate.settle(0.1).admitted == ("d1",)
+        gate.handshake_over("a1", 0.2)
+        assert gate.settle(0.2).admitted == ("a3",)
+        assert (gate.handshakes, gate.waiting, gate.sources) == (4, 0, 3)
+
+    def test_source_waits_in_arrival_order(self) -> None:
+        """Sockets of one address over its cap take its freed slots in the order they came."""
+        gate: SourceGate[str] = SourceGate(GATE)
+        for key in ("a1", "a2", "a3", "a4", "a5"):
+            gate.arrive(key, "10.0.0.1", 0.0)
+        turns = []
+        for key in ("a1", "a2", "a3"):
+            gate.handshake_over(key, 1.0)
+            turns += gate.settle(1.0).admitted
+        assert turns == ["a3", "a4", "a5"]
+
+    def test_waiting_is_bounded_in_time(self) -> None:
+        """A socket that waited ``max_queue_wait`` is refused; Retry-After says when a slot is
+        expected from the rate slots were freed at lately (whole seconds, at least 1), and is
+        the general one when none were."""
+        gate: SourceGate[str] = SourceGate(GATE)
+        for key in ("a1", "a2", "a3"):
+            gate.arrive(key, "10.0.0.1", 0.0)
+        assert gate.next_deadline(0.0) == GATE.max_queue_wait
+        assert gate.settle(GATE.max_queue_wait - 0.01).refused == ()
+        [(key, refusal)] = gate.settle(GATE.max_queue_wait).refused
+        assert key == "a3"
+        assert (refusal.status, refusal.reason) == (429, "too many handshakes from this address")
+        assert refusal.retry_after == GATE.retry_after
+        # Slots freed fast lately: the queue is expected to move within the second.
+        busy: SourceGate[str] = SourceGate(GATE)
+        for index in range(50):
+            busy.arrive(f"x{index}", f"10.1.{index}.1", index / 100)
+            busy.handshake_over(f"x{index}", index / 100)
+        for index in range(GATE.max_handshakes):
+            busy.arrive(f"h{index}", f"10.0.{index}.1", 0.5)
+        for index in range(GATE.max_waiting):
+            busy.arrive(f"w{index}", "10.0.9.1", 0.5)
+        soon = busy.arrive("late", "10.0.9.1", 0.5)
+        assert isinstance(soon, Rejection)
+        assert (soon.status, soon.retry_after) == (429, 1)
+
+    def test_full_queue_displaces_the_largest_address(self) -> None:
+        """With the queue full, a socket of an address with fewer waiting takes the place of
+        the newest socket of the address with the most; one of that address itself is
+        refused with 429."""
+        gate: SourceGate[str] = SourceGate(GATE, max_connections=64)
+        assert gate.max_waiting == GATE.max_waiting
+        for index in range(GATE.max_handshakes):
+            gate.arrive(f"h{index}", f"10.9.{index}.1", 0.0)
+        for index in range(GATE.max_waiting):
+            assert gate.arrive(f"f{index}", "10.0.0.1", 0.0) is False
+        refused = gate.arrive("late", "10.0.0.1", 0.0)
+        assert isinstance(refused, Rejection)
+        assert (refused.status, refused.retry_after) == (429, GATE.retry_after)
+        assert gate.arrive("sidecar", "192.168.0.1", 0.0) is False
+        last = f"f{GATE.max_waiting - 1}"
+        assert [(key, r.status) for key, r in gate.settle(0.0).refused] == [(last, 429)]
+        assert gate.waiting == GATE.max_waiting
+
+    def test_waiting_takes_a_quarter_of_the_sockets_at_most(self) -> None:
+        """Waiting sockets are capped to a quarter of the socket cap when that is lower."""
+        assert SourceGate(GATE, max_connections=8).max_waiting == 2
 
     def test_socket_cap(self) -> None:
         """Established sockets count until closed; over the cap a socket gets 503."""
-        gate = SourceGate(LIMITS, max_connections=1)
-        gate.opened("a")
-        gate.handshake_over("a")
-        refused = gate.admit("b", 0.0)
-        assert refused is not None
+        gate: SourceGate[str] = SourceGate(LIMITS, max_connections=1)
+        assert gate.arrive("a", "a", 0.0) is True
+        gate.handshake_over("a", 0.0)
+        refused = gate.arrive("b", "b", 0.0)
+        assert isinstance(refused, Rejection)
         assert (refused.status, refused.reason, refused.retry_after) == (
             503,
             "too many connections",
             LIMITS.retry_after,
         )
         gate.closed()
-        assert gate.admit("b", 0.0) is None
+        assert gate.arrive("b", "b", 0.0) is True
 
     def test_failures_per_source(self) -> None:
         """A source that keeps failing is refused with 429 until its bucket refills; others are
         not affected."""
-        gate = SourceGate(LIMITS)
+        gate: SourceGate[str] = SourceGate(LIMITS)
         gate.failed("a", 0.0)
         gate.failed("a", 0.0)
-        refused = gate.admit("a", 0.0)
-        assert refused is not None
+        refused = gate.arrive("a1", "a", 0.0)
+        assert isinstance(refused, Rejection)
         assert refused.status == 429
         assert refused.retry_after is not None
         assert refused.retry_after >= 1
-        assert gate.admit("b", 0.0) is None
-        assert gate.admit("a", 1.0) is None
+        assert gate.arrive("b1", "b", 0.0) is True
+        assert gate.arrive("a2", "a", 1.0) is True
+
+
+class TestEviction:
+    def test_budget_shrinks_as_slots_fill(self) -> None:
+        """A handshake has ``header_timeout`` to deliver its request while half the slots or
+        more are free, then less in proportion to the slots left, ``min_header_budget`` with
+        none left."""
+        limits = ListenerLimits(max_handshakes=100, header_timeout=10.0, min_header_budget=0.5)
+        budgets = [header_budget(limits, held) for held in (0, 50, 75, 99, 100)]
+        assert budgets[:2] == [10.0, 10.0]
+        assert budgets[2] == 0.5 + 9.5 * 0.5
+        assert budgets[3] < 1.0
+        assert budgets[4] == 0.5
+        assert budgets == sorted(budgets, reverse=True)
+
+    def test_slow_request_evicted_complete_kept(self) -> None:
+        """With every slot taken, handshakes that have not delivered their request within the
+        budget are evicted, oldest first; an older one whose request is complete is kept, and
+        the freed slots go to the waiting sockets."""
+        gate: SourceGate[str] = SourceGate(GATE)
+        gate.arrive("fast", "10.0.0.1", 0.0)
+        gate.complete("fast")
+        for key, source in (("slow1", "10.0.1.1"), ("slow2", "10.0.2.1"), ("young", "10.0.3.1")):
+            gate.arrive(key, source, 0.1 if key != "young" else 0.5)
+        # Of a range with an unfinished handshake: it waits for the budget like the others.
+        gate.arrive("next", "10.0.3.2", 0.5)
+        due = gate.next_deadline(0.5)
+        assert due == 0.1 + GATE.min_header_budget
+        assert gate.settle(due - 0.01).evicted == ()
+        settled = gate.settle(due)
+        assert [key for key, _ in settled.evicted] == ["slow1", "slow2"]
+        assert {why for _, why in settled.evicted} == {SLOW}
+        assert settled.admitted == ("next",)
+        assert gate.holding("fast")
+        assert gate.holding("young")
+
+    def test_range_in_good_standing_takes_an_unfinished_slot(self) -> None:
+        """With every slot taken, a socket of a range in good standing takes at once the slot
+        of the oldest handshake still unfinished past its grace; a range that has had a
+        handshake evicted lately waits for the budget like any other, until its memory
+        fades."""
+        gate: SourceGate[str] = SourceGate(attrs.evolve(GATE, min_header_budget=60.0))
+        for index in range(4):
+            gate.arrive(f"f{index}", f"10.0.{index}.1", 0.0)
+        gate.arrive("sidecar", "192.168.0.1", 0.01)
+        assert gate.settle(0.01).evicted == ()
+        assert gate.next_deadline(0.01) == GATE.header_grace
+        settled = gate.settle(GATE.header_grace)
+        assert settled.evicted == (("f0", SLOW),)
+        assert settled.admitted == ("sidecar",)
+        gate.complete("sidecar")
+        # 10.0.0.0/24 lost its standing with f0: its next socket waits its turn.
+        gate.arrive("f0-again", "10.0.0.1", 1.0)
+        assert gate.settle(1.0).evicted == ()
+        gate.handshake_over("sidecar", 1.5)
+        assert gate.settle(1.5).admitted == ("f0-again",)
+        gate.complete("f0-again")
+        gate.arrive("f0-later", "10.0.0.2", 1.0 + GATE.eviction_memory)
+        settled = gate.settle(1.0 + GATE.eviction_memory)
+        assert [key for key, _ in settled.evicted] == ["f1"]
+        assert settled.admitted == ("f0-later",)
+
+    def test_no_eviction_while_slots_are_free(self) -> None:
+        """With most slots free a slow handshake keeps its slot for ``header_timeout``."""
+        gate: SourceGate[str] = SourceGate(ListenerLimits(max_handshakes=256))
+        gate.arrive("slow", "10.0.0.1", 0.0)
+        assert gate.settle(9.9).evicted == ()
+        assert gate.next_deadline(9.9) == 10.0
+
+    def test_range_over_its_share_gives_way(self) -> None:
+        """With every slot held by one /24, a socket of another range that waits gets one at
+        once: the range's oldest unfinished handshake past its grace is evicted for it. Nobody
+        else waiting, the range keeps every slot."""
+        limits = attrs.evolve(GATE, max_handshakes_per_source=4, min_header_budget=60.0)
+        gate: SourceGate[str] = SourceGate(limits)
+        for index in range(4):
+            assert gate.arrive(f"f{index}", "10.0.0.1", 0.0) is True
+        assert gate.arrive("f4", "10.0.0.2", 0.0) is False
+        assert gate.settle(1.0).evicted == ()
+        assert gate.arrive("sidecar", "192.168.0.1", 1.0) is False
+        settled = gate.settle(1.0)
+        assert settled.evicted == (("f0", OVER_SHARE),)
+        assert settled.admitted == ("sidecar",)
+        # Within its grace a handshake is not taken for a share: it may not have been read.
+        fresh: SourceGate[str] = SourceGate(limits)
+        for index in range(4):
+            fresh.arrive(f"f{index}", "10.0.0.1", 0.0)
+        fresh.arrive("sidecar", "192.168.0.1", 0.0)
+        assert fresh.settle(limits.header_grace / 2).evicted == ()
+        assert fresh.next_deadline(limits.header_grace / 2) == limits.header_grace
+        assert [key for key, _ in fresh.settle(limits.header_grace).evicted] == ["f0"]
+
+    def test_new_range_served_first(self) -> None:
+        """A range that held no slot when its socket came is served before ranges that have
+        been waiting in turn; ranges and addresses are then served in turn."""
+        gate: SourceGate[str] = SourceGate(
+            attrs.evolve(GATE, max_handshakes_per_prefix=4, max_waiting=8)
+        )
+        for index in range(4):
+            gate.arrive(f"h{index}", f"10.0.{index}.1", 0.0)
+        for index in range(4):
+            gate.arrive(f"w{index}", f"10.0.{index % 2}.{index}", 0.0)
+        gate.arrive("sidecar", "192.168.0.1", 0.0)
+        turns = []
+        for index in range(4):
+            gate.handshake_over(f"h{index}", 1.0)
+            turns += gate.settle(1.0).admitted
+        assert turns == ["sidecar", "w0", "w1", "w2"]
+
+    def test_prefix_of(self) -> None:
+        """Addresses count in their /24 (IPv4, mapped or not) or their /64 (IPv6)."""
+        assert prefix_of("192.0.2.77") == "192.0.2.0/24"
+        assert prefix_of("::ffff:192.0.2.77") == "192.0.2.0/24"
+        assert prefix_of("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
+        assert prefix_of("fe80::1%eth0") == "fe80::/64"
+        assert prefix_of("") == ""
 
 
 class TestBuckets:
@@ -129,6 +321,28 @@ class TestBuckets:
         for index in range(100):
             buckets.take(f"k{index}", 0.0)
         assert len(buckets) <= 3
+
+    def test_tally_finds_the_largest(self) -> None:
+        """A tally names a key with the largest count as counts go up and down."""
+        tally = Tally()
+        for key in ("a", "b", "b", "c", "b"):
+            tally.add(key)
+        assert tally.largest() == ("b", 3)
+        for _ in range(3):
+            tally.remove("b")
+        assert tally.largest() == ("a", 1)
+        assert len(tally) == 2
+        tally.remove("a")
+        tally.remove("c")
+        assert tally.largest() is None
+
+    def test_rate_meter(self) -> None:
+        """A steady rate of events reads as that rate, and fades once they stop."""
+        meter = RateMeter(window=1.0)
+        for index in range(1000):
+            meter.note(index / 100)
+        assert 95 < meter.rate(10.0) < 105
+        assert meter.rate(20.0) < 0.01
 
     def test_connection_cap(self) -> None:
         """The socket cap is lowered to leave the reserved descriptors free, never below 1."""

@@ -316,13 +316,13 @@ class TestUnavailableDatabase:
     async def test_pending_handshake_cap_503(
         self, db: Database, store: AllocationStore, spare_db: Database
     ) -> None:
-        """Over the cap of handshakes being authenticated, a new one is refused with 503 at
-        once instead of queueing; the held one completes when its look-up can."""
+        """Over the cap of handshakes being authenticated, a new one waits its bound for a
+        slot (an authenticating handshake is never evicted) and is then refused with 503 and
+        Retry-After; the held one completes when its look-up can."""
         held, _ = await sidecar_in(store, db)
         other, _ = await sidecar_in(store, db)
-        async with running_hub(
-            db, lookup_db=spare_db, limits=ListenerLimits(max_handshakes=1), lookup_timeout=60
-        ) as hub:
+        limits = ListenerLimits(max_handshakes=1, max_queue_wait=0.2, min_header_budget=0.05)
+        async with running_hub(db, lookup_db=spare_db, limits=limits, lookup_timeout=60) as hub:
             locker = await db.pool.acquire()
             transaction = locker.transaction()
             await transaction.start()
@@ -338,6 +338,8 @@ class TestUnavailableDatabase:
                 refused = await rejection(hub.url, other.headers())
                 assert refused.response.status_code == 503
                 assert refused.response.body == b"too many handshakes\n"
+                assert "Retry-After" in refused.response.headers
+                assert not hub.server.stats.aborted
             finally:
                 await transaction.rollback()
                 await db.pool.release(locker)

@@ -56,6 +56,8 @@ class SidecarConnection(ServerConnection):
         "_refused",
         "_scanner",
         "_stall",
+        "_stash",
+        "_waiting",
         "budget",
         "hubd_entry",
         "hubd_secret",
@@ -85,6 +87,8 @@ class SidecarConnection(ServerConnection):
         self.source = ""
         self._counted = False
         self._handshaking = False
+        self._waiting = False
+        self._stash = b""
         self._refused = False
         self._lingering = False
         self._aborted = False
@@ -123,33 +127,69 @@ class SidecarConnection(ServerConnection):
         super().connection_made(transport)
         peer = transport.get_extra_info("peername")
         self.source = str(peer[0]) if peer else ""
-        gate = self._hub.gate
-        now = self.loop.time()
-        if gate.handshakes_full:
-            self._hub.evict_stale_handshake(now)
-        refusal = gate.admit(self.source, now)
-        if refusal is not None:
-            self._refuse(refusal, early=True)
+        admitted = self._hub.gate.arrive(self, self.source, self.loop.time())
+        if isinstance(admitted, Rejection):
+            self._refuse(admitted, early=True)
             return
-        gate.opened(self.source)
         self._counted = True
+        if admitted:
+            self._handshaking = True
+        else:
+            self._wait()
+        self._hub.settle()
+
+    def _wait(self) -> None:
+        """Wait for a handshake slot without reading: the request stays in the kernel's buffer,
+        and websockets' parser sees nothing until the slot is taken for it."""
+        self._waiting = True
+        self._hub.stats.queued += 1
+        self.transport.pause_reading()
+        # uvloop starts reading once connection_made has returned, whatever was paused in it;
+        # the pause is made again on the loop's next turn.
+        self.loop.call_soon(self._keep_paused)
+
+    def _keep_paused(self) -> None:
+        if self._waiting and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def admit(self) -> None:
+        """Its turn came: a handshake slot is held for it from now on, so its request is read."""
+        if not self._waiting:
+            return
+        self._waiting = False
         self._handshaking = True
-        self._hub.handshake_started(self, now)
+        self.transport.resume_reading()
+        scanner = self._scanner
+        if self._stash and scanner is not None and scanner.complete:
+            # Its whole request was read while it waited.
+            self._hand_over(b"")
+
+    def refuse_waiting(self, rejection: Rejection) -> None:
+        """It waited its bound, or gave its place to a socket of another address."""
+        if self._waiting:
+            self._waiting = False
+            self._stash = b""
+            self._refuse(rejection, early=True)
 
     def handshake_over(self) -> None:
         """The handshake was decided (upgrade or refusal): its slot is free again."""
         if self._handshaking:
             self._handshaking = False
             self._scanner = None
-            self._hub.gate.handshake_over(self.source)
-            self._hub.handshake_ended(self)
+            self._hub.gate.handshake_over(self, self.loop.time())
+            self._hub.settle()
 
-    def evict(self) -> None:
-        """Give this unfinished handshake's slot to a newer socket: abort it."""
-        self.handshake_over()
-        self._abort("evicted by a newer handshake")
+    def evict(self, why: str) -> None:
+        """The gate gave this unfinished handshake's slot away (its count is already free):
+        abort it."""
+        self._handshaking = False
+        self._scanner = None
+        self._abort(why)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._waiting:
+            self._waiting = False
+            self._hub.gate.leave(self)
         self.handshake_over()
         if self._counted:
             self._counted = False
@@ -174,6 +214,7 @@ class SidecarConnection(ServerConnection):
         lingering sockets is capped too, beyond which a refusal is a plain abort.
         """
         self._refused = True
+        self._stash = b""
         self._hub.refused(self, rejection, early=early)
         self.handshake_over()
         transport = self.transport
@@ -193,6 +234,9 @@ class SidecarConnection(ServerConnection):
         transport.write(head.encode() + b"\r\n" + body)
         gate.lingering += 1
         self._lingering = True
+        # A socket refused from the queue was not being read: what its peer sent is read and
+        # dropped now, or closing over it unread would reset the connection before the status.
+        transport.resume_reading()
         if transport.can_write_eof():
             transport.write_eof()
             self._stall = self.loop.call_later(self._hub.refusal_linger, transport.abort)
@@ -208,8 +252,32 @@ class SidecarConnection(ServerConnection):
         if scanner is not None:
             problem = scanner.feed(data)
             if problem is not None:
+                if self._waiting:
+                    self._waiting = False
+                    self._hub.gate.leave(self)
                 self._refuse(Rejection(status=431, reason=problem), early=False)
                 return
+            if self._waiting or not scanner.complete:
+                # Kept until the header block is complete (websockets' parser would buffer
+                # the same bytes, within the scanner's bounds): a request that never completes
+                # costs no parsing. A waiting socket reads no more until its turn (this read
+                # came before the pause took hold).
+                self._stash += data
+                if self._waiting:
+                    self.transport.pause_reading()
+                return
+            self._hand_over(data)
+            return
+        self._received(data)
+
+    def _hand_over(self, data: bytes) -> None:
+        """The request is complete: no longer a candidate for eviction, and parsed."""
+        if self._stash:
+            data, self._stash = self._stash + data, b""
+        self._hub.gate.complete(self)
+        self._received(data)
+
+    def _received(self, data: bytes) -> None:
         super().data_received(data)
         # Automatic pongs (and close frames) are written without waiting for the buffer to
         # drain: a peer that pings and never reads grows it here, so it is measured here.

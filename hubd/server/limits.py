@@ -1,4 +1,5 @@
-"""Resource bounds of the sidecar listener, as plain decisions over counters and a passed-in clock.
+"""Resource bounds of the sidecar listener, as plain decisions over counters and a passed-in clock
+(who gets a handshake slot is :mod:`hubd.server.slots`).
 
 The listener faces every process that can reach it, so every resource a peer can make it hold
 has a cap, and the caps multiply out to a bound on memory and descriptors:
@@ -7,6 +8,32 @@ has a cap, and the caps multiply out to a bound on memory and descriptors:
   from one address, each allowed ``max_handshake_bytes`` before it is upgraded, so unfinished
   handshakes hold at most ``max_handshakes * max_handshake_bytes`` (2 MiB by default) and one
   address at most ``max_handshakes_per_source * max_handshake_bytes`` (256 KiB);
+* sockets waiting for a handshake slot: at most ``max_waiting``, each for ``max_queue_wait``.
+  A socket that finds its address's slots (or every slot) taken waits for one instead of being
+  refused, as HAProxy's ``maxconn`` queue holds a connection rather than refusing it. It waits
+  unread: its request stays in the kernel's socket buffer, so it costs a descriptor and the
+  connection object, within ``max_connections``, and no handshake bytes (should the event loop
+  deliver a first read before the pause takes hold, that one read is kept for its turn, within
+  ``max_handshake_bytes``: 1 MiB for all of them at worst). Slots go to waiting sockets in turn
+  by address range (a /24 or a /64), by address within a range, and in arrival order within an
+  address; a range in good standing (below) is served first, as fq_codel serves new flows
+  first, so a sidecar dialling through a flood from other ranges waits for one slot, not for
+  the flood. A refusal says when a slot is expected (``Retry-After``: the queue over the rate
+  slots were freed at lately), at least 1 s (``Retry-After`` is whole seconds) and at most
+  ``retry_after``;
+* behaviour, not age: a handshake must deliver its complete request (a real client sends the
+  request line and headers in one write right after connecting) within a budget that shrinks
+  as slots fill, from ``header_timeout`` with half the slots free or more to
+  ``min_header_budget`` with none (Envoy's overload manager scales its timeouts the same way;
+  nginx's ``client_header_timeout`` is the fixed form); one that has not is evicted. With every
+  slot taken, the oldest unfinished handshake past ``header_grace`` gives its slot at once to a
+  waiting socket of a range in good standing (none of its handshakes unfinished now or evicted
+  within ``eviction_memory``, as HAProxy's stick tables remember a source's behaviour), and, while
+  a socket of another range waits, to one of a range within its share when its own range holds
+  more than ``max_handshakes_per_prefix``. A flood's ranges lose their standing with their first
+  eviction, so a flood cannot churn the slots faster than the budget lets it. A handshake whose
+  request is complete (authenticating, waiting for the database) is never evicted: the delay is
+  the hub's, and ``max_handshakes`` bounds it;
 * header shape: ``max_header_lines`` lines of at most ``max_header_line`` bytes. A handshake
   needs about a dozen short headers (Host, Upgrade, Connection, four Sec-WebSocket-*,
   Authorization, three Hubd-*, User-Agent), the longest being the ~80-byte Authorization line.
@@ -28,19 +55,15 @@ has a cap, and the caps multiply out to a bound on memory and descriptors:
 
 from __future__ import annotations
 
-import math
 from typing import Final
 
 import attrs
-
-from hubd.server.handshake import Rejection
 
 __all__ = [
     "DESCRIPTOR_HEADROOM",
     "BucketMap",
     "HeaderScanner",
     "ListenerLimits",
-    "SourceGate",
     "TokenBucket",
     "connection_cap",
 ]
@@ -73,12 +96,31 @@ class ListenerLimits:
     """Source addresses and allocations whose buckets are remembered; beyond it the fullest
     (least interesting) are forgotten first."""
     retry_after: int = 5
-    handshake_eviction_age: float = 1.0
-    """With every handshake slot taken, a new socket evicts the oldest unfinished handshake
-    that has run this long instead of being refused: a real sidecar finishes its handshake in
-    milliseconds, so slots held longer are the likeliest to be a half-open flood (the reason
-    nginx keeps `client_header_timeout` short), and a legitimate sidecar is not sent away to
-    wait out Retry-After behind them."""
+    """The ``Retry-After`` of a refusal whose end nothing predicts (all sockets taken, the
+    database unavailable), and the most a refusal for a handshake slot says."""
+    max_handshakes_per_prefix: int = 128
+    """Slots one address range (/24, /64) may hold while a socket of another range waits: half,
+    so a flood from many addresses of one range leaves the other half to everyone else."""
+    max_waiting: int = 128
+    """Sockets waiting for a handshake slot (lowered to a quarter of ``max_connections``): half
+    as many as the slots, enough for a burst from one address to queue behind its own cap
+    without the queue's descriptors and connection objects outgrowing the slots' own."""
+    max_queue_wait: float = 5.0
+    """How long a socket waits for a slot before it is refused; below the handshake's 10 s
+    (``open_timeout``, counted from the connection), so that a refusal, not a reset, ends it."""
+    header_timeout: float = 10.0
+    """How long a handshake may take to deliver its complete request while half the slots or
+    more are free: the whole handshake's own bound."""
+    min_header_budget: float = 0.5
+    """The same with every slot taken. A real sidecar's request arrives within a turn of each
+    event loop; half a second leaves a loaded machine's stalls room, and a flood that holds
+    every slot gives up all of them twice a second."""
+    header_grace: float = 0.05
+    """A handshake's first moments, in which its request has not been read yet for reasons of
+    the hub's own (the read comes on the loop's next turn): no waiting socket takes it then."""
+    eviction_memory: float = 10.0
+    """How long a range whose handshake was evicted waits its turn like any other range instead
+    of taking an unfinished handshake's slot."""
 
 
 def connection_cap(requested: int, descriptor_limit: int, reserved: int) -> int:
@@ -200,68 +242,3 @@ class HeaderScanner:
                 return "too many request headers"
             self._line = 0
         return None
-
-
-class SourceGate:
-    """Admission of new sockets: counts of sockets and unfinished handshakes, per source
-    address and in total, and the failed-handshake bucket of each source."""
-
-    def __init__(self, limits: ListenerLimits, *, max_connections: int | None = None) -> None:
-        self.limits = limits
-        self.max_connections = max_connections or limits.max_connections
-        self.sockets = 0
-        self.handshakes = 0
-        self.lingering = 0
-        """Refused sockets kept open a moment so their peers read the refusal."""
-        self._per_source: dict[str, int] = {}
-        self._failures = BucketMap(
-            limits.bad_handshake_rate, limits.bad_handshake_burst, limits.max_tracked
-        )
-
-    def admit(self, source: str, now: float) -> Rejection | None:
-        """Whether a socket that just arrived from ``source`` may start a handshake."""
-        retry = self.limits.retry_after
-        if self.sockets >= self.max_connections:
-            return Rejection(status=503, reason="too many connections", retry_after=retry)
-        if self.handshakes >= self.limits.max_handshakes:
-            # Every slot was taken less than the eviction age ago (an older one would have
-            # been evicted for this socket): one is evictable by then, so come back then
-            # rather than after the general Retry-After.
-            soon = max(1, math.ceil(self.limits.handshake_eviction_age))
-            return Rejection(status=503, reason="too many handshakes", retry_after=soon)
-        if self._per_source.get(source, 0) >= self.limits.max_handshakes_per_source:
-            return Rejection(
-                status=429, reason="too many handshakes from this address", retry_after=retry
-            )
-        if not self._failures.available(source, now):
-            wait = max(retry, round(self._failures.wait(source, now) + 0.5))
-            return Rejection(status=429, reason="too many failed handshakes", retry_after=wait)
-        return None
-
-    def opened(self, source: str) -> None:
-        self.sockets += 1
-        self.handshakes += 1
-        self._per_source[source] = self._per_source.get(source, 0) + 1
-
-    def handshake_over(self, source: str) -> None:
-        self.handshakes -= 1
-        left = self._per_source[source] - 1
-        if left:
-            self._per_source[source] = left
-        else:
-            del self._per_source[source]
-
-    def closed(self) -> None:
-        self.sockets -= 1
-
-    def failed(self, source: str, now: float) -> None:
-        """A handshake from ``source`` was refused for something the peer got wrong."""
-        self._failures.take(source, now)
-
-    @property
-    def sources(self) -> int:
-        return len(self._per_source)
-
-    @property
-    def handshakes_full(self) -> bool:
-        return self.handshakes >= self.limits.max_handshakes

@@ -3,8 +3,9 @@
 Authentication happens in ``process_request``, before the upgrade, so an unauthenticated peer
 never holds an open websocket. What a peer can make the listener hold is bounded before
 websockets sees a byte (:mod:`hubd.server.limits` says how each cap was sized): sockets and
-unfinished handshakes are admitted by a :class:`~hubd.server.limits.SourceGate` as they are
-accepted, every byte before the upgrade goes through a
+unfinished handshakes are admitted by a :class:`~hubd.server.slots.SourceGate` as they are
+accepted (a socket that finds no slot for its address waits, unread, for one; a handshake too
+slow for the load is evicted), every byte before the upgrade goes through a
 :class:`~hubd.server.limits.HeaderScanner`, a socket whose peer stops reading is aborted once
 its write buffer is full or has stalled for a few seconds, and ping/pong frames spend the same
 budget as messages. Identity look-ups are batched (:mod:`hubd.server.batching`, on a pool of
@@ -49,9 +50,10 @@ from hubd.server.handshake import (
     unavailable,
 )
 from hubd.server.keepalive import Keepalive
-from hubd.server.limits import BucketMap, ListenerLimits, SourceGate, TokenBucket
+from hubd.server.limits import BucketMap, ListenerLimits, TokenBucket
 from hubd.server.messages import ProtocolError, parse_publish, parse_ready
 from hubd.server.router import SocketRouter
+from hubd.server.slots import SourceGate
 from hubd.server.sockets import SocketEntry
 from hubd.server.wire import ServerStats, WireLogger, is_loopback_host, tls_context
 from hubd.store.connections import (
@@ -122,7 +124,9 @@ class SidecarServer:
         self._close_timeout = close_timeout
         self._max_message_size = max_message_size
         self.limits = limits or ListenerLimits(retry_after=retry_after)
-        self.gate = SourceGate(self.limits, max_connections=max_connections)
+        self.gate: SourceGate[SidecarConnection] = SourceGate(
+            self.limits, max_connections=max_connections
+        )
         self._reconnects = BucketMap(
             self.limits.reconnect_rate, self.limits.reconnect_burst, self.limits.max_tracked
         )
@@ -155,8 +159,12 @@ class SidecarServer:
         self._backlog = backlog
         self._server: Server | None = None
         self.stats = ServerStats()
-        # Unfinished handshakes in the order they started (dicts keep insertion order).
-        self._handshaking: dict[SidecarConnection, float] = {}
+        # One timer for every deadline of the gate (a waiting socket's bound, the oldest
+        # unfinished handshake's budget), set for the earliest.
+        self._gate_timer: asyncio.TimerHandle | None = None
+        self._gate_timer_at = 0.0
+        self._settling = False
+        self._settle_again = False
 
     @classmethod
     def from_config(
@@ -225,6 +233,14 @@ class SidecarServer:
             return
         # Stop accepting first, so no socket slips in between closing the others and waiting.
         server.close(close_connections=False)
+        # Sockets waiting for a handshake slot would otherwise hold the close until their
+        # bound: they are told to come back (to this replica once restarted, or another).
+        going = Rejection(status=503, reason="server is shutting down", retry_after=1)
+        for connection in self.gate.drain():
+            connection.refuse_waiting(going)
+        if self._gate_timer is not None:
+            self._gate_timer.cancel()
+            self._gate_timer = None
         if self.keepalive is not None:
             self.keepalive.close()
         await self._router.close_all(CloseCode.GOING_AWAY)
@@ -232,6 +248,9 @@ class SidecarServer:
         await self.admissions.close()
         await self.lookups.close()
         self._server = None
+        if self._gate_timer is not None:
+            self._gate_timer.cancel()
+            self._gate_timer = None
         log.info("sidecar_listener_stopped")
 
     async def __aenter__(self) -> Self:
@@ -414,20 +433,43 @@ class SidecarServer:
             reason=rejection.reason,
         )
 
-    def handshake_started(self, connection: SidecarConnection, now: float) -> None:
-        self._handshaking[connection] = now
+    def settle(self) -> None:
+        """Carry out what the gate decides now (evictions, refusals of waiting sockets, slots
+        taken for them), and set the timer for its next deadline. Not re-entered: what the
+        sockets do meanwhile is settled in the same call."""
+        if self._settling:
+            self._settle_again = True
+            return
+        self._settling = True
+        loop = asyncio.get_running_loop()
+        try:
+            again = True
+            while again:
+                self._settle_again = False
+                settled = self.gate.settle(loop.time())
+                for connection, why in settled.evicted:
+                    connection.evict(why)
+                for connection, rejection in settled.refused:
+                    connection.refuse_waiting(rejection)
+                for connection in settled.admitted:
+                    connection.admit()
+                again = self._settle_again
+        finally:
+            self._settling = False
+        due = self.gate.next_deadline(loop.time())
+        if due is None or self._server is None:
+            return
+        # Only ever moved earlier: a timer that fires before anything is due settles nothing
+        # and sets the next one, which costs less than rescheduling at every socket's event.
+        if self._gate_timer is None or due < self._gate_timer_at:
+            if self._gate_timer is not None:
+                self._gate_timer.cancel()
+            self._gate_timer_at = due
+            self._gate_timer = loop.call_at(due, self._gate_due)
 
-    def handshake_ended(self, connection: SidecarConnection) -> None:
-        self._handshaking.pop(connection, None)
-
-    def evict_stale_handshake(self, now: float) -> bool:
-        """Abort the oldest unfinished handshake older than the eviction age; ``True`` if one
-        was, so its slot is free for the socket that just arrived."""
-        oldest = next(iter(self._handshaking.items()), None)
-        if oldest is None or now - oldest[1] < self.limits.handshake_eviction_age:
-            return False
-        oldest[0].evict()
-        return True
+    def _gate_due(self) -> None:
+        self._gate_timer = None
+        self.settle()
 
     def aborted(self, connection: SidecarConnection, why: str) -> None:
         """A socket aborted for a resource bound (its peer stopped reading)."""

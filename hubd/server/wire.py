@@ -53,7 +53,9 @@ class ServerStats:
     refused_early: collections.Counter[str] = attrs.field(factory=collections.Counter)
     """Sockets refused before websockets parsed anything, by reason."""
     aborted: collections.Counter[str] = attrs.field(factory=collections.Counter)
-    """Sockets aborted for a resource bound (write buffer, stall), by reason."""
+    """Sockets aborted for a resource bound (write buffer, stall, eviction), by reason."""
+    queued: int = 0
+    """Sockets that waited for a handshake slot instead of taking one at once."""
     heartbeats: int = 0
     published: int = 0
     """Publishes stored."""
