@@ -186,6 +186,14 @@ class TestReadOnlyServer:
                 await conn.execute(_TOUCH)
                 pid = conn.get_server_pid()
             await _server_read_only(second_server, True)
+
+            async def reloaded() -> bool:
+                # The reload reaches each session in its own time: wait until this one has it.
+                async with db.connection("look") as conn:
+                    assert conn.get_server_pid() == pid
+                    return bool(await conn.fetchval("SHOW default_transaction_read_only") == "on")
+
+            await eventually(reloaded, what="the open session read-only")
             handed: list[int] = []
 
             async def write() -> None:

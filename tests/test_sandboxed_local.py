@@ -59,9 +59,11 @@ def command_for_this_checkout() -> list[str]:
     assert program == [f"{INSTALL}/.venv/bin/hubd", "sidecar"]
     install = ["--ro-bind", INSTALL, INSTALL]
     at = next(i for i in range(len(flags)) if flags[i : i + 3] == install)
-    flags[at : at + 3] = this_checkouts_binds()
+    del flags[at : at + 3]
     assert INSTALL not in " ".join(flags)
-    return [*flags, "--", sys.executable, "-m", "hubd.cli", "sidecar"]
+    # Last: bwrap mounts in order, and a checkout under /tmp (CI clones there) would be hidden
+    # by the command's own --tmpfs /tmp.
+    return [*flags, *this_checkouts_binds(), "--", sys.executable, "-m", "hubd.cli", "sidecar"]
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,10 @@ Every connection has a bound on silence (docs/operations.md):
   through the host list;
 - **TCP keepalives and ``TCP_USER_TIMEOUT``** on every TCP socket, on both ends;
 - a **statement interrupted** by its budget (``command_timeout``, or any ``asyncio.timeout``
-  around the block) closes its connection at once: asyncpg would otherwise send a
-  CancelRequest over a new connection and hold the pool's release until the server
-  acknowledges it, which a partitioned network never does;
+  around the block) closes its connection once its cancel request was heard, or after
+  :data:`CANCEL_GRACE`: asyncpg would otherwise hold the pool's release until the server
+  acknowledges the CancelRequest it sends over a new connection, which a partitioned network
+  never does;
 - a connection **idle for** :data:`QUIET_PERIOD` is checked with one short statement before it
   is handed out; a busy connection never is, so the hot paths keep one round trip per
   statement.
@@ -205,6 +206,19 @@ def bound_silence(conn: asyncpg.Connection) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+CANCEL_GRACE = 1.0
+"""Seconds an interrupted statement's cancel request may take to reach the server before its
+connection is closed anyway (on a partitioned network it never arrives)."""
+
+
+async def _cancel_briefly(pooled: asyncpg.Connection) -> None:
+    """Wait up to :data:`CANCEL_GRACE` for the cancel requests asyncpg sent for ``pooled``
+    (each over a connection of its own) to be delivered."""
+    sending = set(getattr(_raw(pooled), "_cancellations", ()))
+    if sending:
+        await asyncio.wait(sending, timeout=CANCEL_GRACE)
+
+
 QUIET_PERIOD = 10.0
 """Seconds a pooled connection may sit unused before it is checked before its next use."""
 IDLE_CHECK_TIMEOUT = 2.0
@@ -299,8 +313,14 @@ class Database:
                 # Interrupted mid-statement (its budget, a claim's deadline, a shutdown), the
                 # connection may have a cancellation in flight, which asyncpg's release would
                 # wait for without a limit; and a broken one cannot be trusted. Either way:
-                # close it now, so the caller is free at its budget.
-                pooled.terminate()
+                # close it, so the caller is free at its budget, but only once the server had
+                # CANCEL_GRACE to hear the cancel request: closing the socket alone does not
+                # stop a statement the server is still running (one waiting on a lock would
+                # commit when it gets it), and closing cancels asyncpg's request in flight.
+                try:
+                    await _cancel_briefly(pooled)
+                finally:
+                    pooled.terminate()
                 raise
             else:
                 self.usage.used(pooled)
