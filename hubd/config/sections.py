@@ -15,6 +15,7 @@ from typing import Any, Final, Literal
 import attrs
 import platformdirs
 
+from hubd.claimrules import claim_rules_problem
 from hubd.config.kinds import (
     Choice,
     Duration,
@@ -28,7 +29,6 @@ from hubd.config.kinds import (
     problem,
 )
 from hubd.dburl import hosts_problem
-from hubd.reconciler.settings import claim_rules_problem
 from hubd.redaction import redact_dsn as redact_url
 from hubd.units import format_duration, parse_duration, parse_listen
 

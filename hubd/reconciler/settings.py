@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from hubd.claimrules import claim_rules_problem
 from hubd.store.models import Allocation
 from hubd.units import positive
 
@@ -55,29 +56,6 @@ class ReconcilerSettings:
         )
         if broken is not None:
             raise ValueError(f"{broken[0]}: {broken[1]}")
-
-
-def claim_rules_problem(
-    *,
-    lease_duration: float,
-    operation_timeout: float,
-    max_concurrent_claims: int,
-    prefix: str = "",
-    show: Callable[[float], str] = lambda seconds: f"{seconds:g}s",
-) -> tuple[str, str] | None:
-    """The rules claims run by: ``(setting, problem)`` for the first one broken. The problem
-    names other settings with ``prefix`` and durations through ``show``; the configuration
-    checks its ``[reconciler]`` section by the same rules."""
-    # A plugin call may not outlive the lease that authorised it: once the lease can expire
-    # mid-call, another replica may claim the allocation and act on it concurrently.
-    if operation_timeout >= lease_duration:
-        return "operation_timeout", (
-            f"must be shorter than {prefix}lease_duration "
-            f"({show(operation_timeout)} ≥ {show(lease_duration)})"
-        )
-    if max_concurrent_claims < 1:
-        return "max_concurrent_claims", f"must be at least 1, not {max_concurrent_claims}"
-    return None
 
 
 def hook_call(
