@@ -130,10 +130,6 @@ class SocketRouter:
         self.remote_closes = 0
         """Sockets closed because another replica's write said they no longer belong."""
 
-    def attach(self, events: ConnectionEvents) -> None:
-        """Name the sink of connection events (metrics, tests)."""
-        self._events = events
-
     # -- the Router seam ------------------------------------------------------------------------
 
     def fence(self, allocation_id: str, generation: int) -> None:
