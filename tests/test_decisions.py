@@ -6,11 +6,14 @@ every field.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
+from pathlib import Path
 
 import attrs
 import pytest
 
+import hubd.reconciler.writes as writes_module
 from hubd.errors import InitializationUncertain, OperationTimeout
 from hubd.plugins.protocol import Accepted, Destroyed, DestroyRejected, Rejected
 from hubd.reconciler.decisions import (
@@ -528,3 +531,15 @@ class TestProvisionerMismatch:
         assert problem is not None
         assert "api_version 1" in problem
         assert "api_version 0" in problem
+
+
+def test_architecture_names_every_write_and_no_other() -> None:
+    """Architecture §1's table is the one statement of the transitions: every write value the
+    reconciler can make is named there, and it names no write that does not exist."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    section = text.split("## §1", 1)[1].split("\n## §2", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    named = set(re.findall(r"`([A-Z][A-Za-z]+)`", table))
+    writes = {name for name in writes_module.__all__ if name != "Write"}
+    assert writes <= named, f"writes the table does not name: {sorted(writes - named)}"
+    assert named <= writes, f"the table names what is not a write: {sorted(named - writes)}"

@@ -4,46 +4,9 @@ No loop, no database: each function maps what a claim saw to the complete durabl
 makes next (:mod:`hubd.reconciler.writes`), and the asyncio code (:mod:`hubd.reconciler.claim`,
 :mod:`hubd.reconciler.executor`) carries it out unchanged.
 
-The transitions (architecture §1), by the step a claimed status takes (:func:`step_for`):
-
-====================  ==========================================  ==============================
-status, step          what the claim saw                          write
-====================  ==========================================  ==============================
-any active            provisioner missing or bound otherwise      pending: ``FailNow``;
-                                                                  else ``Retry`` (backoff)
-pending: bind,        —                                           ``BindInitial`` → provisioning
-ensure                ensure accepted                             ``MarkAllocated`` → allocated
-                      ensure rejected for good                    ``FailNow`` → failed
-                      ensure rejected retryably, raised,          ``Abandon`` (backoff)
-                      timed out
-provisioning          ensure's outcome unknown (a hub stopped)    ``Abandon`` (backoff)
-allocated             an initialization recorded, not completed   ``Abandon`` if still recorded,
-                                                                  else ``Retry`` now
-allocated: wait       not connected, deadline beyond one wait     ``Park`` (await_connection)
-until ready           not connected by the deadline               ``Abandon`` if the connection
-                                                                  number held, else ``Retry`` now
-                      connected, no on_ready hook                 ``MarkReady``
-                      connected, hook                             ``BeginInitialization``, then:
-                      ... hook done                               ``MarkReady``
-                      ... hook timed out or uncertain             ``Abandon`` if still recorded,
-                                                                  else ``Retry`` now
-                      ... hook failed cleanly                     ``Retry`` (capped), marker
-                                                                  cleared
-replacing: destroy,   destroyed                                   ``BindReplacement``
-rebind                                                            → provisioning, then ensure
-replacing/releasing   destroy rejected retryably, raised,         ``Retry`` (destroy attempt)
-                      timed out
-                      destroy rejected for good                   ``MarkDestroyFailed``
-releasing: destroy,   destroyed                                   ``MarkReleased`` → released
-release
-any active            the claim itself failed (an error)          ``Park`` (retry_after_error)
-====================  ==========================================  ==============================
-
-``Abandon`` is a replacement (→ replacing, new generation), or, for an allocated sidecar while
-automatic recovery is off, a release (→ releasing). ``MarkReady`` is ready only if no
-connection was recorded or cleared since the claim looked; otherwise it is an immediate
-follow-up. Backoff is :func:`retry_delay` of the row's durable attempt counters; "capped" is
-its ceiling, used where no durable counter exists.
+The transitions, by the step a claimed status takes (:func:`step_for`), are the table of
+architecture §1, their one statement: every write of :mod:`hubd.reconciler.writes` is named
+there and nothing else is (``tests/test_decisions.py`` holds the two together).
 """
 
 from __future__ import annotations
