@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import attrs
 
 from hubd.errors import DatabaseUnavailable
+from hubd.liveness import swept_reconnect_window
 from hubd.plugins.protocol import (
     Accepted,
     Destroyed,
@@ -206,6 +207,8 @@ class Coverage:
 
     pairs: collections.Counter[tuple[str, Fault]] = attrs.field(factory=collections.Counter)
     boundaries: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    stopped_judged: int = 0
+    """Healthy allocations of a stopped replica judged at its resumption, with time passed."""
 
     def saw(self, boundary: str) -> None:
         self.boundaries[boundary] += 1
@@ -245,6 +248,16 @@ class Crashed(Exception):
     """A replica crashed at a connection event (the simulation restarts it)."""
 
 
+@attrs.define
+class Freeze:
+    """A replica stopped while it held sockets, and what its peer did about it: the allocated
+    rows whose records it held, at their generations, and the seconds each has aged since."""
+
+    held: dict[str, int]
+    released_before: frozenset[str]
+    aged: collections.Counter[str] = attrs.field(factory=collections.Counter)
+
+
 @attrs.define(eq=False)
 class SimReplica:
     """One replica: its clock, plugin, router (real connection statements) and reconciler."""
@@ -257,6 +270,8 @@ class SimReplica:
     reconciler: Reconciler = attrs.field(init=False)
     restarts: int = 0
     crashed: bool = False
+    frozen: Freeze | None = None
+    """Set while the process is stopped (SIGSTOP): it takes no step, its sockets stay open."""
 
     @property
     def other(self) -> SimReplica:
@@ -287,7 +302,7 @@ class SimReplica:
         replica may take the allocation over meanwhile. Then its own clock jumps, and the
         claim resumes exactly where it stood."""
         await expire_lease(self.sim.db, site.allocation_id)
-        if self.sim.rng.random() < 0.5:
+        if self.sim.rng.random() < 0.5 and self.other.frozen is None:
             with self.sim.policy.silenced():
                 # Its own task: this claim must not see the other replica's claim as its own.
                 other = asyncio.create_task(self.other.reconciler.reconcile_next())
@@ -378,6 +393,8 @@ class Simulation:
     store: AllocationStore = attrs.field(init=False)
     ids: list[str] = attrs.field(factory=list)
     released: set[str] = attrs.field(factory=set)
+    given_up: list[str] = attrs.field(factory=list)
+    """Healthy allocations of a stopped replica that were given up within the window."""
 
     def __attrs_post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -406,8 +423,15 @@ class Simulation:
 
     async def _step(self, number: int) -> None:
         rng = self.rng
+        for each in self.replicas:
+            if each.frozen is not None and rng.random() < 0.15:
+                await self._resume(each, number)
         replica = self.replicas[rng.randrange(2)]
         roll = rng.random()
+        if replica.frozen is not None and (roll < 0.12 or 0.17 <= roll < 0.68 or roll >= 0.94):
+            # A stopped process takes no step of its own: no claim, no connect, no repair.
+            self.trace.append(f"{number}: replica {replica.index} is stopped")
+            return
         if roll < 0.12 and len(self.ids) < 6:
             allocation = await self.store.request(provisioner_id="fake")
             self.ids.append(allocation.id)
@@ -432,7 +456,13 @@ class Simulation:
                 self.trace.append(f"{number}: {sidecar.sidecar_id} connects to {replica.index}")
                 await replica.connect(sidecar)
         elif roll < 0.84:
-            held = [(r.index, a) for r in self.replicas for a in sorted(r.router.current)]
+            # A stopped replica's sockets stay open: nothing of it reports a close.
+            held = [
+                (r.index, a)
+                for r in self.replicas
+                if r.frozen is None
+                for a in sorted(r.router.current)
+            ]
             if held:
                 index, allocation_id = rng.choice(held)
                 replica = self.replicas[index]
@@ -440,9 +470,25 @@ class Simulation:
                 self.trace.append(f"{number}: {label} disconnects from {index}")
                 await replica.disconnect(allocation_id)
         elif roll < 0.94 and self.ids:
-            allocation_id, seconds = rng.choice(self.ids), rng.choice([2.0, 31.0, 61.0])
+            stopped_held = sorted(
+                h for r in self.replicas if r.frozen is not None for h in r.frozen.held
+            )
+            # While a replica is stopped, time passes mostly for what it held: the window
+            # its peer's sweep gave is what is on trial.
+            pool = stopped_held if stopped_held and rng.random() < 0.7 else self.ids
+            allocation_id, seconds = rng.choice(pool), rng.choice([2.0, 31.0, 61.0])
             self.trace.append(f"{number}: {seconds:g}s pass for {self.label(allocation_id)}")
             await age_row(self.db, allocation_id, seconds)
+            for each in self.replicas:
+                if each.frozen is not None:
+                    each.frozen.aged[allocation_id] += int(seconds)
+        elif (
+            roll < 0.98
+            and replica.frozen is None
+            and replica.other.frozen is None
+            and await self._freeze(number)
+        ):
+            pass
         else:
             self.trace.append(f"{number}: repair on replica {replica.index}")
             await replica.reconciler.repair_unscheduled_connections()
@@ -450,10 +496,87 @@ class Simulation:
         for each in self.replicas:
             await each.restart_if_crashed()
 
+    async def _freeze(self, number: int) -> bool:
+        """The replica holding the records of the most allocated rows stops with its sockets
+        open; its heartbeat ages past the TTL and its peer sweeps its records, as the daemon's
+        repair sweep does. False (nothing done) when no replica holds such a record."""
+        async with self.db.pool.acquire() as conn:
+            found = await conn.fetch(
+                "SELECT c.instance_id, c.allocation_id, c.generation "
+                "FROM hubd_sidecar_connections AS c "
+                "JOIN hubd_allocations AS a ON a.id = c.allocation_id "
+                "WHERE a.status = 'allocated'"
+            )
+            by_replica = {
+                r.index: [row for row in found if row["instance_id"] == r.router.instance_id]
+                for r in self.replicas
+            }
+            index = max(by_replica, key=lambda i: (len(by_replica[i]), -i))
+            rows = by_replica[index]
+            if not rows:
+                return False
+            replica = self.replicas[index]
+            await conn.execute(
+                "UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour' WHERE id = $1",
+                replica.router.instance_id,
+            )
+        replica.frozen = Freeze(
+            held={r["allocation_id"]: r["generation"] for r in rows},
+            released_before=frozenset(self.released),
+        )
+        swept = await replica.other.router.connections.sweep_stale(
+            SETTINGS.instance_ttl,
+            connect_timeout=swept_reconnect_window(SETTINGS.connect_timeout),
+        )
+        labels = sorted(self.label(s.allocation_id) for s in swept)
+        self.trace.append(f"{number}: replica {replica.index} stops; its records swept {labels}")
+        return True
+
+    async def _resume(self, replica: SimReplica, number: int) -> None:
+        """The replica goes on: it heartbeats, writes back the records of the sockets it still
+        holds, and a healthy allocation it held is still at its generation, unless its own
+        release or the passing of the whole reconnect window since could end it."""
+        frozen = replica.frozen
+        assert frozen is not None
+        # The race on trial: the peer acts on every deadline due just before the stopped
+        # replica goes on.
+        with self.policy.silenced():
+            await replica.other.reconciler.reconcile_until_idle()
+            await replica.other.reconciler.drain()
+        replica.frozen = None
+        await replica.router.heartbeat()
+        window = swept_reconnect_window(SETTINGS.connect_timeout)
+        written = []
+        for allocation_id, (target, connection_id) in sorted(replica.router.current.items()):
+            row = await self.store.get(allocation_id)
+            if row.generation != target.generation or row.sidecar_id is None:
+                continue
+            seq = await replica.router.connections.reassert(connection_id, target, row.sidecar_id)
+            if seq is not None:
+                written.append(self.label(allocation_id))
+        self.trace.append(f"{number}: replica {replica.index} resumes; wrote back {written}")
+        for allocation_id, generation in sorted(frozen.held.items()):
+            if allocation_id in self.released and allocation_id not in frozen.released_before:
+                continue
+            if frozen.aged[allocation_id] >= window:
+                continue
+            if frozen.aged[allocation_id] > 0:
+                self.coverage.stopped_judged += 1
+            row = await self.store.get(allocation_id)
+            if row.status is not Status.ALLOCATED or row.generation != generation:
+                self.given_up.append(
+                    f"{self.label(allocation_id)} held by stopped replica {replica.index} at gen "
+                    f"{generation}: {row.status} gen {row.generation} after "
+                    f"{frozen.aged[allocation_id]}s"
+                )
+
     async def _converge(self, rounds: int = 30) -> None:
         """No faults: sidecars of current generations dial until connected, both replicas
         claim until idle, and time passes for every row, until all is settled as asked."""
         self.trace.append("converge")
+        for each in self.replicas:
+            if each.frozen is not None:
+                await self._resume(each, -1)
         for _ in range(rounds):
             rows = {i: await self.store.get(i) for i in self.ids}
             if all(self._settled(row) for row in rows.values()):
@@ -497,6 +620,7 @@ class Simulation:
         """Every invariant broken, by name; committed data only."""
         found = await violations(self.dsn)
         found["late_plugin_effects"] = list(self.world.late_effects)
+        found["frozen_replica_given_up"] = list(self.given_up)
         sidecars: list[str] = []
         published: list[str] = []
         for allocation_id in self.ids:

@@ -34,7 +34,9 @@ async def test_seeded_faults_at_every_step_boundary(db: Database, database_url: 
     a stale lease, no interleaved leases, no generation regression and no changed terminal row;
     no plugin effect happens after the database moved the lease on; and once faults stop every
     allocation ends ready (one live sidecar, of its current generation) or released (none), as
-    asked. Across the seed set, every kind of boundary receives every kind of fault."""
+    asked; and a replica stopped with its sockets open never has a healthy allocation given up
+    within the window its peer's sweep gave. Across the seed set, every kind of boundary receives
+    every kind of fault."""
     await install_observer(database_url)
     chosen = seeds()
     coverage = Coverage()
@@ -53,8 +55,12 @@ async def test_seeded_faults_at_every_step_boundary(db: Database, database_url: 
     if len(chosen) >= CI_SEEDS:
         missing = coverage.missing()
         assert not missing, f"(boundary, fault) pairs never exercised: {sorted(missing)}"
+        # A stopped replica's healthy allocations, aged while it was stopped and judged at its
+        # resumption: the window its peer's sweep gives is on trial in the seed set.
+        assert coverage.stopped_judged > 0
     print(
         f"{len(chosen)} seeds, {len(coverage.pairs)} (boundary, fault) pairs, "
+        f"{coverage.stopped_judged} stopped replicas' allocations judged after time passed, "
         f"boundaries reached: {coverage.boundaries}"
     )
 
