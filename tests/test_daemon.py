@@ -10,6 +10,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -193,6 +194,44 @@ class TestLifecycle:
             assert await daemon.wait() == 0
         finally:
             await daemon.kill()
+
+    async def test_a_due_row_locked_when_its_notification_arrives_is_claimed_soon(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """A claim skips rows another statement holds (a publish, a connection's clear, a
+        ledger write), and that statement announces nothing. So a notification whose claim
+        found nothing is followed by a few quick looks: the row is claimed once the lock goes,
+        not at the next poll (30 s here)."""
+        config = write_config(
+            state_dir / "hubd.toml", database_url=database_url, state_dir=state_dir, marker=marker
+        )
+        daemon = DaemonProcess(config, env={"HUBD_RECONCILER_POLL_INTERVAL": "30s"})
+        await daemon.start()
+        holder = await asyncpg.connect(database_url)
+        try:
+            # Stopped, the daemon hears the request only once the row is already held.
+            await daemon.signal(signal.SIGSTOP)
+            try:
+                allocation = await observer.request(provisioner_id="local")
+                async with holder.transaction():
+                    await holder.execute(
+                        "SELECT 1 FROM hubd_allocations WHERE id = $1 FOR NO KEY UPDATE",
+                        allocation.id,
+                    )
+                    await daemon.signal(signal.SIGCONT)
+                    # The fault's length: the hold outlasts the notification's first claim.
+                    await asyncio.sleep(0.2)
+            finally:
+                await daemon.signal(signal.SIGCONT)
+
+            async def claimed() -> bool:
+                return (await observer.get(allocation.id)).status is not Status.PENDING
+
+            await poll_until(claimed, within=10, every=0.05)
+        finally:
+            await holder.close()
+            await daemon.signal(signal.SIGTERM)
+            await daemon.wait()
 
     async def test_stop_says_sidecars_keep_running(
         self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path

@@ -237,6 +237,7 @@ class Running:
         on_wake: Callable[[], None],
         on_reconnected: Callable[[], None],
         readiness: Callable[[], str | None],
+        on_notified: Callable[[], None] | None = None,
     ) -> Running:
         rc, db, router = config.reconciler, parts.db, parts.router
         store = AllocationStore(db, instance_id=parts.instance_id)
@@ -281,7 +282,7 @@ class Running:
             db=db,
             router=router,
             metrics=metrics,
-            on_wake=on_wake,
+            on_wake=on_notified or on_wake,
             on_reconnected=on_reconnected,
             poll_interval=rc.poll_interval,
         )

@@ -134,6 +134,7 @@ class Daemon:
                 metrics=self.metrics,
                 on_ready=self._on_ready,
                 on_wake=self._waker.wake,
+                on_notified=self._waker.notify,
                 on_reconnected=self._verify_soon.set,
                 readiness=self._readiness,
             )

@@ -33,6 +33,10 @@ GATHER_SECONDS = 0.05
 """How long the dispatcher, under a backlog, waits for more claim slots to free before its
 next claim statement (see ``Supervisor._gather_slots``)."""
 
+RECHECKS = (0.05, 0.25, 1.0)
+"""After a notification whose claim found nothing, when to look again (seconds, in turn) before
+falling back to the poll: long enough for a statement that held the row to commit."""
+
 
 class _Stop(Exception):
     """Raised inside the TaskGroup to end it on purpose (a signal arrived)."""
@@ -102,6 +106,7 @@ class Supervisor:
         poll = self.sweeps.config.reconciler.poll_interval
         stopping = self.stopping.requested
         retries = Retries.doubling(0.5, poll)
+        rechecks: list[float] = []
         while not stopping.is_set():
             raise_if_cancelled()
             asked = reconciler.free_capacity
@@ -129,8 +134,17 @@ class Supervisor:
                 await self._pause(poll)
                 continue
             if (claimed == 0 or reconciler.free_capacity == 0) and not stopping.is_set():
-                # Nothing more is due, or every slot is taken: a claim that ends wakes us.
-                await self.waker.wait(poll)
+                if claimed == 0 and rechecks:
+                    # The database said something is due and the claim found nothing: the row
+                    # may have been locked for a moment by another statement (a claim skips
+                    # locked rows, and that statement announces nothing). Look again soon.
+                    notified = await self.waker.wait(rechecks.pop(0))
+                else:
+                    # Nothing more is due, or every slot is taken: a claim that ends wakes us.
+                    notified = await self.waker.wait(poll)
+                    rechecks = []
+                if notified:
+                    rechecks = list(RECHECKS)
             if 0 < asked == claimed:
                 await self._gather_slots(reconciler)
 

@@ -47,18 +47,27 @@ class Waker:
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self._notified = False
 
     def wake(self) -> None:
+        """Local work settled: something may be claimable here."""
         self._event.set()
 
-    async def wait(self, limit: float) -> None:
+    def notify(self) -> None:
+        """The database said something became due (``hubd_wake``)."""
+        self._notified = True
+        self._event.set()
+
+    async def wait(self, limit: float) -> bool:
         """Return when woken (now, if woken since the last wait) or after ``limit`` seconds
-        (the poll fallback)."""
+        (the poll fallback); whether a notification from the database was among the wake-ups."""
         raise_if_cancelled()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(limit):
                 await self._event.wait()
         self._event.clear()
+        notified, self._notified = self._notified, False
+        return notified
 
 
 class NotificationListener:

@@ -174,6 +174,10 @@ $$;
 -- true, and the planner then fetches every due row and sorts them, under load and with a burst's
 -- dead tuples 10-15 ms a claim, where walking the due index in order stops at the rows wanted.
 -- The settings leave that walk the only plan, in this function alone.
+-- The lock is FOR NO KEY UPDATE, what the claim's own UPDATE takes (it changes no key): two
+-- claimers still exclude each other, but a row is no longer skipped while another transaction
+-- merely references it (a ledger row, a connection record or a secret written for it holds FOR
+-- KEY SHARE until its commit), which left a row due with nothing to announce it until the poll.
 CREATE FUNCTION hubd_due_allocations(exclude text[], wanted integer)
 RETURNS TABLE (id text, next_attempt_at timestamptz)
 LANGUAGE sql VOLATILE
@@ -189,7 +193,7 @@ AS $$
       AND a.id <> ALL (exclude)
     ORDER BY a.next_attempt_at, a.id
     LIMIT wanted
-    FOR UPDATE OF a SKIP LOCKED
+    FOR NO KEY UPDATE OF a SKIP LOCKED
 $$;
 
 -- Whether a plugin call of the allocation has an intent and no outcome, looked up through the
