@@ -54,6 +54,9 @@ SETTLE: Final = 0.2
 answered with the tail of its logs."""
 _RUNNING: Final = frozenset({"running", "restarting"})
 _NOT_STARTED: Final = frozenset({"created", "configured"})  # "configured": Podman's word
+LATE_CREATE_WINDOW: Final = 1.0
+"""How long an ensure cancelled during its create waits for that create to land at the engine,
+to remove it."""
 
 
 def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> ContainerProvisioner:
@@ -142,6 +145,14 @@ class ContainerProvisioner:
         body = create_body(self.options, self.id, request)
         try:
             await self._create(engine, body, name)
+        except asyncio.CancelledError:
+            # The create may be on its way to the engine, which finishes it whatever becomes
+            # of this call: the destroy hubd runs next could come first and miss it. Remove
+            # what it leaves, for a moment, before the cancellation goes on (the orphan sweep
+            # stays the backstop).
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(self._remove_late_create(engine, name))
+            raise
         except EngineFailed as exc:
             if not exc.conflict:
                 raise
@@ -162,6 +173,20 @@ class ContainerProvisioner:
             return Rejected(code="claim_lost", message=_not_owned("the container was removed"),
                             retryable=True)  # fmt: skip
         return await self._start(engine, request, name)
+
+    async def _remove_late_create(self, engine: EngineSession, name: str) -> None:
+        """Remove the container ``name`` if a create interrupted on its way lands within
+        LATE_CREATE_WINDOW seconds."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + LATE_CREATE_WINDOW
+        with contextlib.suppress(EngineFailed, EngineUnavailable, EngineTimeout):
+            while True:
+                if await engine.inspect(name) is not None:
+                    await engine.remove(name)
+                    return
+                if loop.time() >= until:
+                    return
+                await asyncio.sleep(0.1)
 
     async def _create(self, engine: EngineSession, body: Mapping[str, Any], name: str) -> None:
         try:
