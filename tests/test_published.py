@@ -218,7 +218,7 @@ class TestPublish:
         """A malformed, oversized or empty publish closes the socket with 4003 and a reason,
         and writes nothing; the hub goes on serving."""
         async with dial(hub.url, sidecar.headers()) as ws:
-            await welcomed(ws)
+            welcome = await welcomed(ws)
             await ws.send(json.dumps({"type": "publish", "endpoint": "http://kept"}))
             assert await answer_of(ws) == {"type": "published"}
             await ws.send(json.dumps({"type": "publish", **fields}))
@@ -226,8 +226,10 @@ class TestPublish:
             assert ws.close_reason.startswith("publish: ")
         assert await published_of(db, sidecar.allocation_id) == ("http://kept", None)
         assert hub.server.stats.protocol_errors == 1
-        # The listener still serves: the sidecar reconnects with its secret.
-        async with dial(hub.url, sidecar.headers()) as again:
+        # The listener still serves: the sidecar reconnects with its secret (the token alone
+        # stops being accepted once the welcome's acknowledgement has committed).
+        secret = {"Hubd-Reconnect-Secret": welcome["reconnect_secret"]}
+        async with dial(hub.url, sidecar.headers(**secret)) as again:
             await welcome_of(again)
 
     async def test_merge_past_the_cap_refused(
