@@ -22,7 +22,7 @@ from hubd.server.wire import ServerStats
 # and every scrape pays for.
 cast(Callable[[], None], disable_created_metrics)()  # the library does not annotate it
 
-__all__ = ["Metrics"]
+__all__ = ["HandshakeSlots", "Metrics"]
 
 _PLUGIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -142,9 +142,10 @@ class Metrics:
         self.queue_depth.set_function(queue_depth)
         self.connected_sidecars.set_function(connected_sidecars)
 
-    def bind_listener(self, stats: ServerStats) -> None:
-        """Export the sidecar listener's own counters (refusals, aborts) at every scrape."""
-        self.registry.register(_ListenerCollector(stats))
+    def bind_listener(self, stats: ServerStats, slots: HandshakeSlots) -> None:
+        """Export the sidecar listener's own counters (refusals, aborts, sockets that waited)
+        and its handshake slots (held, waited for) at every scrape."""
+        self.registry.register(_ListenerCollector(stats, slots))
 
     def bind_batchers(self, batchers: Callable[[], Iterable[Batched]]) -> None:
         """Export each statement batcher's counts at every scrape: how many statements, how
@@ -196,20 +197,56 @@ class Metrics:
         children[1].inc()
 
 
+class HandshakeSlots(Protocol):
+    """What the listener's admission gate says of its handshake slots."""
+
+    @property
+    def handshakes(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+
 class _ListenerCollector(Collector):
     """The listener keeps plain counters (it must not depend on Prometheus); they are read
     here, at scrape time, with the reason or status as a label."""
 
-    def __init__(self, stats: ServerStats) -> None:
+    def __init__(self, stats: ServerStats, slots: HandshakeSlots) -> None:
         self._stats = stats
+        self._slots = slots
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats
-        accepted = CounterMetricFamily(
-            "hubd_sidecar_sockets_accepted", "Sidecar sockets upgraded by the listener"
-        )
-        accepted.add_metric([], stats.accepted)
-        yield accepted
+        for name, doc, total in (
+            (
+                "hubd_sidecar_sockets_accepted",
+                "Sidecar sockets upgraded by the listener",
+                stats.accepted,
+            ),
+            (
+                "hubd_handshakes_queued",
+                "Sockets that waited for a handshake slot (unread) instead of taking one at once",
+                stats.queued,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], total)
+            yield counter
+        for name, doc, level in (
+            (
+                "hubd_handshakes_in_progress",
+                "Handshake slots held: sockets whose request is being read or decided",
+                self._slots.handshakes,
+            ),
+            (
+                "hubd_handshakes_waiting",
+                "Sockets waiting, unread, for a handshake slot",
+                self._slots.waiting,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], level)
+            yield gauge
         for name, doc, label, counts in (
             (
                 "hubd_handshakes_rejected",

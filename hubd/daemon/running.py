@@ -267,7 +267,7 @@ class Running:
             queue_depth=lambda: reconciler.queue_depth,
             connected_sidecars=lambda: router.connection_count,
         )
-        metrics.bind_listener(parts.server.stats)
+        metrics.bind_listener(parts.server.stats, parts.server.gate)
         metrics.bind_batchers(
             lambda: [
                 parts.server.admissions,

@@ -204,6 +204,22 @@ class SidecarConnection(ServerConnection):
             self._give_up.cancel()
             self._give_up = None
         super().connection_lost(exc)
+        self._release_protocol()
+
+    def _release_protocol(self) -> None:
+        """Break the reference cycles websockets' protocol is left in once its connection is
+        lost, so reference counting frees it at once.
+
+        Its parser is a generator whose frame holds the protocol, and a handshake that ends
+        without a request keeps an exception whose traceback holds the parser's frames. A flood
+        of short connections (thousands a second, each closed before its request) otherwise
+        leaves tens of thousands of objects a second to the cyclic collector, whose pauses
+        (100-400 ms, holding the interpreter's lock) stalled even the admin thread's /readyz.
+        Nothing reads either once the protocol is closed: the handshake coroutine sees no request
+        and returns, and a closed protocol ignores further input."""
+        protocol = self.protocol
+        protocol.handshake_exc = None
+        protocol.parser.close()
 
     def _refuse(self, rejection: Rejection, *, early: bool) -> None:
         """Answer with a plain HTTP refusal, without websockets' parser: it is used before (or

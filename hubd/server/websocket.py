@@ -514,6 +514,9 @@ class SidecarServer:
                 # out before websockets closes the socket with 1000 on our return.
                 await drain(connection)
         finally:
+            # The callback holds the entry, which holds the connection: a cycle left to the
+            # collector for every socket that ever opened.
+            connection.on_violation = None
             await self._router.unregister(entry)
 
     def handshake_abandoned(self, entry: SocketEntry) -> None:
