@@ -27,8 +27,8 @@ from hubd.plugins.protocol import Provisioner
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server.limits import ListenerLimits
+from hubd.server.listener import SidecarServer
 from hubd.server.router import SocketRouter
-from hubd.server.websocket import SidecarServer
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from hubd.store.connections import (
     ConnectionStore,

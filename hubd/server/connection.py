@@ -1,7 +1,7 @@
 """One sidecar socket with hubd's resource bounds, as websockets' connection class.
 
 What the bounds are and how each was sized is :mod:`hubd.server.limits`; the listener that admits
-and counts the sockets is :class:`~hubd.server.websocket.SidecarServer`.
+and counts the sockets is :class:`~hubd.server.listener.SidecarServer`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from hubd.server.sockets import SocketEntry
 from hubd.store.connections import Served
 
 if TYPE_CHECKING:
-    from hubd.server.websocket import SidecarServer
+    from hubd.server.listener import SidecarServer
 
-__all__ = ["SidecarConnection", "drain", "remote_of"]
+__all__ = ["SidecarConnection", "drain"]
 
 _CONTROL: Final = frozenset({Opcode.PING, Opcode.PONG})
 _STATUS_LINES: Final = {
@@ -373,10 +373,3 @@ async def drain(connection: ServerConnection) -> None:
             pass
     except ConnectionClosed:
         pass
-
-
-def remote_of(connection: ServerConnection) -> str | None:
-    address = connection.remote_address
-    if not address:
-        return None
-    return f"{address[0]}:{address[1]}"

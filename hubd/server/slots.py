@@ -3,7 +3,7 @@
 Which socket holds one of the ``max_handshakes`` slots for an unfinished handshake, which waits
 for one and in what order, which is refused and what it is told, which handshake gives its slot
 up and why (:mod:`hubd.server.limits` says how each bound was sized and what it costs). The
-listener (:class:`~hubd.server.websocket.SidecarServer`) reports what its sockets do and
+listener (:class:`~hubd.server.listener.SidecarServer`) reports what its sockets do and
 carries out what :meth:`SourceGate.settle` decides.
 """
 

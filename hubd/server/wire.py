@@ -1,5 +1,5 @@
-"""What the sidecar listener's sockets are set up with: TLS, the logger handed to websockets, and
-the counters they feed."""
+"""What the sidecar listener's sockets are set up with: TLS, the logger handed to websockets, the
+counters they feed and the sampled lines logged about them."""
 
 from __future__ import annotations
 
@@ -7,10 +7,18 @@ import collections
 import ipaddress
 import logging
 import ssl
+import time
+from typing import Any
 
 import attrs
+import structlog
+from websockets.asyncio.server import ServerConnection
 
-__all__ = ["ServerStats", "WireLogger", "is_loopback_host", "tls_context"]
+from hubd.logs import Sampler
+
+__all__ = ["ServerStats", "WireLogger", "is_loopback_host", "note", "remote_of", "tls_context"]
+
+log = structlog.get_logger(__name__)
 
 
 class WireLogger(logging.LoggerAdapter[logging.Logger]):
@@ -65,3 +73,23 @@ class ServerStats:
     """Sockets closed with 4003 for a message the hub refused."""
     ignored_messages: int = 0
     ignored_by_kind: collections.Counter[str] = attrs.field(factory=collections.Counter)
+
+
+def remote_of(connection: ServerConnection) -> str | None:
+    address = connection.remote_address
+    if not address:
+        return None
+    return f"{address[0]}:{address[1]}"
+
+
+def note(
+    sampler: Sampler, event: str, key: str, connection: ServerConnection, **context: Any
+) -> None:
+    """Log ``event`` about ``connection`` at info, unless ``sampler`` holds back its ``key``
+    now: a flood is one line per kind every few seconds, with the count of those left out."""
+    suppressed = sampler.admit(key, time.monotonic())
+    if suppressed is None:
+        return
+    if suppressed:
+        context["suppressed"] = suppressed
+    log.info(event, remote=remote_of(connection), **context)
