@@ -180,6 +180,19 @@ class TestSourceGate:
         assert gate.arrive("b1", "b", 0.0) is True
         assert gate.arrive("a2", "a", 1.0) is True
 
+    def test_lingering_refusals_are_capped(self) -> None:
+        """As many refused sockets as there are handshake slots may linger; one more may not,
+        until one of them closes."""
+        gate: SourceGate[str] = SourceGate(LIMITS)
+        assert [gate.linger() for _ in range(LIMITS.max_handshakes + 1)] == [
+            *[True] * LIMITS.max_handshakes,
+            False,
+        ]
+        assert gate.lingering == LIMITS.max_handshakes
+        gate.lingered()
+        assert gate.linger() is True
+        assert gate.lingering == LIMITS.max_handshakes
+
 
 class TestEviction:
     def test_budget_shrinks_as_slots_fill(self) -> None:

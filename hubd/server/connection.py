@@ -1,14 +1,16 @@
 """One sidecar socket with hubd's resource bounds, as websockets' connection class.
 
-What the bounds are and how each was sized is :mod:`hubd.server.limits`; the listener that admits
-and counts the sockets is :class:`~hubd.server.listener.SidecarServer`.
+What the bounds are and how each was sized is :mod:`hubd.server.limits`. The connection knows
+its listener only as a :class:`ConnectionHost`: the gate that admits and counts the sockets, and
+where to report what a socket does (the listener, :class:`~hubd.server.listener.SidecarServer`,
+is one).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -17,14 +19,12 @@ from websockets.protocol import Event, State
 from websockets.server import ServerProtocol
 
 from hubd.server.handshake import Rejection
-from hubd.server.limits import HeaderScanner, TokenBucket
+from hubd.server.limits import HeaderScanner, ListenerLimits, TokenBucket
+from hubd.server.slots import SourceGate
 from hubd.server.sockets import SocketEntry
 from hubd.store.connections import Served
 
-if TYPE_CHECKING:
-    from hubd.server.listener import SidecarServer
-
-__all__ = ["SidecarConnection", "drain"]
+__all__ = ["ConnectionHost", "SidecarConnection", "drain"]
 
 _CONTROL: Final = frozenset({Opcode.PING, Opcode.PONG})
 _STATUS_LINES: Final = {
@@ -32,6 +32,38 @@ _STATUS_LINES: Final = {
     431: "431 Request Header Fields Too Large",
     503: "503 Service Unavailable",
 }
+
+
+class ConnectionHost(Protocol):
+    """What a sidecar connection needs of the listener that accepted it: the gate it is
+    admitted by, the bounds it applies, and where it reports what happens to it."""
+
+    @property
+    def gate(self) -> SourceGate[SidecarConnection]: ...
+
+    @property
+    def limits(self) -> ListenerLimits: ...
+
+    @property
+    def refusal_linger(self) -> float:
+        """Seconds a refused socket stays open, reads discarded, so its peer reads the
+        refusal."""
+
+    def settle(self) -> None:
+        """Carry out what the gate decides now that a socket's count changed."""
+
+    def queued(self, connection: SidecarConnection) -> None:
+        """``connection`` waits for a handshake slot."""
+
+    def refused(self, connection: SidecarConnection, rejection: Rejection, *, early: bool) -> None:
+        """``connection`` was refused by a resource bound before websockets read its request;
+        ``early``: before any of its bytes was read."""
+
+    def aborted(self, connection: SidecarConnection, why: str) -> None:
+        """``connection`` was aborted for a resource bound."""
+
+    def handshake_abandoned(self, entry: SocketEntry) -> None:
+        """The handshake of ``entry`` was admitted, but its socket never opened."""
 
 
 class SidecarConnection(ServerConnection):
@@ -67,7 +99,7 @@ class SidecarConnection(ServerConnection):
     )
 
     def __init__(
-        self, protocol: ServerProtocol, server: Server, *, hub: SidecarServer, **options: Any
+        self, protocol: ServerProtocol, server: Server, *, hub: ConnectionHost, **options: Any
     ) -> None:
         super().__init__(protocol, server, **options)
         self.hubd_entry: SocketEntry | None = None
@@ -142,7 +174,7 @@ class SidecarConnection(ServerConnection):
         """Wait for a handshake slot without reading: the request stays in the kernel's buffer,
         and websockets' parser sees nothing until the slot is taken for it."""
         self._waiting = True
-        self._hub.stats.queued += 1
+        self._hub.queued(self)
         self.transport.pause_reading()
         # uvloop starts reading once connection_made has returned, whatever was paused in it;
         # the pause is made again on the loop's next turn.
@@ -196,7 +228,7 @@ class SidecarConnection(ServerConnection):
             self._hub.gate.closed()
         if self._lingering:
             self._lingering = False
-            self._hub.gate.lingering -= 1
+            self._hub.gate.lingered()
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
@@ -234,8 +266,7 @@ class SidecarConnection(ServerConnection):
         self._hub.refused(self, rejection, early=early)
         self.handshake_over()
         transport = self.transport
-        gate = self._hub.gate
-        if gate.lingering >= self._limits.max_handshakes:
+        if not self._hub.gate.linger():
             self._aborted = True
             transport.abort()
             return
@@ -248,7 +279,6 @@ class SidecarConnection(ServerConnection):
         if rejection.retry_after is not None:
             head += f"Retry-After: {rejection.retry_after}\r\n"
         transport.write(head.encode() + b"\r\n" + body)
-        gate.lingering += 1
         self._lingering = True
         # A socket refused from the queue was not being read: what its peer sent is read and
         # dropped now, or closing over it unread would reset the connection before the status.

@@ -15,6 +15,10 @@ connection's ``latency`` stays what it measures.
 
 The queues hold weak references: a socket that closed between two pings is dropped when its
 turn comes, and its memory is not kept for up to an interval after it closed.
+
+A socket is anything :class:`Pingable`: websockets' connection with a way to write a frame and
+to fail the socket under its own bounds (the listener's
+:class:`~hubd.server.connection.SidecarConnection` is one).
 """
 
 from __future__ import annotations
@@ -25,24 +29,46 @@ import struct
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import structlog
 from websockets.frames import CloseCode
+from websockets.protocol import Protocol as WebSocketProtocol
 from websockets.protocol import State
 
 from hubd.redaction import describe_error
 
-if TYPE_CHECKING:
-    from hubd.server.connection import SidecarConnection
-
-__all__ = ["Keepalive"]
+__all__ = ["Keepalive", "Pingable"]
 
 log = structlog.get_logger(__name__)
 
 _T = TypeVar("_T")
 
 TIMEOUT_REASON: Final = "keepalive ping timeout"
+
+
+class Pingable(Protocol):
+    """What the keepalive needs of a socket (weakly referenceable): websockets' protocol and
+    the pings it matches pongs against, and the socket's own bounded write and failure."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def transport(self) -> asyncio.Transport: ...
+
+    @property
+    def protocol(self) -> WebSocketProtocol: ...
+
+    @property
+    def pending_pings(self) -> dict[bytes, tuple[asyncio.Future[float], float]]: ...
+
+    def flush(self) -> None:
+        """Write what the protocol has queued, under the socket's write-buffer bound."""
+
+    def fail_now(self, code: int, reason: str) -> None:
+        """Send the close frame and end the stream at once; abort the socket if its peer has
+        not closed it within the close timeout."""
 
 
 class Keepalive:
@@ -57,11 +83,9 @@ class Keepalive:
         self._interval = interval
         self._timeout = timeout
         # (when the next ping is due, the socket)
-        self._due: deque[tuple[float, weakref.ref[SidecarConnection]]] = deque()
+        self._due: deque[tuple[float, weakref.ref[Pingable]]] = deque()
         # (when the pong is late, the socket, the pong's future)
-        self._pending: deque[
-            tuple[float, weakref.ref[SidecarConnection], asyncio.Future[float]]
-        ] = deque()
+        self._pending: deque[tuple[float, weakref.ref[Pingable], asyncio.Future[float]]] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -72,7 +96,7 @@ class Keepalive:
         """Sockets waiting for their next ping (closed ones included until their turn)."""
         return len(self._due)
 
-    def add(self, connection: SidecarConnection) -> None:
+    def add(self, connection: Pingable) -> None:
         """Ping ``connection`` from one interval from now on, for as long as it is open."""
         if self._closed:
             return
@@ -123,9 +147,7 @@ class Keepalive:
             if not self._closed:
                 self._arm()
 
-    def _guarded(
-        self, act: Callable[..., _T], connection: SidecarConnection, *args: Any
-    ) -> _T | None:
+    def _guarded(self, act: Callable[..., _T], connection: Pingable, *args: Any) -> _T | None:
         """``act`` on one socket; a failure is that socket's (logged, and it is aborted), never
         the end of every other socket's keepalive."""
         try:
@@ -135,7 +157,7 @@ class Keepalive:
             connection.transport.abort()
             return None
 
-    def _ping(self, connection: SidecarConnection, now: float) -> asyncio.Future[float]:
+    def _ping(self, connection: Pingable, now: float) -> asyncio.Future[float]:
         """Send a ping with a payload no other unanswered ping of the socket has, registered
         where websockets matches pongs (it sets the future's result to the latency)."""
         waiting = connection.pending_pings
@@ -149,7 +171,7 @@ class Keepalive:
         self.pings_sent += 1
         return pong
 
-    def _fail(self, connection: SidecarConnection) -> None:
+    def _fail(self, connection: Pingable) -> None:
         if connection.protocol.state is not State.OPEN:
             return
         self.timeouts += 1

@@ -49,7 +49,8 @@ MAX_MESSAGE_SIZE: Final = 64 * 1024
 
 
 class SidecarServer:
-    """The sidecar websocket listener (``GET /v1/sidecars/connect``)."""
+    """The sidecar websocket listener (``GET /v1/sidecars/connect``), the
+    :class:`~hubd.server.connection.ConnectionHost` of its sockets."""
 
     def __init__(
         self,
@@ -188,7 +189,7 @@ class SidecarServer:
             self._requested_port,
             process_request=self._admitter.process_request,
             # websockets calls this like the class it names; the partial hands each connection
-            # the server whose limits it applies.
+            # its host: the gate and the limits it applies, where it reports.
             create_connection=cast(
                 "type[ServerConnection]", functools.partial(SidecarConnection, hub=self)
             ),
@@ -276,6 +277,11 @@ class SidecarServer:
             status=rejection.status,
             reason=rejection.reason,
         )
+
+    def queued(self, connection: SidecarConnection) -> None:
+        """A socket waits for a handshake slot."""
+        del connection
+        self.stats.queued += 1
 
     def settle(self) -> None:
         """Carry out what the gate decides now (evictions, refusals of waiting sockets, slots

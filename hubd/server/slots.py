@@ -97,8 +97,7 @@ class SourceGate(Generic[K]):
         # sockets that are open or opening.
         self.max_waiting = max(1, min(limits.max_waiting, self.max_connections // 4))
         self.sockets = 0
-        self.lingering = 0
-        """Refused sockets kept open a moment so their peers read the refusal."""
+        self._lingering = 0
         self._held: dict[K, _Slot] = {}
         # Handshakes whose request is not complete yet, oldest first: the eviction candidates.
         self._incomplete: OrderedDict[K, None] = OrderedDict()
@@ -180,6 +179,19 @@ class SourceGate(Generic[K]):
         """A handshake from ``source`` was refused for something the peer got wrong."""
         self._failures.take(source, now)
 
+    def linger(self) -> bool:
+        """A refused socket would stay open a moment, so that its peer reads the refusal:
+        ``True`` if it may (it counts until :meth:`lingered`), ``False`` with as many sockets
+        lingering as there are handshake slots (it is aborted instead)."""
+        if self._lingering >= self.limits.max_handshakes:
+            return False
+        self._lingering += 1
+        return True
+
+    def lingered(self) -> None:
+        """A socket :meth:`linger` let stay open closed."""
+        self._lingering -= 1
+
     # -- what the listener must do --------------------------------------------------------------
 
     def settle(self, now: float) -> Settlement[K]:
@@ -255,6 +267,11 @@ class SourceGate(Generic[K]):
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    @property
+    def lingering(self) -> int:
+        """Refused sockets kept open a moment so their peers read the refusal."""
+        return self._lingering
 
     @property
     def sources(self) -> int:
