@@ -161,12 +161,12 @@ async def replica(
         def on_connected(payload: str) -> None:
             notice = parse_connected_payload(payload)
             if notice is not None:
-                router.notice_connected(notice)
+                router.repair.notice_connected(notice)
 
         def on_sockets(payload: str) -> None:
             control = parse_sockets_payload(payload)
             if control is not None:
-                router.apply_control(control)
+                router.repair.apply_control(control)
 
         listener = NotificationListener(
             dsn=database_url,

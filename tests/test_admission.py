@@ -264,7 +264,7 @@ class TestTheListenersAdmission:
             async with table_locked(database_url, "hubd_sidecar_connections"):
                 dialing = asyncio.create_task(first_message_or_close(hub.url, sidecar))
                 await eventually(lambda: hub.server.admissions.batches == 1)
-                hub.router.apply_control(
+                hub.router.repair.apply_control(
                     SocketControl(sidecar.allocation_id, sidecar.generation + 1, retire=False)
                 )
             assert await dialing == (4002, None)

@@ -337,7 +337,7 @@ class TestSocketControlAcrossReplicas:
                     ready.id,
                 )
             assert b.router.sockets(ready.id), "the socket should still be open"
-            assert await b.router.verify() == (0, 1)
+            assert await b.router.repair.verify() == (0, 1)
             assert await close_code_of(ws) == 4002
 
 
@@ -367,7 +367,7 @@ class TestSweptRecords:
             assert await a.connections.sweep_stale(20, connect_timeout=60) == []
             async with db.pool.acquire() as conn:
                 await conn.execute("UPDATE hubd_instances SET heartbeat_at = now()")
-            assert await a.router.verify() == (1, 0)
+            assert await a.router.repair.verify() == (1, 0)
             assert await b.reconciler.reconcile_next()
             again = await store.get(ready.id)
             assert again.ready

@@ -124,7 +124,7 @@ class TestHandshake:
         token, not the reconnect secret (and not the memory they take per socket)."""
         async with dial(hub.url, sidecar.headers()) as ws:
             await welcome_of(ws)
-            (entry,) = hub.router._open_entries(sidecar.allocation_id)
+            (entry,) = hub.router.sockets(sidecar.allocation_id)
             held = entry.ws
             assert isinstance(held, SidecarConnection)
             assert held.request is not None

@@ -174,22 +174,23 @@ def wake_listener(
     on_reconnected: Callable[[], None],
     poll_interval: float,
 ) -> NotificationListener:
-    """The LISTEN connection, wired to ``router``: a sidecar connected on a peer resolves the
-    waits here; a fence or a retirement closes the sockets it names."""
+    """The LISTEN connection, wired to ``router``'s repair: a sidecar connected on a peer
+    resolves the waits here; a fence or a retirement closes the sockets it names."""
+    repair = router.repair
 
     def on_connected(payload: str) -> None:
         notice = parse_connected_payload(payload)
         if notice is not None:
-            before = router.remote_closes
-            router.notice_connected(notice)
-            metrics.remote_closes.inc(router.remote_closes - before)
+            before = repair.remote_closes
+            repair.notice_connected(notice)
+            metrics.remote_closes.inc(repair.remote_closes - before)
 
     def on_sockets(payload: str) -> None:
         control = parse_sockets_payload(payload)
         if control is not None:
-            before = router.remote_closes
-            router.apply_control(control)
-            metrics.remote_closes.inc(router.remote_closes - before)
+            before = repair.remote_closes
+            repair.apply_control(control)
+            metrics.remote_closes.inc(repair.remote_closes - before)
 
     return NotificationListener(
         dsn=dsn,

@@ -53,7 +53,7 @@ class Sweeps:
                     await self.verify_soon.wait()
             self.verify_soon.clear()
             try:
-                reasserted, closed = await router.verify()
+                reasserted, closed = await router.repair.verify()
             except StoreError as exc:
                 log.warning("socket_check_failed", error=str(exc))
                 # Try again soon: after an outage this is what restores readiness.
