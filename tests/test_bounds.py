@@ -297,7 +297,7 @@ class TestHandshakeBounds:
                 left = [type(o).__name__ for o in gc.get_objects() if type(o) in kept]
             finally:
                 gc.enable()
-        # Before the cycles were broken, every one of the 80 sockets left its protocol.
+        # Left to the cyclic collector, each of the 80 sockets would leave its protocol here.
         assert left == [], collections.Counter(left)
 
     async def test_socket_cap(self, db: Database, store: AllocationStore) -> None:

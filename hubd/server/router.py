@@ -11,8 +11,9 @@ the outcome (:meth:`SocketRouter.admitted`), and clears the record of a socket t
 a handshake abandoned after its admission (:meth:`SocketRouter.abandon`).
 
 The welcome and the disconnect steps of one allocation run one at a time, in the order the
-sockets opened and closed (a FIFO lock per allocation, forgotten when idle), so the reconciler
-hears of an allocation's connects and disconnects in that order. A clear is fenced on the
+sockets opened and closed (a FIFO lock per allocation, forgotten when idle), so a
+:class:`~hubd.routing.ConnectionEvents` sink, when the router is given one, hears of an
+allocation's connects and disconnects in that order. A clear is fenced on the
 connection id in its statement: an old socket's disconnect that follows its successor's record
 clears nothing and reports nothing.
 
@@ -255,7 +256,7 @@ class SocketRouter:
             )
 
     async def open(self, entry: SocketEntry, *, welcome: str) -> bool:
-        """Send the welcome of an admitted, open socket, then tell the reconciler.
+        """Send the welcome of an admitted, open socket, then tell the events sink, if any.
 
         ``False`` when the socket did not make it (closed by the hub, or gone); it is then
         already being closed."""
