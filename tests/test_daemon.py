@@ -137,8 +137,10 @@ class TestLifecycle:
                 lambda b: (
                     "hubd_connected_sidecars 20.0" in b
                     and 'hubd_allocations{status="allocated"} 20.0' in b
+                    and moved(before, b, "hubd_sidecar_connects_total") == 20
                 ),
             )
+            assert moved(before, body, "hubd_sidecar_disconnects_total") == 0
             # Every allocation was claimed and moved to allocated by this daemon.
             assert moved(before, body, "hubd_claims_total") >= 20
             # Claims come from claim statements (idle polls among them, counted apart too).
@@ -180,6 +182,10 @@ class TestLifecycle:
                 ),
             )
             assert moved(body, after, "hubd_transitions_total", to_status="released") == 20
+            # Each socket was retired by its release, which no sidecar reconnects from: none
+            # was lost, and none connected again.
+            assert moved(body, after, "hubd_sidecar_disconnects_total") == 0
+            assert moved(body, after, "hubd_sidecar_connects_total") == 0
             # The allocations by status are counted in the database when a scrape asks (at most
             # once per poll interval; terminal ones are estimated): no active one is left.
             await scrape_until(

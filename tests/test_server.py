@@ -51,6 +51,7 @@ from hubd.tokens import (
 )
 from tests.polling import eventually
 from tests.storekit import claim_one
+from tests.test_bounds import sample
 from tests.wskit import (
     CONNECT_PATH,
     INSTANCE_ID,
@@ -423,10 +424,17 @@ class TestRouter:
                 assert hub.events.connected == [sidecar.target, sidecar.target]
 
     async def test_disconnect(self, db: Database, hub: Hub, sidecar: Sidecar) -> None:
-        """When the current socket closes, its record is cleared and the disconnect reported."""
+        """When the current socket closes, its record is cleared and the disconnect reported
+        (the daemon's metrics count both events)."""
+        metrics = Metrics()
+        hub.events.forward = metrics
         async with dial(hub.url, sidecar.headers()) as ws:
             await welcome_of(ws)
+            await eventually(lambda: hub.events.connected == [sidecar.target])
+            assert sample(metrics, "hubd_sidecar_connects_total") == 1
+            assert sample(metrics, "hubd_sidecar_disconnects_total") == 0
         await eventually(lambda: hub.events.disconnected == [sidecar.target])
+        assert sample(metrics, "hubd_sidecar_disconnects_total") == 1
         assert await record_row(db, sidecar.allocation_id) is None
         assert not await hub.router.is_ready(sidecar.target)
         assert hub.router.connection_count == 0

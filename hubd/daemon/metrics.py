@@ -16,6 +16,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hubd.routing import Target
 from hubd.server.wire import ServerStats
 
 # Every counter would also export a `_created` twin (its creation time) that no dashboard uses
@@ -78,10 +79,21 @@ class Metrics:
         )
         self.active_claims = Gauge("hubd_active_claims", "Claims in progress", registry=r)
         self.queue_depth = Gauge(
-            "hubd_queue_depth", "Allocations with queued connection events or steps", registry=r
+            "hubd_queue_depth", "Allocations with queued reconciliation steps", registry=r
         )
         self.connected_sidecars = Gauge(
             "hubd_connected_sidecars", "Sidecar sockets open on this daemon", registry=r
+        )
+        self.sidecar_connects = Counter(
+            "hubd_sidecar_connects",
+            "Sidecar sockets welcomed here (a sidecar's first connect and each reconnect)",
+            registry=r,
+        )
+        self.sidecar_disconnects = Counter(
+            "hubd_sidecar_disconnects",
+            "Sidecar sockets lost here: closed by the sidecar or the network, or by the hub for "
+            "a violation (not superseded, fenced or retired, not at shutdown)",
+            registry=r,
         )
         self.allocations = Gauge(
             "hubd_allocations", "Allocations by status (whole database)", ["status"], registry=r
@@ -141,6 +153,14 @@ class Metrics:
         self.active_claims.set_function(active_claims)
         self.queue_depth.set_function(queue_depth)
         self.connected_sidecars.set_function(connected_sidecars)
+
+    async def handle_connected(self, target: Target) -> None:
+        """A sidecar's socket was welcomed here (the router's connection events)."""
+        self.sidecar_connects.inc()
+
+    async def handle_disconnect(self, target: Target) -> None:
+        """A sidecar's socket here was lost."""
+        self.sidecar_disconnects.inc()
 
     def bind_listener(self, stats: ServerStats, slots: HandshakeSlots) -> None:
         """Export the sidecar listener's own counters (refusals, aborts, sockets that waited)

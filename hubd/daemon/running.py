@@ -26,6 +26,7 @@ from hubd.errors import ConfigError
 from hubd.plugins.protocol import Provisioner
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
+from hubd.routing import ConnectionEvents
 from hubd.server.limits import ListenerLimits
 from hubd.server.listener import SidecarServer
 from hubd.server.router import SocketRouter
@@ -102,10 +103,18 @@ class Listening:
 
     @classmethod
     def build(
-        cls, config: Config, db: Database, dsn: str, instance_id: str, *, ready_on_connect: bool
+        cls,
+        config: Config,
+        db: Database,
+        dsn: str,
+        instance_id: str,
+        *,
+        ready_on_connect: bool,
+        events: ConnectionEvents | None = None,
     ) -> Listening:
         """``ready_on_connect``: no on-ready hook runs, so a connect may make its parked
-        allocation ready itself (see the ``record`` statement)."""
+        allocation ready itself (see the ``record`` statement). ``events`` hears of each
+        socket's welcome and loss (the daemon's metrics)."""
         rc = config.reconciler
         connections = ConnectionStore(
             db, instance_id=instance_id, ready_on_connect=ready_on_connect
@@ -115,6 +124,7 @@ class Listening:
             instance_ttl=config.instance.ttl,
             connect_timeout=rc.connect_timeout,
             event_timeout=rc.operation_timeout,
+            events=events,
         )
         limits = ListenerLimits(max_connections=config.server.max_connections)
         plan = plan_descriptors(

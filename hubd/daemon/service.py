@@ -121,7 +121,12 @@ class Daemon:
             # embedded server goes, or its shutdown would wait on our connections.
             db = await stack.enter_async_context(opened_database(dsn, cfg))
             parts = Listening.build(
-                cfg, db, dsn, self.instance_id, ready_on_connect=self._on_ready is None
+                cfg,
+                db,
+                dsn,
+                self.instance_id,
+                ready_on_connect=self._on_ready is None,
+                events=self.metrics,
             )
             # The listener binds before anything is announced: the URL sidecars are told to
             # dial names its port.
