@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
 from hubd.daemon.metrics import Metrics
+from hubd.server.wire import ServerStats
 
 
 def _value(metrics: Metrics, line_start: str) -> float:
@@ -37,3 +42,24 @@ def test_transitions_and_plugin_calls_count_per_label_set() -> None:
     assert abs(_value(metrics, ensure_sum) - 0.53) < 1e-9
     destroy_count = 'hubd_plugin_call_seconds_count{operation="destroy",provisioner="local"}'
     assert _value(metrics, destroy_count) == 1
+
+
+def test_every_metric_is_in_the_operations_guide() -> None:
+    """docs/operations.md names every metric family a daemon exports, so an operator can look
+    up what a series means."""
+    metrics = Metrics()
+    metrics.bind_gauges(
+        active_claims=lambda: 0, queue_depth=lambda: 0, connected_sidecars=lambda: 0
+    )
+    metrics.bind_listener(ServerStats(), _Slots())
+    metrics.bind_batchers(list)
+    metrics.set_allocation_counts({"pending": 1}, ["pending"])
+    families = {family.name for family in text_string_to_metric_families(metrics.render().decode())}
+    assert len(families) > 30
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    assert sorted(name for name in families if f"`{name}" not in guide) == []
+
+
+class _Slots:
+    handshakes = 0
+    waiting = 0
