@@ -5,8 +5,8 @@ it. Every external operation it runs (store calls, plugin calls bracketed in the
 waits for a connect) runs under a time limit and the claim's cancellation, plugin calls and
 hooks only while the local lease deadline holds. A plugin call's ledger rows ride on the
 fenced transitions around it: its intent on the write that makes it due, its outcome on the
-write decided from it. Its writes are values decided in
-:mod:`hubd.reconciler.decisions`, carried out by :func:`hubd.reconciler.executor.apply`.
+write decided from it. Its writes are values decided in :mod:`hubd.reconciler.decisions`,
+which the steps hand to :func:`hubd.reconciler.executor.apply` with the claim.
 
 A claim that cannot prove it still owns the lease stops at once and writes nothing more: the
 durable schedule survives, and the lease expires on its own.
@@ -31,7 +31,6 @@ from hubd.plugins.protocol import (
     Provisioner,
     Rejected,
 )
-from hubd.reconciler import executor
 from hubd.reconciler.clock import Clock, wait_settled
 from hubd.reconciler.decisions import Raised, TimedOut, effect_phase, outcome_text
 from hubd.reconciler.faults import Boundary, FaultHook, Site
@@ -39,9 +38,8 @@ from hubd.reconciler.lease import LeaseKeeper
 from hubd.reconciler.observer import ReconcilerObserver
 from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings
 from hubd.reconciler.work import LocalWork
-from hubd.reconciler.writes import Write
 from hubd.routing import Router, Target
-from hubd.store.allocations import AllocationStore, Effects
+from hubd.store.allocations import AllocationStore
 from hubd.store.connections import ConnectionStore
 from hubd.store.ledger import LedgerStore, new_effect_id
 from hubd.store.models import Allocation, EffectRow, Fence, Phase, Status
@@ -157,15 +155,9 @@ class ClaimRun:
             raise OperationTimeout(f"{what} did not finish within {limit:g}s")
         return task.result()
 
-    async def write(self, coro: Coroutine[Any, Any, Allocation | None], what: str) -> Allocation:
-        """A fenced transition that must match: ``None`` means the claim is lost."""
-        updated = await self.op(coro, what)
-        if updated is None:
-            raise LeaseLost(f"{what}: the fence matched nothing")
-        self.track(updated)
-        return updated
-
     def track(self, allocation: Allocation) -> None:
+        """Take ``allocation``, which a write of this claim returned, as the row it goes on
+        from."""
         if allocation.status is not self.allocation.status:
             self.services.observer.transition(str(self.allocation.status), str(allocation.status))
         self.allocation = allocation
@@ -218,28 +210,6 @@ class ClaimRun:
             self.abort(cause)
             raise cause
         task.result()
-
-    async def finish(
-        self, write: Callable[[], Coroutine[Any, Any, Allocation | None]]
-    ) -> Allocation | None:
-        """End the claim with a queued write; the row it wrote, or ``None`` if the claim was
-        lost."""
-        written: Allocation | None = None
-
-        async def step() -> None:
-            nonlocal written
-            written = await write()
-            if written is None:
-                self.fenced_out = True
-                self.log.info("final_write_matched_nothing_claim_lost")
-            elif written.status is not self.allocation.status:
-                self.services.observer.transition(str(self.allocation.status), str(written.status))
-
-        await self.queue_step(step)
-        return written
-
-    async def apply(self, write: Write, effects: Effects = ()) -> None:
-        await executor.apply(self, write, effects)
 
     async def boundary(self, boundary: Boundary, step: str) -> None:
         """A boundary between durable steps: where an injected fault may land."""

@@ -34,6 +34,7 @@ from hubd.plugins.protocol import Provisioner
 from hubd.reconciler.claim import ClaimRun, ClaimServices
 from hubd.reconciler.clock import Clock, SystemClock, wait_settled
 from hubd.reconciler.decisions import after_error, wake_on_start
+from hubd.reconciler.executor import apply
 from hubd.reconciler.faults import FaultHook
 from hubd.reconciler.lease import LeaseKeeper, LeaseRenewer
 from hubd.reconciler.observer import NullObserver, ReconcilerObserver
@@ -362,7 +363,7 @@ class Reconciler:
         if claim.lost is not None:
             return
         try:
-            await claim.apply(after_error(error))
+            await apply(claim, after_error(error))
         except (LeaseLost, OperationTimeout, StoreError) as exc:
             # The row keeps its past schedule; once the lease expires any claimer retries it.
             claim.log.warning("park_after_error_failed", error=str(exc))

@@ -12,15 +12,21 @@ and runs it on the path its kind calls for, then tells the router and the log wh
 A write that brackets a plugin call carries the call's ledger rows (``effects``: the intent
 with the bind that makes the call due, the outcome with the write decided from it) into the
 same statement, so the evidence commits with the transition or not at all.
+
+The executor knows the claim it writes for only as a :class:`Claim`: the claim's steps call
+:func:`apply`, and the claim itself never calls back into the executor.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypedDict
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypedDict
 
+from structlog.typing import FilteringBoundLogger
+
+from hubd.errors import LeaseLost
 from hubd.reconciler.faults import Boundary
+from hubd.reconciler.observer import ReconcilerObserver
 from hubd.reconciler.writes import (
     Abandon,
     AcceptAndPark,
@@ -36,15 +42,57 @@ from hubd.reconciler.writes import (
     Retry,
     Write,
 )
+from hubd.routing import Router
 from hubd.store.allocations import AllocationStore, Effects
 from hubd.store.models import Allocation, Fence
 
-if TYPE_CHECKING:
-    from hubd.reconciler.claim import ClaimRun
-
-__all__ = ["apply", "statement"]
+__all__ = ["Claim", "WriteServices", "apply", "statement"]
 
 Statement = Coroutine[Any, Any, Allocation | None]
+
+
+class WriteServices(Protocol):
+    """What the executor uses of the services every claim of a reconciler shares."""
+
+    @property
+    def store(self) -> AllocationStore: ...
+
+    @property
+    def router(self) -> Router: ...
+
+    @property
+    def observer(self) -> ReconcilerObserver: ...
+
+
+class Claim(Protocol):
+    """What the executor needs of the claim it writes for
+    (:class:`hubd.reconciler.claim.ClaimRun` is one): the row as last written and its fence,
+    where faults may land, and the claim's two ways of running a statement, under its time
+    limit and cancellation (:meth:`op`) or in the allocation's queue (:meth:`queue_step`)."""
+
+    fenced_out: bool
+    """Set when a final write matched nothing: the row moved on without this claim."""
+
+    @property
+    def services(self) -> WriteServices: ...
+
+    @property
+    def allocation(self) -> Allocation: ...
+
+    @property
+    def fence(self) -> Fence: ...
+
+    @property
+    def log(self) -> FilteringBoundLogger: ...
+
+    async def boundary(self, boundary: Boundary, step: str) -> None: ...
+
+    async def op(self, coro: Statement, what: str) -> Allocation | None: ...
+
+    def track(self, allocation: Allocation) -> None:
+        """Take ``allocation`` as the row the claim goes on from."""
+
+    async def queue_step(self, step: Callable[[], Awaitable[None]]) -> None: ...
 
 
 def statement(
@@ -165,58 +213,89 @@ _WHAT: dict[type[Write], str] = {
 }
 
 
-async def apply(run: ClaimRun, write: Write, effects: Effects = ()) -> None:
-    """Carry ``write`` out for ``run``, with the ledger rows ``effects``. Raises
+async def apply(claim: Claim, write: Write, effects: Effects = ()) -> None:
+    """Carry ``write`` out for ``claim``, with the ledger rows ``effects``. Raises
     :class:`~hubd.errors.LeaseLost` when a write the claim goes on from matches nothing; a final
     write that matches nothing ends the claim."""
-    await run.boundary(Boundary.BEFORE_WRITE, type(write).__name__)
-    await _carry_out(run, write, effects)
-    await run.boundary(Boundary.AFTER_WRITE, type(write).__name__)
+    await claim.boundary(Boundary.BEFORE_WRITE, type(write).__name__)
+    await _carry_out(claim, write, effects)
+    await claim.boundary(Boundary.AFTER_WRITE, type(write).__name__)
 
 
-async def _carry_out(run: ClaimRun, write: Write, effects: Effects) -> None:
-    store, fence = run.services.store, run.fence
+async def _carry_out(claim: Claim, write: Write, effects: Effects) -> None:
     if isinstance(write, Abandon):
-        await _abandon(run, write, effects)
+        await _abandon(claim, write, effects)
         return
     if isinstance(write, Retry | Park | AcceptAndPark | MarkReady):
-        written = await run.finish(functools.partial(statement, store, fence, write, effects))
+        written = await _finish(claim, write, effects)
         if written is not None:
-            _report_final(run, write, written)
+            _report_final(claim, write, written)
         return
-    done = await run.write(statement(store, fence, write, effects), _WHAT[type(write)])
-    router = run.services.router
+    done = await _must_match(claim, write, effects)
+    router = claim.services.router
     if isinstance(write, BindInitial | BindReplacement):
         router.fence(done.id, done.generation)
     elif isinstance(write, FailNow):
         router.retire(done.id, done.generation)
-        run.log.warning("failed", code=write.failure.code, message=write.failure.message)
+        claim.log.warning("failed", code=write.failure.code, message=write.failure.message)
     elif isinstance(write, MarkDestroyFailed):
         router.retire(done.id, done.generation)
-        run.log.error("destroy failed for good", code=write.failure.code)
+        claim.log.error("destroy failed for good", code=write.failure.code)
     elif isinstance(write, MarkReleased):
         router.retire(done.id, done.generation)
-        run.log.info("released")
+        claim.log.info("released")
+
+
+async def _must_match(claim: Claim, write: Write, effects: Effects) -> Allocation:
+    """A write the claim goes on from, or one that ends the allocation: the row it wrote;
+    matching nothing means the claim is lost."""
+    what = _WHAT[type(write)]
+    updated = await claim.op(statement(claim.services.store, claim.fence, write, effects), what)
+    if updated is None:
+        raise LeaseLost(f"{what}: the fence matched nothing")
+    claim.track(updated)
+    return updated
+
+
+async def _finish(
+    claim: Claim, write: Retry | Park | AcceptAndPark | MarkReady, effects: Effects
+) -> Allocation | None:
+    """End the claim with ``write``, queued behind the allocation's connection events: the row
+    it wrote, or ``None`` when it matched nothing (then the claim is fenced out)."""
+    s, fence = claim.services, claim.fence
+    written: Allocation | None = None
+
+    async def step() -> None:
+        nonlocal written
+        written = await statement(s.store, fence, write, effects)
+        if written is None:
+            claim.fenced_out = True
+            claim.log.info("final_write_matched_nothing_claim_lost")
+        elif written.status is not claim.allocation.status:
+            s.observer.transition(str(claim.allocation.status), str(written.status))
+
+    await claim.queue_step(step)
+    return written
 
 
 def _report_final(
-    run: ClaimRun, write: Retry | Park | AcceptAndPark | MarkReady, written: Allocation
+    claim: Claim, write: Retry | Park | AcceptAndPark | MarkReady, written: Allocation
 ) -> None:
     if isinstance(write, AcceptAndPark):
         write = write.park
     if isinstance(write, MarkReady):
         if written.connection_ready:
-            run.log.info("ready")
+            claim.log.info("ready")
         else:
-            run.log.info("a connection event arrived during initialization; following up")
+            claim.log.info("a connection event arrived during initialization; following up")
     elif isinstance(write, Park) and write.ready_within is not None and written.ready:
-        run.log.info("ready")
+        claim.log.info("ready")
     elif isinstance(write, Park) and write.connection_seq not in (None, written.connection_seq):
-        run.log.info("a connection event arrived while the claim looked; due now")
+        claim.log.info("a connection event arrived while the claim looked; due now")
 
 
-async def _abandon(run: ClaimRun, write: Abandon, effects: Effects) -> None:
-    s, fence, status = run.services, run.fence, run.allocation.status
+async def _abandon(claim: Claim, write: Abandon, effects: Effects) -> None:
+    s, fence, status = claim.services, claim.fence, claim.allocation.status
     guard_failed = False
 
     async def step() -> None:
@@ -231,11 +310,11 @@ async def _abandon(run: ClaimRun, write: Abandon, effects: Effects) -> None:
         # Advance the fence before this step settles and the allocation becomes claimable
         # again, so the abandoned sidecar cannot linger connected.
         s.router.fence(updated.id, updated.generation)
-        run.log.warning("abandoning the sidecar", code=write.failure.code, to=str(updated.status))
+        claim.log.warning("abandoning the sidecar", code=write.failure.code, to=str(updated.status))
 
-    await run.queue_step(step)
+    await claim.queue_step(step)
     if guard_failed and write.otherwise is not None:
         # The initialization completed (or its marker changed hands), or a connection was
         # recorded, since this claim looked: retry the ordinary path at once.
         # A guard that failed wrote nothing, so the call's rows go with ``otherwise``.
-        await apply(run, write.otherwise, effects)
+        await apply(claim, write.otherwise, effects)

@@ -35,6 +35,7 @@ from hubd.reconciler.decisions import (
     unless_connected,
 )
 from hubd.reconciler.eligibility import provisioner_problem, provisioner_unavailable
+from hubd.reconciler.executor import apply
 from hubd.reconciler.faults import Boundary
 from hubd.reconciler.settings import hook_call
 from hubd.reconciler.writes import (
@@ -77,7 +78,7 @@ async def reconcile(run: ClaimRun) -> None:
             run.log.warning("provisioner_unavailable_retrying", problem=problem)
         # The destroy the claim statement made due is not called: its intent is settled so.
         intent = run.claimed_intent()
-        await run.apply(unavailable, () if intent is None else (not_called(intent, problem),))
+        await apply(run, unavailable, () if intent is None else (not_called(intent, problem),))
         return
     provisioner = s.provisioners[a.provisioner_id]
 
@@ -93,7 +94,7 @@ async def reconcile(run: ClaimRun) -> None:
     step = step_for(a.status, initialization_recorded=a.initialization_lease_id is not None)
     unsettled = abandon_unsettled(step, a, automatic_recovery=automatic_recovery)
     if unsettled is not None:
-        await run.apply(unsettled)
+        await apply(run, unsettled)
     elif step is Step.BIND_AND_ENSURE:
         await _bind_and_ensure(run, provisioner, replacement=False)
     elif step is Step.WAIT_UNTIL_READY:
@@ -105,7 +106,7 @@ async def reconcile(run: ClaimRun) -> None:
     elif step is Step.DESTROY_THEN_RELEASE:
         destroyed = await _destroy_current(run, provisioner)
         if destroyed is not None:
-            await run.apply(MarkReleased(), destroyed)
+            await apply(run, MarkReleased(), destroyed)
 
 
 async def _bind_and_ensure(
@@ -133,7 +134,7 @@ async def _bind_and_ensure(
             ready_when=s.settings.ready_when_of(run.allocation.provisioner_id),
         )
     intent = run.intend("ensure", Status.PROVISIONING)
-    await run.apply(bind, (*effects, intent))
+    await apply(run, bind, (*effects, intent))
     await _accept_ensure(run, provisioner, token, intent)
 
 
@@ -170,9 +171,9 @@ async def _accept_ensure(
         instance_ttl=s.settings.instance_ttl,
     )
     if isinstance(accepted, MarkAllocated) and park_or_ready is not None:
-        await run.apply(AcceptAndPark(accepted=accepted, park=park_or_ready), (record,))
+        await apply(run, AcceptAndPark(accepted=accepted, park=park_or_ready), (record,))
         return
-    await run.apply(accepted, (record,))
+    await apply(run, accepted, (record,))
     if not isinstance(accepted, MarkAllocated):
         return
     readiness = await _readiness(run)
@@ -180,7 +181,7 @@ async def _accept_ensure(
     if park is None:
         await _wait_until_ready(run, readiness)
     else:
-        await run.apply(park)
+        await apply(run, park)
 
 
 async def _readiness(run: ClaimRun) -> Readiness:
@@ -231,19 +232,19 @@ async def _wait_until_ready(run: ClaimRun, seen: Readiness | None = None) -> Non
                 missed=missed,
                 automatic_recovery=automatic_recovery,
             )
-            await run.apply(missed_write)
+            await apply(run, missed_write)
             return
         # A notification is a hint: what counts is the record, and its number.
         readiness = await _readiness(run)
         park = unless_connected(readiness)
         if park is not None:
-            await run.apply(park)
+            await apply(run, park)
             return
 
     if s.on_ready is not None:
         # The marker is durable before the hook runs: a crash inside the hook leaves it for
         # the next claim, which then knows the initialization's outcome is uncertain.
-        await run.apply(BeginInitialization())
+        await apply(run, BeginInitialization())
         try:
             await run.with_lease("on_ready", hook_call(s.on_ready, run.allocation))
         except LeaseLost:
@@ -252,13 +253,13 @@ async def _wait_until_ready(run: ClaimRun, seen: Readiness | None = None) -> Non
             failed = after_on_ready(exc, run.allocation, automatic_recovery=automatic_recovery)
             if isinstance(failed, Retry) and failed.failure is not None:
                 run.log.warning("on_ready_hook_failed", error=failed.failure.message)
-            await run.apply(failed)
+            await apply(run, failed)
             return
 
     # Fenced on the connection number seen above: a connect that landed during
     # initialization, on any replica, may be a restarted sidecar whose takeover hid the
     # disconnect, so the write becomes an immediate follow-up instead of "ready".
-    await run.apply(MarkReady(readiness.connection_seq))
+    await apply(run, MarkReady(readiness.connection_seq))
 
 
 async def _destroy_current(run: ClaimRun, provisioner: Provisioner) -> Effects | None:
@@ -284,5 +285,5 @@ async def _destroy_current(run: ClaimRun, provisioner: Provisioner) -> Effects |
     destroyed = after_destroy(outcome, a)
     if isinstance(destroyed, Proceed):
         return (record,)
-    await run.apply(destroyed, (record,))
+    await apply(run, destroyed, (record,))
     return None
