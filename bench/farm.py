@@ -42,7 +42,7 @@ from websockets.typing import Subprotocol
 
 from hubd.daemon.loops import EVENT_LOOPS, loop_factory, loop_name
 from hubd.sidecar.client import SUBPROTOCOL as _SUBPROTOCOL
-from hubd.sidecar.client import connect_urls
+from hubd.sidecar.settings import connect_urls
 
 SUBPROTOCOL = Subprotocol(_SUBPROTOCOL)
 _STOP_CODES = frozenset({4000, 4001, 4002})

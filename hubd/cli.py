@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "sidecar":
         # The sidecar is configured by its HUBD_* variables only, never by the hub's config.
-        from hubd.sidecar.client import run_sidecar
+        from hubd.sidecar.main import run_sidecar
 
         try:
             options = sidecar_options(args)

@@ -19,7 +19,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.typing import Subprotocol
 
 from hubd.backoff import Backoff
-from hubd.sidecar.client import SidecarClient, SidecarExit, SidecarSettings
+from hubd.sidecar.client import SidecarClient, SidecarExit
+from hubd.sidecar.settings import SidecarSettings
 from hubd.store import Database
 from hubd.store.connections import ConnectionStore, RecordOutcome
 from hubd.store.secrets import Rotation

@@ -35,7 +35,8 @@ from hubd.server.connection import SidecarConnection
 from hubd.server.handshake import SECRET_HEADER
 from hubd.server.limits import ListenerLimits
 from hubd.server.sockets import new_connection_id
-from hubd.sidecar.client import SidecarClient, SidecarConfigError, SidecarSettings
+from hubd.sidecar.client import SidecarClient
+from hubd.sidecar.settings import SidecarConfigError, SidecarSettings
 from hubd.store import AllocationStore, Database, Failure, Status, connect_database
 from hubd.store.connections import (
     ConnectionStore,

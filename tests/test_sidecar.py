@@ -19,15 +19,9 @@ from websockets.exceptions import InvalidMessage
 from hubd.backoff import Backoff, Retries
 from hubd.server import handshake
 from hubd.sidecar import client as sidecar_client
-from hubd.sidecar.client import (
-    Publication,
-    SidecarClient,
-    SidecarConfigError,
-    SidecarExit,
-    SidecarSettings,
-    connect_url,
-    run_sidecar,
-)
+from hubd.sidecar import settings as sidecar_settings
+from hubd.sidecar.client import Publication, SidecarClient, SidecarExit
+from hubd.sidecar.main import run_sidecar
 from hubd.sidecar.policy import (
     Action,
     after_close,
@@ -35,6 +29,7 @@ from hubd.sidecar.policy import (
     after_http_status,
     parse_retry_after,
 )
+from hubd.sidecar.settings import SidecarConfigError, SidecarSettings, connect_url
 from hubd.store import AllocationStore, Database, connect_database
 from hubd.tokens import new_token
 from tests.daemonkit import free_port
@@ -257,7 +252,7 @@ class TestSettings:
 
     def test_protocol_constants_agree(self) -> None:
         """The sidecar's copy of the protocol constants matches the hub's."""
-        assert sidecar_client.CONNECT_PATH == handshake.CONNECT_PATH
+        assert sidecar_settings.CONNECT_PATH == handshake.CONNECT_PATH
         assert sidecar_client.SUBPROTOCOL == handshake.SUBPROTOCOL
 
 
@@ -387,7 +382,7 @@ class TestClient:
 
 class TestProcess:
     async def spawn(self, env: dict[str, str]) -> asyncio.subprocess.Process:
-        code = "import os, sys; from hubd.sidecar.client import run_sidecar; "
+        code = "import os, sys; from hubd.sidecar.main import run_sidecar; "
         code += "sys.exit(run_sidecar(os.environ))"
         return await asyncio.create_subprocess_exec(
             sys.executable,

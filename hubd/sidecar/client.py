@@ -1,8 +1,9 @@
-"""The reference sidecar: dial the hub, hold the connection, reconnect with jitter, stop when told.
+"""The reference sidecar's connection: dial the hub, hold the connection, reconnect with jitter,
+stop when told.
 
-Configured by the environment the local provisioner gives it (``HUBD_URL``, ``HUBD_TOKEN``,
-``HUBD_ALLOCATION_ID``, ``HUBD_SIDECAR_ID``, ``HUBD_GENERATION``). The token travels only in the
-``Authorization`` header of the handshake; it is never logged, printed or put in an exception.
+It dials as its :class:`~hubd.sidecar.settings.SidecarSettings` say. The token travels only in
+the ``Authorization`` header of the handshake; it is never logged, printed or put in an
+exception.
 
 Protocol v2: each welcome carries a reconnect secret, kept in memory only, presented in the
 next handshake and acknowledged at once. Once the sidecar has connected, the token in its
@@ -19,10 +20,7 @@ import json
 import logging
 import os
 import secrets
-import signal
 import ssl
-import sys
-import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
@@ -34,11 +32,9 @@ from websockets.typing import Subprotocol
 
 from hubd.backoff import Backoff
 from hubd.liveness import SIDECAR_PING_INTERVAL, SIDECAR_PING_TIMEOUT
-from hubd.sidecar.command import CommandRunner, SidecarOptions
 from hubd.sidecar.policy import (
     EXIT_OK,
     EXIT_STOPPED,
-    EXIT_USAGE,
     Action,
     Decision,
     after_close,
@@ -46,35 +42,27 @@ from hubd.sidecar.policy import (
     after_http_status,
     parse_retry_after,
 )
-from hubd.tokens import reconnect_secret_is_well_formed, token_is_well_formed
+from hubd.sidecar.settings import SidecarSettings
+from hubd.tokens import reconnect_secret_is_well_formed
 
 __all__ = [
-    "CONNECT_PATH",
     "SIDECAR_PING_INTERVAL",
     "SIDECAR_PING_TIMEOUT",
     "SUBPROTOCOL",
     "Publication",
     "SidecarClient",
-    "SidecarConfigError",
     "SidecarExit",
-    "SidecarSettings",
-    "connect_url",
-    "run_sidecar",
+    "WelcomeHandler",
 ]
 
 log = structlog.get_logger(__name__)
 
 # The protocol's constants, repeated rather than imported: the sidecar is a client program and
 # must not pull in the hub's server and store (the tests hold the two equal).
-CONNECT_PATH: Final = "/v1/sidecars/connect"
 SUBPROTOCOL: Final = "hubd.sidecar.v2"
 SECRET_HEADER: Final = "Hubd-Reconnect-Secret"  # noqa: S105 -- a header name
 _MAX_MESSAGE_SIZE: Final = 128 * 1024
 """What the sidecar accepts from the hub: a welcome carries a spec of up to 64 KiB."""
-
-
-class SidecarConfigError(ValueError):
-    """The sidecar's environment is missing a variable or has a malformed one."""
 
 
 class _WireLogger(logging.LoggerAdapter[logging.Logger]):
@@ -86,68 +74,6 @@ class _WireLogger(logging.LoggerAdapter[logging.Logger]):
 
     def isEnabledFor(self, level: int) -> bool:  # noqa: N802 -- overrides logging's name
         return level >= logging.WARNING and self.logger.isEnabledFor(level)
-
-
-def connect_urls(value: str) -> tuple[str, ...]:
-    """Every URL of a comma-separated ``HUBD_URL`` (one per replica, or one load-balanced
-    address), each with the connect endpoint appended when it names no path."""
-    urls = tuple(connect_url(part.strip()) for part in value.split(",") if part.strip())
-    if not urls:
-        raise SidecarConfigError("HUBD_URL must name at least one ws:// or wss:// URL")
-    return urls
-
-
-def connect_url(base: str) -> str:
-    """``base`` with the connect endpoint appended when it names no path."""
-    parts = urllib.parse.urlsplit(base)
-    if parts.scheme not in ("ws", "wss") or not parts.hostname:
-        raise SidecarConfigError("HUBD_URL must be a ws:// or wss:// URL with a host")
-    if parts.path in ("", "/"):
-        parts = parts._replace(path=CONNECT_PATH)
-    return urllib.parse.urlunsplit(parts)
-
-
-@attrs.frozen(kw_only=True)
-class SidecarSettings:
-    urls: tuple[str, ...]
-    """Where the hub listens; with several (every replica's), a connection that fails or ends
-    moves on to the next, so losing one replica without a load balancer loses nothing."""
-    token: str = attrs.field(repr=False)
-    allocation_id: str
-    sidecar_id: str
-    generation: int
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> SidecarSettings:
-        """Read the ``HUBD_*`` variables; messages name the variable, never a token."""
-
-        def need(name: str) -> str:
-            value = env.get(name, "").strip()
-            if not value:
-                raise SidecarConfigError(f"{name} is not set")
-            return value
-
-        urls = connect_urls(need("HUBD_URL"))
-        token = need("HUBD_TOKEN")
-        if not token_is_well_formed(token):
-            raise SidecarConfigError("HUBD_TOKEN is malformed: expected hubd_sc_ and 64 hex digits")
-        allocation_id = need("HUBD_ALLOCATION_ID")
-        sidecar_id = need("HUBD_SIDECAR_ID")
-        generation_text = need("HUBD_GENERATION")
-        if not generation_text.isdigit() or int(generation_text) < 1:
-            raise SidecarConfigError("HUBD_GENERATION must be a positive integer")
-        return cls(
-            urls=urls,
-            token=token,
-            allocation_id=allocation_id,
-            sidecar_id=sidecar_id,
-            generation=int(generation_text),
-        )
-
-    @property
-    def url(self) -> str:
-        """The first URL: where the sidecar dials first."""
-        return self.urls[0]
 
 
 @attrs.frozen
@@ -443,55 +369,3 @@ class SidecarClient:
 
 def _text_or_none(value: object) -> str | None:
     return value if isinstance(value, str) else None
-
-
-def run_sidecar(env: Mapping[str, str], options: SidecarOptions | None = None) -> int:
-    """``hubd sidecar``: run until SIGTERM/SIGINT (exit 0), until the hub says stop (exit 1),
-    or, with a command, until the command ends (its exit status).
-
-    A missing or malformed variable exits 2; every failure prints one line on stderr.
-    """
-    try:
-        settings = SidecarSettings.from_env(env)
-    except SidecarConfigError as exc:
-        print(f"hubd sidecar: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    outcome = asyncio.run(_main(settings, options or SidecarOptions(), env))
-    if outcome.code != EXIT_OK:
-        print(f"hubd sidecar: {outcome.reason}", file=sys.stderr)
-    return outcome.code
-
-
-async def _main(
-    settings: SidecarSettings, options: SidecarOptions, env: Mapping[str, str]
-) -> SidecarExit:
-    runner = CommandRunner(options, env)
-    client = SidecarClient(
-        settings,
-        publication=Publication(endpoint=options.endpoint, metadata=options.metadata),
-        on_welcome=runner.welcomed,
-    )
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for signum in signals:
-        loop.add_signal_handler(signum, client.stop)
-    try:
-        running = loop.create_task(client.run(), name="sidecar")
-        ended = loop.create_task(runner.exited.wait(), name="sidecar-command-exit")
-        try:
-            await asyncio.wait({running, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-        if not running.done():
-            # The command ended: so does the sidecar, with the command's status.
-            client.stop()
-            await running
-            if runner.failure is not None:
-                return SidecarExit(EXIT_USAGE, runner.failure)
-            code = runner.exit_status
-            return SidecarExit(code, f"the command exited with status {code}")
-        return running.result()
-    finally:
-        await runner.stop()
-        for signum in signals:
-            loop.remove_signal_handler(signum)
