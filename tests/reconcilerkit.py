@@ -1,12 +1,16 @@
 """A scripted provisioner plugin, a router that writes real connection records, and a
-reconciler wired to the real store for tests."""
+reconciler wired to the real store for tests; :class:`ReconcilerRig` holds them together for one
+test, with the set-ups tests share (a claim held inside ensure, an allocation driven to ready)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import attrs
 
 from hubd.plugins.protocol import (
     Accepted,
@@ -22,7 +26,7 @@ from hubd.reconciler.faults import FaultHook
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
 from hubd.server.sockets import new_connection_id
-from hubd.store import AllocationStore, Database, LedgerStore
+from hubd.store import Allocation, AllocationStore, Database, LedgerStore, Status
 from hubd.store.connections import ConnectionStore, RecordOutcome
 from hubd.store.instances import InstanceStore
 from tests.polling import eventually
@@ -218,8 +222,87 @@ async def poll_until(
     await eventually(check, within=within, every=every)
 
 
-async def connect(reconciler: Reconciler, router: RecordingRouter, target: Target) -> None:
-    """A sidecar of ``target`` connects: its record is written, as the websocket router
-    writes it, and waiters of ``reconciler`` hear of it."""
-    del reconciler  # the record is the whole event: any reconciler reads it from the database
-    assert await router.connect(target) is RecordOutcome.RECORDED
+@attrs.frozen(kw_only=True)
+class BlockedClaim:
+    """A claim held inside ensure: what it claimed, the gate holding its ensure, and the task
+    running the claim (it answers what ``reconcile_next`` answers)."""
+
+    allocation: Allocation
+    gate: Gate
+    task: asyncio.Task[bool]
+
+
+@attrs.define(eq=False, kw_only=True)
+class ReconcilerRig:
+    """One test's reconciler on the test's database: its store and ledger, a recording router,
+    a scripted provisioner (``fake``), and :attr:`reconciler` over them with :data:`SETTINGS`,
+    made on first use; :meth:`make` makes another over the same router and provisioner."""
+
+    db: Database
+    database_url: str
+    store: AllocationStore
+    ledger: LedgerStore
+    router: RecordingRouter = attrs.field(
+        init=False, default=attrs.Factory(lambda rig: RecordingRouter(rig.db), takes_self=True)
+    )
+    provisioner: ScriptedProvisioner = attrs.field(init=False, factory=ScriptedProvisioner)
+
+    @functools.cached_property
+    def reconciler(self) -> Reconciler:
+        return self.make()
+
+    def make(self, **options: Any) -> Reconciler:
+        """A reconciler over the rig's router and provisioner; ``options`` as
+        :func:`make_reconciler` takes them."""
+        return make_reconciler(self.db, self.router, self.provisioner, **options)
+
+    async def effects(self, allocation_id: str, kind: str) -> list[str]:
+        """The phases of the ledger rows of the ``kind`` plugin calls, oldest first."""
+        return [str(e.phase) for e in await self.ledger.history(allocation_id) if e.kind == kind]
+
+    async def connect(self, target: Target) -> None:
+        """A sidecar of ``target`` connects: its record is written, as the websocket router
+        writes it, and any reconciler reads it from the database."""
+        assert await self.router.connect(target) is RecordOutcome.RECORDED
+
+    async def allocated_and_connected(self, reconciler: Reconciler | None = None) -> Allocation:
+        """A new allocation ensured and parked, whose sidecar has just connected (not yet
+        ready)."""
+        allocation = await self.store.request(provisioner_id="fake")
+        assert await (reconciler or self.reconciler).reconcile_next()
+        await self.connect(Target(allocation.id, 1))
+        return allocation
+
+    async def after_on_ready(self, on_ready: Hook) -> Allocation:
+        """A new allocation whose sidecar connected, claimed by a reconciler that runs
+        ``on_ready``: the row as that claim left it."""
+        reconciler = self.make(on_ready=on_ready)
+        allocation = await self.allocated_and_connected(reconciler)
+        assert await reconciler.reconcile_next()
+        return await self.store.get(allocation.id)
+
+    async def to_ready(self, reconciler: Reconciler | None = None) -> Allocation:
+        """A new allocation driven to ready: ensure accepted, parked, sidecar connects, marked
+        ready."""
+        claims = reconciler or self.reconciler
+        allocation = await self.store.request(provisioner_id="fake")
+        assert await claims.reconcile_next()
+        parked = await self.store.get(allocation.id)
+        assert parked.status is Status.ALLOCATED
+        await self.connect(Target(parked.id, parked.generation))
+        assert await claims.reconcile_next()
+        ready = await self.store.get(allocation.id)
+        assert ready.ready
+        return ready
+
+    async def blocked_in_ensure(
+        self, reconciler: Reconciler | None = None, gate: Gate | None = None
+    ) -> BlockedClaim:
+        """A new allocation whose claim by ``reconciler`` is inside ensure, held there by
+        ``gate`` (a plain :class:`Gate` by default) until the test releases it."""
+        gate = gate or Gate()
+        self.provisioner.ensure_script.append(gate)
+        allocation = await self.store.request(provisioner_id="fake")
+        task = asyncio.create_task((reconciler or self.reconciler).reconcile_next())
+        await gate.started.wait()
+        return BlockedClaim(allocation=allocation, gate=gate, task=task)

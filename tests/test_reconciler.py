@@ -11,7 +11,7 @@ import pytest
 import structlog.testing
 
 from hubd.errors import InitializationUncertain
-from hubd.plugins.protocol import Accepted, Destroyed, EnsureRequest, Rejected
+from hubd.plugins.protocol import Accepted, EnsureRequest, Rejected
 from hubd.reconciler.clock import ManualClock
 from hubd.reconciler.engine import HookContext, Reconciler, ReconcilerSettings
 from hubd.reconciler.faults import Boundary, Site
@@ -21,7 +21,6 @@ from hubd.store import (
     Allocation,
     AllocationStore,
     Database,
-    LedgerEntry,
     LedgerStore,
     Phase,
     Status,
@@ -34,10 +33,9 @@ from tests.polling import scaled
 from tests.reconcilerkit import (
     SETTINGS,
     Gate,
+    ReconcilerRig,
     RecordingRouter,
     ScriptedProvisioner,
-    accept,
-    connect,
     fail,
     garbage,
     make_reconciler,
@@ -48,49 +46,17 @@ from tests.reconcilerkit import (
 
 
 @pytest.fixture
-def router(db: Database) -> RecordingRouter:
-    return RecordingRouter(db)
+def rig(
+    db: Database, database_url: str, store: AllocationStore, ledger: LedgerStore
+) -> ReconcilerRig:
+    return ReconcilerRig(db=db, database_url=database_url, store=store, ledger=ledger)
 
 
-@pytest.fixture
-def provisioner() -> ScriptedProvisioner:
-    return ScriptedProvisioner()
-
-
-@pytest.fixture
-def reconciler(
-    db: Database, router: RecordingRouter, provisioner: ScriptedProvisioner
-) -> Reconciler:
-    return make_reconciler(db, router, provisioner)
-
-
-async def effects(ledger: LedgerStore, allocation_id: str, kind: str) -> list[str]:
-    return [str(e.phase) for e in await ledger.history(allocation_id) if e.kind == kind]
-
-
-async def allocated_and_connected(
-    store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
-) -> Allocation:
-    """A new allocation ensured and parked, whose sidecar has just connected (not yet ready)."""
-    allocation = await store.request(provisioner_id="fake")
-    assert await reconciler.reconcile_next()
-    await connect(reconciler, router, Target(allocation.id, 1))
-    return allocation
-
-
-async def to_ready(
-    store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
-) -> Allocation:
-    """A new allocation driven to ready: ensure accepted, parked, sidecar connects, marked ready."""
-    allocation = await store.request(provisioner_id="fake")
-    assert await reconciler.reconcile_next()
-    parked = await store.get(allocation.id)
-    assert parked.status is Status.ALLOCATED
-    await connect(reconciler, router, Target(parked.id, parked.generation))
-    assert await reconciler.reconcile_next()
-    ready = await store.get(allocation.id)
-    assert ready.ready
-    return ready
+def _renewing() -> ReconcilerSettings:
+    """A lease renewed every 0.5 s, well before an ensure held by the test times out (1 s)."""
+    return ReconcilerSettings(
+        lease_duration=scaled(1.5), connect_timeout=30, operation_timeout=scaled(1)
+    )
 
 
 class StatementCounter(NullObserver):
@@ -104,47 +70,36 @@ class StatementCounter(NullObserver):
 
 
 class TestHappyPath:
-    async def test_ensure_park_connect_ready(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_ensure_park_connect_ready(self, rig: ReconcilerRig) -> None:
         """A request is bound by the statement that claims it, ensured with the token of the
         identity bound and parked until its connect deadline; the sidecar's connect wakes it,
         and the next claim marks it ready and drops the lease."""
-        allocation = await store.request(provisioner_id="fake", tenant_id="t", spec={"k": 1})
-        assert await reconciler.reconcile_next()
-        assert "bind_initial_sidecar" not in store.pipelines  # no bind of its own
-        parked = await store.get(allocation.id)
+        allocation = await rig.store.request(provisioner_id="fake", tenant_id="t", spec={"k": 1})
+        assert await rig.reconciler.reconcile_next()
+        assert "bind_initial_sidecar" not in rig.store.pipelines  # no bind of its own
+        parked = await rig.store.get(allocation.id)
         assert parked.status is Status.ALLOCATED
         assert parked.lease_id is None
         assert parked.next_attempt_at == parked.connect_deadline
         assert parked.provisioner_api_version == "1"
         assert parked.external_ref == "ref-1"
-        (request,) = provisioner.ensure_calls
+        (request,) = rig.provisioner.ensure_calls
         assert request.tenant_id == "t"
         assert request.spec == {"k": 1}
         assert request.sidecar_id == parked.sidecar_id
         assert hash_token(request.token) == parked.token_hash
-        assert not await reconciler.reconcile_next()  # parked: nothing due
+        assert not await rig.reconciler.reconcile_next()  # parked: nothing due
 
-        await connect(reconciler, router, Target(parked.id, parked.generation))
-        assert await reconciler.reconcile_next()
-        ready = await store.get(allocation.id)
+        await rig.connect(Target(parked.id, parked.generation))
+        assert await rig.reconciler.reconcile_next()
+        ready = await rig.store.get(allocation.id)
         assert ready.ready
         assert ready.next_attempt_at is None
         assert ready.lease_id is None
-        assert await effects(ledger, allocation.id, "ensure") == ["intent", "committed"]
+        assert await rig.effects(allocation.id, "ensure") == ["intent", "committed"]
 
     async def test_connect_during_ensure_becomes_ready_in_one_claim(
-        self,
-        store: AllocationStore,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """A sidecar that connects while ensure is still running is ready when ensure returns,
         without parking."""
@@ -152,24 +107,19 @@ class TestHappyPath:
         async def ensure_and_connect(request: object) -> object:
             assert hasattr(request, "allocation_id")
             target = Target(request.allocation_id, request.generation)
-            await connect(reconciler, router, target)
+            await rig.connect(target)
             return Accepted("ref-fast")
 
-        provisioner.ensure_script.append(ensure_and_connect)
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
-        ready = await store.get(allocation.id)
+        rig.provisioner.ensure_script.append(ensure_and_connect)
+        allocation = await rig.store.request(provisioner_id="fake")
+        assert await rig.reconciler.reconcile_next()
+        ready = await rig.store.get(allocation.id)
         assert ready.ready
         assert ready.external_ref == "ref-fast"
 
     @pytest.mark.parametrize("hook", [False, True], ids=["park", "mark_allocated"])
     async def test_acceptance_records_endpoint_and_metadata(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-        hook: bool,
+        self, rig: ReconcilerRig, hook: bool
     ) -> None:
         """What the provisioner's acceptance says of the sidecar (endpoint, metadata) is on the
         row from the acceptance on, whichever statement records it, and a replacement clears
@@ -178,81 +128,66 @@ class TestHappyPath:
         async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
             return None
 
-        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready if hook else None)
-        provisioner.ensure_script.append(
+        reconciler = rig.make(on_ready=on_ready if hook else None)
+        rig.provisioner.ensure_script.append(
             garbage(Accepted("ref-1", endpoint="10.0.0.7:8080", metadata={"pod": "p", "n": [1]}))
         )
-        ready = await to_ready(store, reconciler, router)
+        ready = await rig.to_ready(reconciler)
         assert ready.endpoint == "10.0.0.7:8080"
         assert ready.metadata == {"pod": "p", "n": [1]}
-        abandoned = await store.release(ready.id)
+        abandoned = await rig.store.release(ready.id)
         assert abandoned.generation == ready.generation + 1
         assert abandoned.endpoint is None
         assert abandoned.metadata is None
 
-    async def test_sidecar_publish_before_acceptance_is_kept(
-        self,
-        store: AllocationStore,
-        db: Database,
-        reconciler: Reconciler,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_sidecar_publish_before_acceptance_is_kept(self, rig: ReconcilerRig) -> None:
         """What the generation's sidecar published while ensure ran stays: the acceptance
         fills only what is still empty."""
 
         async def publish_then_accept(request: EnsureRequest) -> object:
-            async with db.connection("test") as conn:
+            async with rig.db.connection("test") as conn:
                 await conn.execute(
                     "UPDATE hubd_allocations SET metadata = '{\"pid\": 7}' WHERE id = $1",
                     request.allocation_id,
                 )
             return Accepted("ref-1", endpoint="10.0.0.7:8080", metadata={"pod": "p"})
 
-        provisioner.ensure_script.append(publish_then_accept)
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
-        accepted = await store.get(allocation.id)
+        rig.provisioner.ensure_script.append(publish_then_accept)
+        allocation = await rig.store.request(provisioner_id="fake")
+        assert await rig.reconciler.reconcile_next()
+        accepted = await rig.store.get(allocation.id)
         assert accepted.status is Status.ALLOCATED
         assert accepted.endpoint == "10.0.0.7:8080"
         assert accepted.metadata == {"pid": 7}
 
-    async def test_release_destroys_then_releases(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_release_destroys_then_releases(self, rig: ReconcilerRig) -> None:
         """Releasing a ready allocation destroys its sidecar, marks it released and retires its
         sockets."""
-        ready = await to_ready(store, reconciler, router)
-        released = await store.release(ready.id)
+        ready = await rig.to_ready()
+        released = await rig.store.release(ready.id)
         assert released.generation == ready.generation + 1
-        assert await reconciler.reconcile_next()
-        final = await store.get(ready.id)
+        assert await rig.reconciler.reconcile_next()
+        final = await rig.store.get(ready.id)
         assert final.status is Status.RELEASED
-        (destroy,) = provisioner.destroy_calls
+        (destroy,) = rig.provisioner.destroy_calls
         assert destroy.sidecar_id == ready.sidecar_id
         assert destroy.external_ref == "ref-1"
-        assert Target(ready.id, final.generation) in router.retired
-        assert await effects(ledger, ready.id, "destroy") == ["intent", "committed"]
+        assert Target(ready.id, final.generation) in rig.router.retired
+        assert await rig.effects(ready.id, "destroy") == ["intent", "committed"]
 
-    async def test_disconnect_then_reconnect_restores_ready(
-        self, store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
-    ) -> None:
+    async def test_disconnect_then_reconnect_restores_ready(self, rig: ReconcilerRig) -> None:
         """A disconnect un-readies the allocation with a connect deadline; a reconnect before it
         makes the allocation ready again under the same generation."""
-        ready = await to_ready(store, reconciler, router)
+        ready = await rig.to_ready()
         target = Target(ready.id, ready.generation)
-        assert await router.disconnect(target)
-        lost = await store.get(ready.id)
+        assert await rig.router.disconnect(target)
+        lost = await rig.store.get(ready.id)
         assert not lost.ready
         assert lost.connect_deadline is not None
         assert lost.next_attempt_at == lost.connect_deadline
-        await connect(reconciler, router, target)
-        assert await reconciler.reconcile_next()
-        again = await store.get(ready.id)
+        await rig.connect(target)
+        assert await rig.reconciler.reconcile_next()
+        again = await rig.store.get(ready.id)
         assert again.ready
         assert again.generation == ready.generation
 
@@ -275,88 +210,61 @@ class TestEnsureOutcomes:
         ],
     )
     async def test_failures_replace(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-        behaviour: object,
-        code: str,
-        phase: str,
+        self, rig: ReconcilerRig, behaviour: object, code: str, phase: str
     ) -> None:
         """An ensure that raises, returns garbage, or rejects retryably moves the allocation to
         replacing under a new generation with a backoff, fencing the abandoned sidecar."""
-        provisioner.ensure_script.append(behaviour)  # type: ignore[arg-type]
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
-        replaced = await store.get(allocation.id)
+        rig.provisioner.ensure_script.append(behaviour)  # type: ignore[arg-type]
+        allocation = await rig.store.request(provisioner_id="fake")
+        assert await rig.reconciler.reconcile_next()
+        replaced = await rig.store.get(allocation.id)
         assert replaced.status is Status.REPLACING
         assert replaced.generation == 2
         assert replaced.failure_code == code
         assert replaced.ensure_attempts == 1
         assert replaced.lease_id is None
-        assert Target(allocation.id, 2) in router.fenced
-        assert await effects(ledger, allocation.id, "ensure") == ["intent", phase]
+        assert Target(allocation.id, 2) in rig.router.fenced
+        assert await rig.effects(allocation.id, "ensure") == ["intent", phase]
 
-    async def test_timeout_is_ambiguous_and_replaces(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        reconciler: Reconciler,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_timeout_is_ambiguous_and_replaces(self, rig: ReconcilerRig) -> None:
         """An ensure that outlives operation_timeout is cancelled, recorded ambiguous, and the
         allocation is replaced."""
         gate = Gate()
-        provisioner.ensure_script.append(gate)
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
+        rig.provisioner.ensure_script.append(gate)
+        allocation = await rig.store.request(provisioner_id="fake")
+        assert await rig.reconciler.reconcile_next()
         assert gate.cancelled.is_set()
-        replaced = await store.get(allocation.id)
+        replaced = await rig.store.get(allocation.id)
         assert replaced.status is Status.REPLACING
         assert replaced.failure_code == "ensure_failed"
-        assert await effects(ledger, allocation.id, "ensure") == ["intent", "ambiguous"]
+        assert await rig.effects(allocation.id, "ensure") == ["intent", "ambiguous"]
 
-    async def test_non_retryable_rejection_fails(
-        self,
-        store: AllocationStore,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_non_retryable_rejection_fails(self, rig: ReconcilerRig) -> None:
         """A non-retryable rejection fails the allocation with the plugin's code and retires it."""
-        provisioner.ensure_script.append(reject("bad_spec", retryable=False))
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
-        failed = await store.get(allocation.id)
+        rig.provisioner.ensure_script.append(reject("bad_spec", retryable=False))
+        allocation = await rig.store.request(provisioner_id="fake")
+        assert await rig.reconciler.reconcile_next()
+        failed = await rig.store.get(allocation.id)
         assert failed.status is Status.FAILED
         assert failed.failure_code == "bad_spec"
-        assert Target(allocation.id, 1) in router.retired
+        assert Target(allocation.id, 1) in rig.router.retired
 
-    async def test_replacement_destroys_then_rebinds(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        reconciler: Reconciler,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_replacement_destroys_then_rebinds(self, rig: ReconcilerRig) -> None:
         """After a failed ensure, the next claim destroys the old sidecar, binds a new identity in
         the new generation and ensures it."""
-        provisioner.ensure_script.append(fail(RuntimeError("first try")))
-        allocation = await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
-        first = await store.get(allocation.id)
-        await age_row(db, allocation.id, 5)
-        assert await reconciler.reconcile_next()
-        second = await store.get(allocation.id)
+        rig.provisioner.ensure_script.append(fail(RuntimeError("first try")))
+        allocation = await rig.store.request(provisioner_id="fake")
+        assert await rig.reconciler.reconcile_next()
+        first = await rig.store.get(allocation.id)
+        await age_row(rig.db, allocation.id, 5)
+        assert await rig.reconciler.reconcile_next()
+        second = await rig.store.get(allocation.id)
         assert second.status is Status.ALLOCATED
         assert second.generation == 2
         assert second.sidecar_id != first.sidecar_id
-        (destroy,) = provisioner.destroy_calls
+        (destroy,) = rig.provisioner.destroy_calls
         assert destroy.sidecar_id == first.sidecar_id
-        assert [c.generation for c in provisioner.ensure_calls] == [1, 2]
+        assert [c.generation for c in rig.provisioner.ensure_calls] == [1, 2]
 
 
 class TestDestroyOutcomes:
@@ -364,71 +272,53 @@ class TestDestroyOutcomes:
         "behaviour",
         [fail(OSError("api down")), reject_destroy("busy", retryable=True), garbage("gone")],
     )
-    async def test_retry_with_backoff(
-        self,
-        store: AllocationStore,
-        db: Database,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-        behaviour: object,
-    ) -> None:
+    async def test_retry_with_backoff(self, rig: ReconcilerRig, behaviour: object) -> None:
         """A destroy that raises, rejects retryably or returns garbage is retried later with the
         destroy attempt counter bumped; the allocation stays releasing."""
-        ready = await to_ready(store, reconciler, router)
-        await store.release(ready.id)
-        provisioner.destroy_script.append(behaviour)  # type: ignore[arg-type]
-        assert await reconciler.reconcile_next()
-        retrying = await store.get(ready.id)
+        ready = await rig.to_ready()
+        await rig.store.release(ready.id)
+        rig.provisioner.destroy_script.append(behaviour)  # type: ignore[arg-type]
+        assert await rig.reconciler.reconcile_next()
+        retrying = await rig.store.get(ready.id)
         assert retrying.status is Status.RELEASING
         assert retrying.destroy_attempts == 1
         assert retrying.lease_id is None
-        assert not await reconciler.reconcile_next()  # backing off
-        await age_row(db, ready.id, 2)
-        assert await reconciler.reconcile_next()
-        assert (await store.get(ready.id)).status is Status.RELEASED
+        assert not await rig.reconciler.reconcile_next()  # backing off
+        await age_row(rig.db, ready.id, 2)
+        assert await rig.reconciler.reconcile_next()
+        assert (await rig.store.get(ready.id)).status is Status.RELEASED
 
-    async def test_non_retryable_is_destroy_failed(
-        self,
-        store: AllocationStore,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_non_retryable_is_destroy_failed(self, rig: ReconcilerRig) -> None:
         """A non-retryable destroy rejection ends in destroy_failed for an operator to check."""
-        ready = await to_ready(store, reconciler, router)
-        await store.release(ready.id)
-        provisioner.destroy_script.append(reject_destroy("forbidden", retryable=False))
-        assert await reconciler.reconcile_next()
-        final = await store.get(ready.id)
+        ready = await rig.to_ready()
+        await rig.store.release(ready.id)
+        rig.provisioner.destroy_script.append(reject_destroy("forbidden", retryable=False))
+        assert await rig.reconciler.reconcile_next()
+        final = await rig.store.get(ready.id)
         assert final.status is Status.DESTROY_FAILED
         assert final.failure_code == "forbidden"
-        assert Target(ready.id, final.generation) in router.retired
+        assert Target(ready.id, final.generation) in rig.router.retired
 
 
 class TestProvisionerAvailability:
-    async def test_missing_provisioner_fails_pending(
-        self, store: AllocationStore, db: Database, router: RecordingRouter
-    ) -> None:
+    async def test_missing_provisioner_fails_pending(self, rig: ReconcilerRig) -> None:
         """A pending allocation whose provisioner is not configured fails as
         provisioner_unavailable: nothing was provisioned."""
-        reconciler = make_reconciler(db, router, None)
-        allocation = await store.request(provisioner_id="fake")
+        reconciler = make_reconciler(rig.db, rig.router, None)
+        allocation = await rig.store.request(provisioner_id="fake")
         assert await reconciler.reconcile_next()
-        failed = await store.get(allocation.id)
+        failed = await rig.store.get(allocation.id)
         assert failed.status is Status.FAILED
         assert failed.failure_code == "provisioner_unavailable"
 
-    async def test_rebound_provisioner_retries_later(
-        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: RecordingRouter
-    ) -> None:
+    async def test_rebound_provisioner_retries_later(self, rig: ReconcilerRig) -> None:
         """An allocation bound to api_version 1 is not handed to a provisioner that now says 2:
         it is retried later, not failed, because its sidecar may exist."""
-        ready = await to_ready(store, reconciler, router)
-        await store.release(ready.id)
-        changed = make_reconciler(db, router, ScriptedProvisioner(api_version="2"))
+        ready = await rig.to_ready()
+        await rig.store.release(ready.id)
+        changed = make_reconciler(rig.db, rig.router, ScriptedProvisioner(api_version="2"))
         assert await changed.reconcile_next()
-        waiting = await store.get(ready.id)
+        waiting = await rig.store.get(ready.id)
         assert waiting.status is Status.RELEASING
         assert waiting.failure_code == "provisioner_unavailable"
         assert waiting.next_attempt_at is not None
@@ -437,14 +327,7 @@ class TestProvisionerAvailability:
 
 class TestConnectDeadline:
     @pytest.mark.parametrize("recovery", [False, True])
-    async def test_missed_deadline(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-        recovery: bool,
-    ) -> None:
+    async def test_missed_deadline(self, rig: ReconcilerRig, recovery: bool) -> None:
         """A sidecar that never connects is given up at its deadline: replaced when automatic
         recovery is on, released (with the message saying so) when it is off."""
         settings = ReconcilerSettings(
@@ -453,12 +336,12 @@ class TestConnectDeadline:
             operation_timeout=1,
             automatic_replacement_recovery=recovery,
         )
-        reconciler = make_reconciler(db, router, provisioner, settings=settings)
-        allocation = await store.request(provisioner_id="fake")
+        reconciler = rig.make(settings=settings)
+        allocation = await rig.store.request(provisioner_id="fake")
         assert await reconciler.reconcile_next()
-        await age_row(db, allocation.id, 31)
+        await age_row(rig.db, allocation.id, 31)
         assert await reconciler.reconcile_next()
-        after = await store.get(allocation.id)
+        after = await rig.store.get(allocation.id)
         assert after.generation == 2
         assert after.failure_code == "sidecar_connect_failed"
         if recovery:
@@ -469,12 +352,7 @@ class TestConnectDeadline:
             assert after.failure_message.startswith("Automatic recovery is disabled:")
 
     async def test_sidecar_lost_between_claim_and_look_gets_the_fresh_deadline(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """A takeover makes a ready allocation due, and the claim reads it with no connect
         deadline (a connected row has none). The sidecar drops just before the claim looks at
@@ -487,35 +365,30 @@ class TestConnectDeadline:
             async def at(self, site: Site) -> None:
                 if site.boundary is Boundary.BEFORE_READINESS and self.armed is not None:
                     target, self.armed = self.armed, None
-                    assert await router.disconnect(target)
+                    assert await rig.router.disconnect(target)
 
         drop = DropBeforeTheLook()
-        reconciler = make_reconciler(db, router, provisioner, faults=drop)
-        ready = await to_ready(store, reconciler, router)
+        reconciler = rig.make(faults=drop)
+        ready = await rig.to_ready(reconciler)
         target = Target(ready.id, ready.generation)
-        await connect(reconciler, router, target)  # the sidecar's new socket takes over
-        assert (await store.get(ready.id)).connect_deadline is None
+        await rig.connect(target)  # the sidecar's new socket takes over
+        assert (await rig.store.get(ready.id)).connect_deadline is None
         drop.armed = target
         assert await reconciler.reconcile_next()
         assert drop.armed is None
-        after = await store.get(ready.id)
+        after = await rig.store.get(ready.id)
         assert after.status is Status.ALLOCATED
         assert after.generation == ready.generation
         assert not after.ready
         assert after.lease_id is None
         assert after.connect_deadline is not None
         assert after.next_attempt_at == after.connect_deadline
-        kinds = [entry.kind for entry in await ledger.history(ready.id)]
+        kinds = [entry.kind for entry in await rig.ledger.history(ready.id)]
         assert kinds[-1] == "park_await_connection"
         assert not [kind for kind in kinds if kind.startswith("begin_")]
 
     async def test_a_record_written_back_between_the_look_and_the_give_up_wins(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """A replica froze and a peer swept its record (no window left here, to reach the
         race); a claim looks at the record, finds none past the deadline, and is about to give
@@ -525,7 +398,7 @@ class TestConnectDeadline:
         settings = ReconcilerSettings(
             lease_duration=6, connect_timeout=30, operation_timeout=1
         )  # automatic recovery off: a give-up would release
-        held = ConnectionStore(db, instance_id=router.instance_id)
+        held = ConnectionStore(rig.db, instance_id=rig.router.instance_id)
 
         class WriteBackAfterTheLook:
             armed: tuple[str, Target, str] | None = None
@@ -538,17 +411,17 @@ class TestConnectDeadline:
                     self.written_back = await held.reassert(connection_id, target, sidecar_id)
 
         hook = WriteBackAfterTheLook()
-        reconciler = make_reconciler(db, router, provisioner, settings=settings, faults=hook)
-        await router.heartbeat()
-        ready = await to_ready(store, reconciler, router)
+        reconciler = rig.make(settings=settings, faults=hook)
+        await rig.router.heartbeat()
+        ready = await rig.to_ready(reconciler)
         assert ready.sidecar_id is not None
-        target, connection_id = router.current[ready.id]
-        async with db.pool.acquire() as conn:
+        target, connection_id = rig.router.current[ready.id]
+        async with rig.db.pool.acquire() as conn:
             await conn.execute(
                 "UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour' WHERE id = $1",
-                router.instance_id,
+                rig.router.instance_id,
             )
-        peer = ConnectionStore(db, instance_id="peer")
+        peer = ConnectionStore(rig.db, instance_id="peer")
         swept = await peer.sweep_stale(20, connect_timeout=0)
         assert [s.allocation_id for s in swept] == [ready.id]
         hook.armed = (connection_id, target, ready.sidecar_id)
@@ -556,86 +429,56 @@ class TestConnectDeadline:
         assert hook.armed is None
         assert hook.written_back is not None
         await reconciler.reconcile_until_idle()
-        after = await store.get(ready.id)
+        after = await rig.store.get(ready.id)
         assert after.status is Status.ALLOCATED
         assert after.generation == ready.generation
         assert after.ready
-        kinds = [entry.kind for entry in await ledger.history(ready.id)]
+        kinds = [entry.kind for entry in await rig.ledger.history(ready.id)]
         assert "connection_swept" in kinds
         assert not [kind for kind in kinds if kind.startswith("begin_")], kinds
 
 
 class TestHooks:
-    async def test_hook_runs_under_marker(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_hook_runs_under_marker(self, rig: ReconcilerRig) -> None:
         """on_ready runs after the initialization marker is durable and before ready."""
         seen: list[Allocation] = []
 
         async def on_ready(allocation: Allocation, context: HookContext) -> None:
-            seen.append(await store.get(allocation.id))
+            seen.append(await rig.store.get(allocation.id))
             assert context.lease_id == allocation.initialization_lease_id
 
-        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        ready = await to_ready(store, reconciler, router)
+        reconciler = rig.make(on_ready=on_ready)
+        ready = await rig.to_ready(reconciler)
         (during,) = seen
         assert during.initialization_lease_id is not None
         assert not during.ready
         assert ready.initialization_lease_id is None
 
-    async def test_hook_failure_retries_later(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_hook_failure_retries_later(self, rig: ReconcilerRig) -> None:
         """A hook that raises schedules a retry at the capped backoff and clears the marker."""
 
         async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
             raise RuntimeError("hub busy")
 
-        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        allocation = await allocated_and_connected(store, reconciler, router)
-        assert await reconciler.reconcile_next()
-        after = await store.get(allocation.id)
+        after = await rig.after_on_ready(on_ready)
         assert after.status is Status.ALLOCATED
         assert not after.ready
         assert after.failure_code == "sidecar_initialization_failed"
         assert after.initialization_lease_id is None
         assert after.lease_id is None
 
-    async def test_uncertain_hook_replaces(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_uncertain_hook_replaces(self, rig: ReconcilerRig) -> None:
         """A hook that reports uncertainty abandons the sidecar (a release while automatic
         recovery is off)."""
 
         async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
             raise InitializationUncertain("sender may be half deployed")
 
-        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        allocation = await allocated_and_connected(store, reconciler, router)
-        assert await reconciler.reconcile_next()
-        after = await store.get(allocation.id)
+        after = await rig.after_on_ready(on_ready)
         assert after.status is Status.RELEASING
         assert after.failure_code == "sidecar_initialization_uncertain"
 
-    async def test_disconnect_during_initialization(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_disconnect_during_initialization(self, rig: ReconcilerRig) -> None:
         """A disconnect recorded while on_ready runs leaves the claim's lease alone, and turns
         its mark-ready into an immediate follow-up; the follow-up finds no sidecar and parks
         until the new connect deadline, at the same generation."""
@@ -646,39 +489,32 @@ class TestHooks:
             hook_started.set()
             await hook_may_finish.wait()
 
-        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        allocation = await store.request(provisioner_id="fake")
+        reconciler = rig.make(on_ready=on_ready)
+        allocation = await rig.store.request(provisioner_id="fake")
         assert await reconciler.reconcile_next()
         target = Target(allocation.id, 1)
-        await connect(reconciler, router, target)
+        await rig.connect(target)
         claim = asyncio.create_task(reconciler.reconcile_next())
         await hook_started.wait()
-        claimed = await store.get(allocation.id)
-        assert await router.disconnect(target)
-        lost = await store.get(allocation.id)
+        claimed = await rig.store.get(allocation.id)
+        assert await rig.router.disconnect(target)
+        lost = await rig.store.get(allocation.id)
         assert lost.lease_id == claimed.lease_id, "a disconnect must not touch a claim's lease"
         hook_may_finish.set()
         assert await claim
-        follow_up = await store.get(allocation.id)
+        follow_up = await rig.store.get(allocation.id)
         assert not follow_up.ready
         assert follow_up.initialization_lease_id is None
         assert follow_up.lease_id is None
         assert follow_up.next_attempt_at is not None
         assert follow_up.next_attempt_at < follow_up.connect_deadline  # due now, not parked
         assert await reconciler.reconcile_next()
-        parked = await store.get(allocation.id)
+        parked = await rig.store.get(allocation.id)
         assert parked.status is Status.ALLOCATED
         assert parked.generation == 1
         assert parked.next_attempt_at == parked.connect_deadline
 
-    async def test_timed_out_hook_is_uncertain(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_timed_out_hook_is_uncertain(self, rig: ReconcilerRig) -> None:
         """An on_ready hook that outlives operation_timeout may still be at work: its outcome
         is uncertain, never a clean failure, so the sidecar is abandoned rather than
         initialized a second time."""
@@ -686,21 +522,14 @@ class TestHooks:
         async def on_ready(_allocation: Allocation, _context: HookContext) -> None:
             await asyncio.Event().wait()
 
-        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        allocation = await allocated_and_connected(store, reconciler, router)
-        assert await reconciler.reconcile_next()
-        after = await store.get(allocation.id)
+        after = await rig.after_on_ready(on_ready)
         assert after.status is Status.RELEASING
         assert after.failure_code == "sidecar_initialization_uncertain"
-        kinds = [e.kind for e in await ledger.history(allocation.id)]
+        kinds = [e.kind for e in await rig.ledger.history(after.id)]
         assert "schedule_retry" not in kinds
 
     async def test_connect_during_initialization_schedules_follow_up(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """A connect that lands while on_ready runs schedules an immediate follow-up instead of
         marking ready; the follow-up then marks it ready."""
@@ -713,33 +542,26 @@ class TestHooks:
             if calls == 1:
                 # The sidecar restarted and its new socket took over (on this replica or any
                 # other: the record is the whole event).
-                assert await router.connect(Target(allocation.id, allocation.generation))
+                assert await rig.router.connect(Target(allocation.id, allocation.generation))
 
-        reconciler = make_reconciler(db, router, provisioner, on_ready=on_ready)
-        allocation = await allocated_and_connected(store, reconciler, router)
+        reconciler = rig.make(on_ready=on_ready)
+        allocation = await rig.allocated_and_connected(reconciler)
         assert await reconciler.reconcile_next()
-        follow_up = await store.get(allocation.id)
+        follow_up = await rig.store.get(allocation.id)
         assert not follow_up.ready
         assert follow_up.initialization_lease_id is None
         assert await reconciler.reconcile_next()
-        assert (await store.get(allocation.id)).ready
+        assert (await rig.store.get(allocation.id)).ready
         assert calls == 2
 
 
 class TestOwnershipAtThePointOfEffect:
-    async def test_plugin_resumed_after_the_deadline_does_not_act(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_plugin_resumed_after_the_deadline_does_not_act(self, rig: ReconcilerRig) -> None:
         """A claim paused past its local lease deadline in the middle of ensure (the clock
         jumps, and the plugin's own wake-up arrives in the same instant): the plugin finds it
         no longer owns the allocation and starts nothing, and the claim writes no outcome."""
         clock = ManualClock()
-        reconciler = make_reconciler(db, router, provisioner, clock=clock)
+        reconciler = rig.make(clock=clock)
         started, resume = asyncio.Event(), asyncio.Event()
         acted: list[str] = []
 
@@ -751,8 +573,8 @@ class TestOwnershipAtThePointOfEffect:
             acted.append(request.sidecar_id)
             return Accepted("ref")
 
-        provisioner.ensure_script.append(ensure)
-        allocation = await store.request(provisioner_id="fake")
+        rig.provisioner.ensure_script.append(ensure)
+        allocation = await rig.store.request(provisioner_id="fake")
         claim = asyncio.create_task(reconciler.reconcile_next())
         await started.wait()
         clock.advance(SETTINGS.lease_duration + 1)
@@ -760,28 +582,22 @@ class TestOwnershipAtThePointOfEffect:
         assert await claim
         await reconciler.drain()
         assert acted == []
-        assert await effects(ledger, allocation.id, "ensure") == ["intent"]
-        assert (await store.get(allocation.id)).status is Status.PROVISIONING
+        assert await rig.effects(allocation.id, "ensure") == ["intent"]
+        assert (await rig.store.get(allocation.id)).status is Status.PROVISIONING
 
-    async def test_requests_carry_the_claims_deadline(
-        self,
-        store: AllocationStore,
-        db: Database,
-        reconciler: Reconciler,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_requests_carry_the_claims_deadline(self, rig: ReconcilerRig) -> None:
         """Ensure is told the claim's deadline: owned while the lease is, and on the wall clock
         no later than the lease the database granted (a conservative estimate)."""
         seen: list[tuple[bool, object, object]] = []
 
         async def ensure(request: EnsureRequest) -> object:
-            row = await store.get(request.allocation_id)
+            row = await rig.store.get(request.allocation_id)
             seen.append((request.ownership.still_owned(), request.ownership.deadline_utc(), row))
             return Accepted("ref")
 
-        provisioner.ensure_script.append(ensure)
-        await store.request(provisioner_id="fake")
-        assert await reconciler.reconcile_next()
+        rig.provisioner.ensure_script.append(ensure)
+        await rig.store.request(provisioner_id="fake")
+        assert await rig.reconciler.reconcile_next()
         ((owned, deadline_utc, row),) = seen
         assert owned
         assert isinstance(row, Allocation)
@@ -792,37 +608,27 @@ class TestOwnershipAtThePointOfEffect:
 
 
 class TestLeases:
-    async def test_stolen_lease_mid_ensure_writes_nothing(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_stolen_lease_mid_ensure_writes_nothing(self, rig: ReconcilerRig) -> None:
         """When a second reconciler takes the lease while the first is inside ensure, the first
         writes nothing afterwards: the row and the ledger show only the second's work."""
         settings = ReconcilerSettings(lease_duration=30, connect_timeout=30, operation_timeout=10)
-        first = make_reconciler(db, router, provisioner, settings=settings, instance_id="first")
-        second = make_reconciler(db, router, provisioner, settings=settings, instance_id="second")
-        gate = Gate(Accepted("late"))
-        provisioner.ensure_script.append(gate)
-        allocation = await store.request(provisioner_id="fake")
-        first_claim = asyncio.create_task(first.reconcile_next())
-        await gate.started.wait()
-        first_lease = (await store.get(allocation.id)).lease_id
+        first = rig.make(settings=settings, instance_id="first")
+        second = rig.make(settings=settings, instance_id="second")
+        blocked = await rig.blocked_in_ensure(first, Gate(Accepted("late")))
+        allocation = blocked.allocation
+        first_lease = (await rig.store.get(allocation.id)).lease_id
 
-        await expire_lease(db, allocation.id)
+        await expire_lease(rig.db, allocation.id)
         assert await second.reconcile_next()  # provisioning: ensure outcome unknown → replace
-        stolen = await store.get(allocation.id)
+        stolen = await rig.store.get(allocation.id)
         assert stolen.status is Status.REPLACING
         assert stolen.failure_code == "ensure_outcome_unknown"
-        history_before = await ledger.history(allocation.id)
+        history_before = await rig.ledger.history(allocation.id)
 
-        gate.release.set()
-        assert await first_claim
-        assert await store.get(allocation.id) == stolen
-        history_after = await ledger.history(allocation.id)
+        blocked.gate.release.set()
+        assert await blocked.task
+        assert await rig.store.get(allocation.id) == stolen
+        history_after = await rig.ledger.history(allocation.id)
         assert history_after == history_before
         by_first = [(e.kind, str(e.phase)) for e in history_after if e.instance_id == "first"]
         assert by_first == [("bind_sidecar", "committed"), ("ensure", "intent")]
@@ -830,189 +636,124 @@ class TestLeases:
         assert [(e.kind, e.lease_id) for e in ambiguous] == [("ensure", first_lease)]
 
     async def test_a_claim_fenced_by_a_release_gives_its_lease_back(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """A release lands while a claim is inside ensure (the release keeps the claim's lease,
         so no other claim starts meanwhile). The claim's next write is fenced and it stops; it
         then gives the lease back at once rather than let the row wait out the lease (or the
         poll after it): the release is claimable, and done, right away."""
         settings = ReconcilerSettings(lease_duration=60, connect_timeout=30, operation_timeout=10)
-        reconciler = make_reconciler(db, router, provisioner, settings=settings)
-        gate = Gate(Accepted("made"))
-        provisioner.ensure_script.append(gate)
-        allocation = await store.request(provisioner_id="fake")
-        claim = asyncio.create_task(reconciler.reconcile_next())
-        await gate.started.wait()
-        await store.release(allocation.id)
-        leased = await store.get(allocation.id)
+        reconciler = rig.make(settings=settings)
+        blocked = await rig.blocked_in_ensure(reconciler, Gate(Accepted("made")))
+        allocation = blocked.allocation
+        await rig.store.release(allocation.id)
+        leased = await rig.store.get(allocation.id)
         assert leased.lease_id is not None  # the release left the claim its lease
-        gate.release.set()
-        assert await claim
-        given_back = await store.get(allocation.id)
+        blocked.gate.release.set()
+        assert await blocked.task
+        given_back = await rig.store.get(allocation.id)
         assert given_back.status is Status.RELEASING
         assert given_back.lease_id is None
         assert await reconciler.reconcile_next()  # the destroy, with no lease to wait out
-        assert (await store.get(allocation.id)).status is Status.RELEASED
+        assert (await rig.store.get(allocation.id)).status is Status.RELEASED
         # The claim's ensure intent stays open for the destroy to settle: giving the lease
         # back is not a statement that ensure was never called.
-        ensure = [e for e in await ledger.history(allocation.id) if e.kind == "ensure"]
+        ensure = [e for e in await rig.ledger.history(allocation.id) if e.kind == "ensure"]
         assert "not_called" not in {e.error_code for e in ensure}
 
-    async def test_refused_renewal_aborts_the_claim(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_refused_renewal_aborts_the_claim(self, rig: ReconcilerRig) -> None:
         """When renewal is refused (the row's lease changed), the claim is aborted: the plugin
         call is cancelled and no further write is made."""
-        settings = ReconcilerSettings(
-            lease_duration=scaled(1.5), connect_timeout=30, operation_timeout=scaled(1)
-        )
-        reconciler = make_reconciler(db, router, provisioner, settings=settings)
-        gate = Gate()
-        provisioner.ensure_script.append(gate)
-        allocation = await store.request(provisioner_id="fake")
-        claim = asyncio.create_task(reconciler.reconcile_next())
-        await gate.started.wait()
-        async with db.pool.acquire() as conn:
+        blocked = await rig.blocked_in_ensure(rig.make(settings=_renewing()))
+        async with rig.db.pool.acquire() as conn:
             await conn.execute(
-                "UPDATE hubd_allocations SET lease_id = 'ls_other' WHERE id = $1", allocation.id
+                "UPDATE hubd_allocations SET lease_id = 'ls_other' WHERE id = $1",
+                blocked.allocation.id,
             )
-        before = await store.get(allocation.id)
-        assert await claim
-        assert gate.cancelled.is_set()
-        assert await store.get(allocation.id) == before
+        before = await rig.store.get(blocked.allocation.id)
+        assert await blocked.task
+        assert blocked.gate.cancelled.is_set()
+        assert await rig.store.get(blocked.allocation.id) == before
 
     async def test_a_cancellation_from_outside_is_not_taken_for_the_lease_loss(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """A claim whose lease deadline passes and whose task is cancelled from outside (a
         shutdown) in the same instant ends cancelled: the claim withdraws only its own
         cancellation. Its plugin call is cancelled and it writes nothing."""
         clock = ManualClock()
-        reconciler = make_reconciler(db, router, provisioner, clock=clock)
-        gate = Gate()
-        provisioner.ensure_script.append(gate)
-        allocation = await store.request(provisioner_id="fake")
-        claim = asyncio.create_task(reconciler.reconcile_next())
-        await gate.started.wait()
-        before = await store.get(allocation.id)
+        reconciler = rig.make(clock=clock)
+        blocked = await rig.blocked_in_ensure(reconciler)
+        before = await rig.store.get(blocked.allocation.id)
         clock.advance(SETTINGS.lease_duration + 1)
         # The deadline's timer goes off on the loop, after this; the shutdown's cancel is first.
-        claim.cancel()
+        blocked.task.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await claim
-        assert gate.cancelled.is_set()
+            await blocked.task
+        assert blocked.gate.cancelled.is_set()
         await reconciler.drain()
-        assert await store.get(allocation.id) == before
+        assert await rig.store.get(blocked.allocation.id) == before
         assert reconciler.active_claims == 0
 
-    async def test_renewal_error_aborts_the_claim(
-        self,
-        store: AllocationStore,
-        database_url: str,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_renewal_error_aborts_the_claim(self, rig: ReconcilerRig) -> None:
         """When renewal fails with a database error, the claim is aborted and makes no write."""
-        db = await connect_database(database_url)
+        db = await connect_database(rig.database_url)
         try:
-            settings = ReconcilerSettings(
-                lease_duration=scaled(1.5), connect_timeout=30, operation_timeout=scaled(1)
-            )
-            reconciler = make_reconciler(db, router, provisioner, settings=settings)
-            gate = Gate()
-            provisioner.ensure_script.append(gate)
-            allocation = await store.request(provisioner_id="fake")
-            claim = asyncio.create_task(reconciler.reconcile_next())
-            await gate.started.wait()
-            before = await store.get(allocation.id)
+            reconciler = make_reconciler(db, rig.router, rig.provisioner, settings=_renewing())
+            blocked = await rig.blocked_in_ensure(reconciler)
+            before = await rig.store.get(blocked.allocation.id)
             db.lease_pool.terminate()
-            assert await claim
-            assert gate.cancelled.is_set()
-            assert await store.get(allocation.id) == before
+            assert await blocked.task
+            assert blocked.gate.cancelled.is_set()
+            assert await rig.store.get(blocked.allocation.id) == before
         finally:
             await db.close()
 
-    async def test_abandoned_reconciler_then_fresh_one(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        database_url: str,
-        router: RecordingRouter,
-    ) -> None:
+    async def test_abandoned_reconciler_then_fresh_one(self, rig: ReconcilerRig) -> None:
         """A reconciler abandoned mid-ensure (its process gone: connections dead, plugin stuck)
         is followed after lease expiry by a fresh one that finds provisioning, replaces it, and
         records the first ensure as ambiguous."""
-        dead_db = await connect_database(database_url)
-        stuck = ScriptedProvisioner()
-        gate = Gate(ignore_cancel=True)
-        stuck.ensure_script.append(gate)
+        dead_db = await connect_database(rig.database_url)
         settings = ReconcilerSettings(lease_duration=30, connect_timeout=30, operation_timeout=20)
-        abandoned = make_reconciler(dead_db, router, stuck, settings=settings, instance_id="dead")
-        allocation = await store.request(provisioner_id="fake")
-        orphan = asyncio.create_task(abandoned.reconcile_next())
-        await gate.started.wait()
+        abandoned = make_reconciler(
+            dead_db, rig.router, rig.provisioner, settings=settings, instance_id="dead"
+        )
+        orphan = await rig.blocked_in_ensure(abandoned, Gate(ignore_cancel=True))
+        allocation = orphan.allocation
         dead_db.terminate()  # the process is gone: nothing it could still send arrives
 
-        await age_row(db, allocation.id, 31)
-        fresh = make_reconciler(db, router, ScriptedProvisioner(), instance_id="fresh")
+        await age_row(rig.db, allocation.id, 31)
+        fresh = make_reconciler(rig.db, rig.router, ScriptedProvisioner(), instance_id="fresh")
         assert await fresh.reconcile_next()
-        replaced = await store.get(allocation.id)
+        replaced = await rig.store.get(allocation.id)
         assert replaced.status is Status.REPLACING
         assert replaced.failure_code == "ensure_outcome_unknown"
-        ensure_phases = await effects(ledger, allocation.id, "ensure")
+        ensure_phases = await rig.effects(allocation.id, "ensure")
         assert ensure_phases == ["intent", "ambiguous"]
-        settled = [e for e in await ledger.history(allocation.id) if e.phase is Phase.AMBIGUOUS]
+        settled = [e for e in await rig.ledger.history(allocation.id) if e.phase is Phase.AMBIGUOUS]
         assert settled[0].instance_id == "fresh"
 
-        orphan.cancel()
-        gate.release.set()
+        orphan.task.cancel()
+        orphan.gate.release.set()
         with pytest.raises(asyncio.CancelledError):
-            await orphan
+            await orphan.task
         await abandoned.drain()
 
-    async def test_admission_is_bounded(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_admission_is_bounded(self, rig: ReconcilerRig) -> None:
         """With max_concurrent_claims=1, a second claim is not admitted while one runs."""
         settings = ReconcilerSettings(
             lease_duration=30, connect_timeout=30, operation_timeout=10, max_concurrent_claims=1
         )
-        reconciler = make_reconciler(db, router, provisioner, settings=settings)
-        gate = Gate()
-        provisioner.ensure_script.append(gate)
-        await store.request(provisioner_id="fake")
-        await store.request(provisioner_id="fake")
-        running = asyncio.create_task(reconciler.reconcile_next())
-        await gate.started.wait()
+        reconciler = rig.make(settings=settings)
+        running = await rig.blocked_in_ensure(reconciler)
+        await rig.store.request(provisioner_id="fake")
         assert not await reconciler.reconcile_next()
-        gate.release.set()
-        assert await running
+        running.gate.release.set()
+        assert await running.task
         assert await reconciler.reconcile_next()
 
     async def test_plugin_ignoring_cancellation_keeps_allocation_excluded(
-        self,
-        store: AllocationStore,
-        db: Database,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """An ensure that ignores cancellation after its timeout keeps its allocation out of new
         claims (and counts against capacity) until it finally settles."""
@@ -1022,14 +763,14 @@ class TestLeases:
             operation_timeout=scaled(0.5),
             max_concurrent_claims=1,
         )
-        reconciler = make_reconciler(db, router, provisioner, settings=settings)
+        reconciler = rig.make(settings=settings)
         gate = Gate(ignore_cancel=True)
-        provisioner.ensure_script.append(gate)
-        allocation = await store.request(provisioner_id="fake")
+        rig.provisioner.ensure_script.append(gate)
+        allocation = await rig.store.request(provisioner_id="fake")
         assert await reconciler.reconcile_next()  # times out, replaces, claim ends
         assert gate.cancelled.is_set()
         assert allocation.id in reconciler.busy_allocations()
-        await age_row(db, allocation.id, 5)
+        await age_row(rig.db, allocation.id, 5)
         assert not await reconciler.reconcile_next()  # no capacity while it runs
         gate.release.set()
         await gate.finished.wait()
@@ -1042,97 +783,85 @@ async def _not_busy(reconciler: Reconciler, allocation_id: str) -> bool:
 
 
 class TestConnectionRaces:
-    async def test_disconnect_and_reconnect_racing_end_ready(
-        self, store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
-    ) -> None:
+    async def test_disconnect_and_reconnect_racing_end_ready(self, rig: ReconcilerRig) -> None:
         """A disconnect and the sidecar's reconnect racing on one allocation, in either order,
         leave a live record and a row that is due, and the next claim marks it ready at the
         same generation."""
-        ready = await to_ready(store, reconciler, router)
+        ready = await rig.to_ready()
         target = Target(ready.id, ready.generation)
-        old = router.current[ready.id][1]
+        old = rig.router.current[ready.id][1]
         await asyncio.gather(
-            router.connections.disconnect(ready.id, old, connect_timeout=30),
-            router.connect(target),
+            rig.router.connections.disconnect(ready.id, old, connect_timeout=30),
+            rig.router.connect(target),
         )
-        assert await router.connections.is_connected(target, 20)
-        assert await reconciler.reconcile_next()
-        again = await store.get(ready.id)
+        assert await rig.router.connections.is_connected(target, 20)
+        assert await rig.reconciler.reconcile_next()
+        again = await rig.store.get(ready.id)
         assert again.ready
         assert again.generation == ready.generation
 
-    async def test_late_disconnect_cannot_undo_a_newer_record(
-        self, store: AllocationStore, reconciler: Reconciler, router: RecordingRouter
-    ) -> None:
+    async def test_late_disconnect_cannot_undo_a_newer_record(self, rig: ReconcilerRig) -> None:
         """The close of a socket whose record another socket already replaced clears nothing
         and marks nothing lost."""
-        ready = await to_ready(store, reconciler, router)
+        ready = await rig.to_ready()
         target = Target(ready.id, ready.generation)
-        old = router.current[ready.id][1]
-        await router.connect(target)  # the takeover
-        assert await reconciler.reconcile_next()
-        before = await store.get(ready.id)
+        old = rig.router.current[ready.id][1]
+        await rig.router.connect(target)  # the takeover
+        assert await rig.reconciler.reconcile_next()
+        before = await rig.store.get(ready.id)
         assert before.ready
-        assert not await router.connections.disconnect(ready.id, old, connect_timeout=30)
-        after = await store.get(ready.id)
+        assert not await rig.router.connections.disconnect(ready.id, old, connect_timeout=30)
+        after = await rig.store.get(ready.id)
         assert after.ready
         assert after.connection_seq == before.connection_seq
 
 
 class TestRepair:
     async def test_initialize_marks_unconnected_lost_and_wakes_unscheduled(
-        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: RecordingRouter
+        self, rig: ReconcilerRig
     ) -> None:
         """Start-up repair treats a ready-looking allocation whose record is gone (its hub
         crashed) as lost, keeping a deadline, and wakes an active row that nothing scheduled."""
-        ready = await to_ready(store, reconciler, router)
-        unscheduled = await store.request(provisioner_id="fake")
-        async with db.pool.acquire() as conn:
+        ready = await rig.to_ready()
+        unscheduled = await rig.store.request(provisioner_id="fake")
+        async with rig.db.pool.acquire() as conn:
             await conn.execute(
                 "DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1", ready.id
             )
             await conn.execute(
                 "UPDATE hubd_allocations SET next_attempt_at = NULL WHERE id = $1", unscheduled.id
             )
-        await reconciler.initialize()
-        lost = await store.get(ready.id)
+        await rig.reconciler.initialize()
+        lost = await rig.store.get(ready.id)
         assert not lost.ready
         assert lost.next_attempt_at is not None
         assert lost.next_attempt_at == lost.connect_deadline
-        assert (await store.get(unscheduled.id)).next_attempt_at is not None
-        assert Target(ready.id, ready.generation) in router.fenced
+        assert (await rig.store.get(unscheduled.id)).next_attempt_at is not None
+        assert Target(ready.id, ready.generation) in rig.router.fenced
 
-    async def test_repair_schedules_only_unconnected(
-        self, store: AllocationStore, db: Database, reconciler: Reconciler, router: RecordingRouter
-    ) -> None:
+    async def test_repair_schedules_only_unconnected(self, rig: ReconcilerRig) -> None:
         """The repair sweep leaves a connected sidecar alone and, on a peer, schedules a
         ready-looking row whose only record sits on an instance that stopped heartbeating."""
-        ready = await to_ready(store, reconciler, router)
-        assert await reconciler.repair_unscheduled_connections() == 0
-        assert (await store.get(ready.id)).ready
-        async with db.pool.acquire() as conn:
+        ready = await rig.to_ready()
+        assert await rig.reconciler.repair_unscheduled_connections() == 0
+        assert (await rig.store.get(ready.id)).ready
+        async with rig.db.pool.acquire() as conn:
             await conn.execute("UPDATE hubd_instances SET heartbeat_at = now() - interval '1 hour'")
         # The instance holding the socket never repairs its own record away; a peer does.
-        assert await reconciler.repair_unscheduled_connections() == 0
+        assert await rig.reconciler.repair_unscheduled_connections() == 0
         peer = make_reconciler(
-            db, RecordingRouter(db, instance_id="in_peer"), None, instance_id="in_peer"
+            rig.db, RecordingRouter(rig.db, instance_id="in_peer"), None, instance_id="in_peer"
         )
         assert await peer.repair_unscheduled_connections() == 1
-        repaired = await store.get(ready.id)
+        repaired = await rig.store.get(ready.id)
         assert not repaired.ready
         assert repaired.next_attempt_at == repaired.connect_deadline
 
-    async def test_repair_leaves_a_claimed_row_to_its_claim(
-        self,
-        store: AllocationStore,
-        db: Database,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-    ) -> None:
+    async def test_repair_leaves_a_claimed_row_to_its_claim(self, rig: ReconcilerRig) -> None:
         """A row a claim holds is never repaired, whatever its records say: the claim's lease
         decides, and a repair write must not touch it."""
-        ready = await to_ready(store, reconciler, router)
-        async with db.pool.acquire() as conn:
+        ready = await rig.to_ready()
+        async with rig.db.pool.acquire() as conn:
             await conn.execute(
                 "DELETE FROM hubd_sidecar_connections WHERE allocation_id = $1", ready.id
             )
@@ -1141,29 +870,14 @@ class TestRepair:
                 "lease_expires_at = now() + interval '1 minute' WHERE id = $1",
                 ready.id,
             )
-        assert await reconciler.repair_unscheduled_connections() == 0
-        after = await store.get(ready.id)
+        assert await rig.reconciler.repair_unscheduled_connections() == 0
+        after = await rig.store.get(ready.id)
         assert after.ready
         assert after.lease_id == "ls_other"
 
 
-def _kinds(history: list[LedgerEntry]) -> list[str]:
-    return [e.kind for e in history]
-
-
-_ = (_kinds, accept, Destroyed, SETTINGS)
-
-
 class TestStalledSteps:
-    async def test_stalled_claim_step_aborts_the_claim(
-        self,
-        store: AllocationStore,
-        ledger: LedgerStore,
-        db: Database,
-        database_url: str,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_stalled_claim_step_aborts_the_claim(self, rig: ReconcilerRig) -> None:
         """When the claim's queued write cannot finish within operation_timeout (its row locked
         elsewhere), the claim is aborted and writes nothing more; the step stays queued, keeping
         the allocation out of claims, and settles as the one write it already was."""
@@ -1172,28 +886,25 @@ class TestStalledSteps:
         settings = ReconcilerSettings(
             lease_duration=scaled(6), connect_timeout=30, operation_timeout=scaled(0.5)
         )
-        reconciler = make_reconciler(db, router, provisioner, settings=settings)
-        gate = Gate()
-        provisioner.ensure_script.append(gate)
-        allocation = await store.request(provisioner_id="fake")
-        claim = asyncio.create_task(reconciler.reconcile_next())
-        await gate.started.wait()
-        blocker = await asyncpg.connect(database_url)
+        reconciler = rig.make(settings=settings)
+        blocked = await rig.blocked_in_ensure(reconciler)
+        allocation = blocked.allocation
+        blocker = await asyncpg.connect(rig.database_url)
         try:
             tx = blocker.transaction()
             await tx.start()
             await blocker.execute(
                 "SELECT 1 FROM hubd_allocations WHERE id = $1 FOR UPDATE", allocation.id
             )
-            gate.release.set()
-            assert await claim
+            blocked.gate.release.set()
+            assert await blocked.task
             assert allocation.id in reconciler.busy_allocations()
             assert not await reconciler.reconcile_next()  # excluded while its step is stuck
             await tx.rollback()
         finally:
             await blocker.close()
         await poll_until(lambda: _not_busy(reconciler, allocation.id))
-        kinds = [(e.kind, str(e.phase)) for e in await ledger.history(allocation.id)]
+        kinds = [(e.kind, str(e.phase)) for e in await rig.ledger.history(allocation.id)]
         # The acceptance (with the ensure's outcome and the park) was stuck behind the lock when
         # the claim gave up; it settles as that one statement, and nothing is written after it.
         assert kinds == [
@@ -1206,27 +917,17 @@ class TestStalledSteps:
         ]
 
 
-async def _busy(reconciler: Reconciler, allocation_id: str) -> bool:
-    return allocation_id in reconciler.busy_allocations()
-
-
 class TestReplacementBackoff:
-    async def test_backoff_grows_across_generations_to_the_cap(
-        self,
-        db: Database,
-        store: AllocationStore,
-        reconciler: Reconciler,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_backoff_grows_across_generations_to_the_cap(self, rig: ReconcilerRig) -> None:
         """An ensure that raises every time is replaced with a delay that doubles from one
         generation to the next up to the 30 s cap, never restarting at the first delay."""
-        provisioner.default_ensure = fail(RuntimeError("plugin bug"))
-        allocation = await store.request(provisioner_id="fake")
+        rig.provisioner.default_ensure = fail(RuntimeError("plugin bug"))
+        allocation = await rig.store.request(provisioner_id="fake")
         delays = []
         for _ in range(7):
-            await age_row(db, allocation.id, 60)
-            assert await reconciler.reconcile_next()
-            async with db.pool.acquire() as conn:
+            await age_row(rig.db, allocation.id, 60)
+            assert await rig.reconciler.reconcile_next()
+            async with rig.db.pool.acquire() as conn:
                 row = await conn.fetchrow(
                     "SELECT status, extract(epoch FROM next_attempt_at - updated_at) AS delay "
                     "FROM hubd_allocations WHERE id = $1",
@@ -1236,32 +937,22 @@ class TestReplacementBackoff:
                 delays.append(round(float(row["delay"])))
         assert delays == [1, 2, 4, 8, 16, 30, 30]
 
-    async def test_plugin_exception_is_logged_with_its_traceback(
-        self,
-        db: Database,
-        store: AllocationStore,
-        reconciler: Reconciler,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_plugin_exception_is_logged_with_its_traceback(self, rig: ReconcilerRig) -> None:
         """An ensure that raises is logged with its traceback: at warning the first time for an
         allocation, at debug when it raises again."""
-        provisioner.default_ensure = fail(RuntimeError("plugin bug"))
-        allocation = await store.request(provisioner_id="fake")
+        rig.provisioner.default_ensure = fail(RuntimeError("plugin bug"))
+        allocation = await rig.store.request(provisioner_id="fake")
         with structlog.testing.capture_logs() as logs:
             for _ in range(2):
-                await age_row(db, allocation.id, 60)
-                assert await reconciler.reconcile_next()
+                await age_row(rig.db, allocation.id, 60)
+                assert await rig.reconciler.reconcile_next()
         raised = [entry for entry in logs if entry["event"] == "ensure_raised"]
         assert [entry["log_level"] for entry in raised] == ["warning", "debug"]
         assert all(entry["exc_info"] is True for entry in raised)
         assert raised[0]["provisioner"] == "fake"
 
     async def test_a_plugin_reraising_one_exception_does_not_grow_its_traceback(
-        self,
-        db: Database,
-        store: AllocationStore,
-        reconciler: Reconciler,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """A plugin that raises the same exception object on every call finds it with no
         traceback each time: the hub drops what it logged, so earlier raises' frames are never
@@ -1273,35 +964,29 @@ class TestReplacementBackoff:
             held.append(len(traceback.extract_tb(cached.__traceback__)))
             raise cached
 
-        provisioner.default_ensure = raise_cached
-        allocation = await store.request(provisioner_id="fake")
+        rig.provisioner.default_ensure = raise_cached
+        allocation = await rig.store.request(provisioner_id="fake")
         for _ in range(4):
-            await age_row(db, allocation.id, 60)
-            assert await reconciler.reconcile_next()
+            await age_row(rig.db, allocation.id, 60)
+            assert await rig.reconciler.reconcile_next()
         assert held == [0, 0, 0, 0]
 
 
 class TestLogLevels:
-    async def test_a_database_outage_mid_claim_is_a_warning(
-        self,
-        database_url: str,
-        store: AllocationStore,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_a_database_outage_mid_claim_is_a_warning(self, rig: ReconcilerRig) -> None:
         """A claim that meets a database that cannot answer logs a warning, not an error: an
         outage is an expected condition, and the row is retried once it is back."""
         import structlog.testing
 
-        own = await connect_database(database_url, pool_size=4)
-        reconciler = make_reconciler(own, router, provisioner)
+        own = await connect_database(rig.database_url, pool_size=4)
+        reconciler = make_reconciler(own, rig.router, rig.provisioner)
 
         async def ensure_then_lose_the_database(_request: object) -> object:
             await own.pool.close()
             return Accepted("ref")
 
-        provisioner.ensure_script.append(ensure_then_lose_the_database)
-        await store.request(provisioner_id="fake")
+        rig.provisioner.ensure_script.append(ensure_then_lose_the_database)
+        await rig.store.request(provisioner_id="fake")
         try:
             with structlog.testing.capture_logs() as logs:
                 await reconciler.reconcile_next()
@@ -1312,20 +997,14 @@ class TestLogLevels:
         assert failed
         assert {e["log_level"] for e in failed} == {"warning"}
 
-    async def test_a_lifecycle_says_ready_and_released_at_info(
-        self,
-        store: AllocationStore,
-        reconciler: Reconciler,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
-    ) -> None:
+    async def test_a_lifecycle_says_ready_and_released_at_info(self, rig: ReconcilerRig) -> None:
         """Plugin calls that did their job are at debug (the ledger keeps them); the claims of a
         lifecycle say ``ready`` and ``released`` at info, each with the allocation and its
         generation. An ensure the plugin rejected stays at info: it explains the retry."""
         with structlog.testing.capture_logs() as logs:
-            ready = await to_ready(store, reconciler, router)
-            await store.release(ready.id)
-            assert await reconciler.reconcile_next()
+            ready = await rig.to_ready()
+            await rig.store.release(ready.id)
+            assert await rig.reconciler.reconcile_next()
         said = [(e["event"], e["generation"]) for e in logs if e["log_level"] != "debug"]
         assert said == [("ready", ready.generation), ("released", ready.generation + 1)]
         assert all(e["allocation_id"] == ready.id for e in logs if "allocation_id" in e)
@@ -1335,10 +1014,10 @@ class TestLogLevels:
             ("destroy_finished", "Destroyed", "debug"),
         ]
 
-        provisioner.default_ensure = reject("quota", retryable=True)
-        other = await store.request(provisioner_id="fake")
+        rig.provisioner.default_ensure = reject("quota", retryable=True)
+        other = await rig.store.request(provisioner_id="fake")
         with structlog.testing.capture_logs() as logs:
-            assert await reconciler.reconcile_next()
+            assert await rig.reconciler.reconcile_next()
         (rejected,) = [e for e in logs if e["event"] == "ensure_finished"]
         assert (rejected["outcome"], rejected["log_level"]) == ("Rejected", "info")
         assert rejected["allocation_id"] == other.id
@@ -1346,11 +1025,7 @@ class TestLogLevels:
 
 class TestDispatch:
     async def test_one_batch_fills_every_free_slot_and_a_finished_claim_frees_one(
-        self,
-        db: Database,
-        store: AllocationStore,
-        router: RecordingRouter,
-        provisioner: ScriptedProvisioner,
+        self, rig: ReconcilerRig
     ) -> None:
         """With four claim slots and six due allocations, one batch claims four, each running
         on its own; no slot is left, so the next batch claims nothing. Once the claims end
@@ -1360,11 +1035,11 @@ class TestDispatch:
         """The free slots each wake-up found: one must find the slot it announces free."""
         observer = StatementCounter()
         reconciler = Reconciler(
-            store=store,
-            ledger=LedgerStore(db, instance_id="in_test"),
-            connections=ConnectionStore(db, instance_id="in_test"),
-            provisioners={provisioner.id: provisioner},
-            router=router,
+            store=rig.store,
+            ledger=LedgerStore(rig.db, instance_id="in_test"),
+            connections=ConnectionStore(rig.db, instance_id="in_test"),
+            provisioners={rig.provisioner.id: rig.provisioner},
+            router=rig.router,
             hub_ws_url="ws://127.0.0.1:1",
             settings=SETTINGS,
             on_settled=lambda: woken.append(reconciler.free_capacity),
@@ -1372,8 +1047,8 @@ class TestDispatch:
         )
         release = asyncio.Event()
         gates = [Gate(release=release) for _ in range(6)]
-        provisioner.ensure_script.extend(gates)
-        ids = [(await store.request(provisioner_id=provisioner.id)).id for _ in range(6)]
+        rig.provisioner.ensure_script.extend(gates)
+        ids = [(await rig.store.request(provisioner_id=rig.provisioner.id)).id for _ in range(6)]
         assert await reconciler.claim_batch() == SETTINGS.max_concurrent_claims
         await asyncio.wait_for(asyncio.gather(*(g.started.wait() for g in gates[:4])), scaled(10))
         assert reconciler.active_claims == 4
@@ -1385,9 +1060,9 @@ class TestDispatch:
         assert reconciler.free_capacity == SETTINGS.max_concurrent_claims
         assert await reconciler.claim_batch() == 2
         await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
-        statuses = {(await store.get(aid)).status for aid in ids}
+        statuses = {(await rig.store.get(aid)).status for aid in ids}
         assert statuses == {Status.ALLOCATED}
-        assert len(provisioner.ensure_calls) == 6
+        assert len(rig.provisioner.ensure_calls) == 6
         # With no slot free no statement ran; with nothing due one ran and leased nothing.
         assert await reconciler.claim_batch() == 0
         assert observer.statements == [4, 2, 0]
