@@ -1,15 +1,17 @@
 """Two (or more) replicas in one test: each with its own instance row, connection store, socket
 router, websocket server, reconciler and LISTEN connection, all on one database. Stores can be
-paused at a named point, so a test can hold one replica's write while another replica acts."""
+paused at a named point, so a test can hold one replica's write while another replica acts.
+:class:`ReplicaRig` holds one test's database, its sockets and the set-ups tests share."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
+from websockets.asyncio.client import ClientConnection
 
 from hubd.daemon.wakeups import NotificationListener
 from hubd.plugins.protocol import EnsureRequest
@@ -24,7 +26,7 @@ from hubd.store.connections import (
 )
 from hubd.store.instances import InstanceStore
 from tests.reconcilerkit import ScriptedProvisioner
-from tests.wskit import Sidecar
+from tests.wskit import Sidecar, dial, welcome_of
 
 SETTINGS = ReconcilerSettings(
     lease_duration=20, connect_timeout=60, operation_timeout=5, max_concurrent_claims=4
@@ -194,8 +196,72 @@ async def replica(
             await reconciler.drain()
 
 
-async def claim_in_background(replica: Replica) -> asyncio.Task[bool]:
-    return asyncio.create_task(replica.reconciler.reconcile_next())
+@attrs.define(eq=False, kw_only=True)
+class ReplicaRig:
+    """One test's replicas on the test's database, with its store and ledger; the sidecar
+    sockets the test opens stay open until ``exits`` closes, after the test."""
+
+    db: Database
+    database_url: str
+    store: AllocationStore
+    ledger: LedgerStore
+    exits: AsyncExitStack
+
+    def replica(self, name: str, **options: Any) -> AbstractAsyncContextManager[Replica]:
+        """One running replica named ``name``; ``options`` as :func:`replica` takes them."""
+        return replica(self.db, self.database_url, name, **options)
+
+    @asynccontextmanager
+    async def pair(
+        self, *, on_ready: Hook | None = None, peer_on_ready: Hook | None = None
+    ) -> AsyncIterator[tuple[Replica, Replica]]:
+        """Replicas ``hubA`` (running ``on_ready``) and ``hubB`` (running ``peer_on_ready``),
+        stopped in turn when the block ends."""
+        async with (
+            self.replica("hubA", on_ready=on_ready) as a,
+            self.replica("hubB", on_ready=peer_on_ready) as b,
+        ):
+            yield a, b
+
+    async def kinds(self, allocation_id: str) -> list[str]:
+        """The kinds of the allocation's ledger rows, oldest first."""
+        return [entry.kind for entry in await self.ledger.history(allocation_id)]
+
+    async def open_socket(self, hub: Replica, sidecar: Sidecar) -> ClientConnection:
+        """A socket of ``sidecar`` on ``hub``, welcomed."""
+        ws: ClientConnection = await self.exits.enter_async_context(
+            dial(hub.url, sidecar.headers())
+        )
+        assert (await welcome_of(ws))["type"] == "welcome"
+        return ws
+
+    async def ready_on(
+        self, claimer: Replica, holder: Replica
+    ) -> tuple[Allocation, Sidecar, ClientConnection]:
+        """A new allocation ensured by ``claimer``, its sidecar's socket on ``holder``,
+        ready."""
+        allocation = await claimer.store.request(provisioner_id="fake")
+        assert await claimer.reconciler.reconcile_next()
+        sidecar = sidecar_of(claimer.provisioner.ensure_calls[-1])
+        ws = await self.open_socket(holder, sidecar)
+        assert await claimer.reconciler.reconcile_next()
+        ready = await claimer.store.get(allocation.id)
+        assert ready.ready
+        return ready, sidecar, ws
+
+    async def connect_before_the_park(
+        self, claimer: Replica, holder: Replica
+    ) -> tuple[Allocation, asyncio.Task[bool]]:
+        """A new allocation, and the task of its claim by ``claimer``: the claim was held just
+        before it parks until the allocation's sidecar was welcomed on ``holder``, and goes on
+        from there."""
+        allocation = await self.store.request(provisioner_id="fake")
+        park = claimer.store.pauses["park"].arm()
+        claim = asyncio.create_task(claimer.reconciler.reconcile_next())
+        await park.reached.wait()
+        await self.open_socket(holder, sidecar_of(claimer.provisioner.ensure_calls[-1]))
+        park.proceed.set()
+        return allocation, claim
 
 
 async def until(check: Callable[[], Awaitable[bool]], within: float = 15.0) -> None:
