@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,48 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def daemon_sections(
+    *,
+    database_url: str,
+    state_dir: Path,
+    server_port: int,
+    operation_timeout: str = "5s",
+    max_concurrent_claims: int | None = 8,
+) -> str:
+    """The sections every test daemon's config starts with: its database (embedded in
+    ``state_dir`` when ``database_url`` is empty), both listeners on loopback, and reconciler
+    and instance timings short enough for a test (``max_concurrent_claims`` ``None``: the
+    default)."""
+    claims = (
+        ""
+        if max_concurrent_claims is None
+        else f"max_concurrent_claims = {max_concurrent_claims}\n"
+    )
+    return f"""[database]
+url = "{database_url}"
+[state]
+dir = "{state_dir}"
+[server]
+listen = "127.0.0.1:{server_port}"
+[admin]
+listen = "127.0.0.1:0"
+[reconciler]
+lease_duration = "10s"
+connect_timeout = "30s"
+operation_timeout = "{operation_timeout}"
+{claims}poll_interval = "1s"
+repair_interval = "2s"
+shutdown_grace = "5s"
+[instance]
+heartbeat_interval = "1s"
+ttl = "5s"
+"""
+
+
+LOG_SECTION = '[log]\nformat = "json"\nlevel = "info"\n'
+"""JSON lines, which :class:`DaemonProcess` parses."""
 
 
 def write_config(
@@ -38,27 +80,9 @@ def write_config(
     with ``marker`` in its environment so the test can find (and clean up) its processes."""
     command = json.dumps([sys.executable, "-m", "hubd.cli", "sidecar"])
     path.write_text(
-        f"""
-[database]
-url = "{database_url}"
-[state]
-dir = "{state_dir}"
-[server]
-listen = "127.0.0.1:{server_port}"
-[admin]
-listen = "127.0.0.1:0"
-[reconciler]
-lease_duration = "10s"
-connect_timeout = "30s"
-operation_timeout = "5s"
-max_concurrent_claims = 8
-poll_interval = "1s"
-repair_interval = "2s"
-shutdown_grace = "5s"
-[instance]
-heartbeat_interval = "1s"
-ttl = "5s"
-[[provisioners]]
+        "\n"
+        + daemon_sections(database_url=database_url, state_dir=state_dir, server_port=server_port)
+        + f"""[[provisioners]]
 id = "local"
 plugin = "{plugin}"
 [provisioners.options]
@@ -67,13 +91,38 @@ grace = 2
 {plugin_options}
 [provisioners.options.env]
 HUBD_TEST_MARKER = "{marker}"
-[log]
-format = "json"
-level = "info"
-{extra}
 """
+        + LOG_SECTION
+        + f"{extra}\n"
     )
     return path
+
+
+def replicas(
+    ports: list[int],
+    *,
+    database_url: str,
+    state_dir: Path,
+    marker: str,
+    public_url: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[DaemonProcess]:
+    """A ``hubd run`` replica listening on each of ``ports`` (not started), all on one
+    database; sidecars are told ``public_url``, every replica's address by default."""
+    urls = public_url or ",".join(f"ws://127.0.0.1:{port}" for port in ports)
+    return [
+        DaemonProcess(
+            write_config(
+                state_dir / f"hubd-{index}.toml",
+                database_url=database_url,
+                state_dir=state_dir,
+                marker=marker,
+                server_port=port,
+            ),
+            env={"HUBD_SERVER_PUBLIC_URL": urls, **(env or {})},
+        )
+        for index, port in enumerate(ports)
+    ]
 
 
 def new_marker() -> str:
@@ -270,6 +319,22 @@ class DaemonProcess:
             await self.process.wait()
         if self._reader is not None:
             await self._reader
+
+
+@contextlib.asynccontextmanager
+async def running(
+    config: Path, env: Mapping[str, str] | None = None
+) -> AsyncIterator[DaemonProcess]:
+    """``hubd run`` with ``config``, started; when the block ends, stopped with SIGTERM and
+    waited for."""
+    daemon = DaemonProcess(config, env)
+    await daemon.start()
+    try:
+        yield daemon
+    finally:
+        await daemon.signal(signal.SIGTERM)
+        await daemon.wait()
+        await daemon.kill()
 
 
 async def http_get(url: str) -> tuple[int, str]:

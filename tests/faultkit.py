@@ -1,5 +1,6 @@
 """Reading what fault runs against real replicas left behind: generations, the ledger's
-abandoning writes, and stopping every daemon whatever state it was left in."""
+abandoning writes, and stopping every daemon whatever state it was left in. A :class:`Baseline`
+taken before a fault says what the fault must have left as it was."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import contextlib
 import signal
 
 import asyncpg
+import attrs
 
 from hubd.store import AllocationStore
-from tests.daemonkit import DaemonProcess
+from tests.daemonkit import DaemonProcess, sidecar_pids
 
 ABANDONING = ("begin_replacement", "begin_unrecoverable_release", "mark_released", "release")
 """Ledger kinds that give up a sidecar: none may follow a fault that left sidecars healthy."""
@@ -51,6 +53,40 @@ async def ledger_head(dsn: str) -> int:
 
 async def generations(store: AllocationStore, ids: list[str]) -> dict[str, int]:
     return {i: (await store.get(i)).generation for i in ids}
+
+
+@attrs.frozen(kw_only=True)
+class Baseline:
+    """Healthy allocations before a fault: their generations, the live sidecar processes of
+    ``marker``, and the ledger's last row (what follows it was written during or after the
+    fault)."""
+
+    ids: list[str]
+    generations: dict[str, int]
+    pids: set[int]
+    head: int
+
+    @classmethod
+    async def take(
+        cls, dsn: str, observer: AllocationStore, ids: list[str], marker: str
+    ) -> Baseline:
+        return cls(
+            ids=ids,
+            generations=await generations(observer, ids),
+            pids=sidecar_pids(marker),
+            head=await ledger_head(dsn),
+        )
+
+    async def assert_kept(
+        self, dsn: str, observer: AllocationStore, marker: str, *daemons: DaemonProcess
+    ) -> None:
+        """Nothing healthy was given up: every allocation at its generation, the same sidecar
+        processes, no abandoning write since; and no invariant broken, no traceback logged."""
+        assert await generations(observer, self.ids) == self.generations
+        assert sidecar_pids(marker) == self.pids
+        assert await abandoning_writes(dsn, self.ids, self.head) == []
+        assert broken(await violations(dsn)) == {}
+        assert tracebacks(*daemons) == []
 
 
 # -- the checker -----------------------------------------------------------------------------

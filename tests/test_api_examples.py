@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ import pytest
 
 from hubd.client import Client
 from tests.apikit import app_role
-from tests.daemonkit import DaemonProcess, write_config
+from tests.daemonkit import DaemonProcess, running, write_config
 from tests.polling import scaled
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "api"
@@ -30,14 +29,8 @@ async def daemon(database_url: str, marker: str, state_dir: Path) -> AsyncIterat
     config = write_config(
         state_dir / "hubd.toml", database_url=database_url, state_dir=state_dir, marker=marker
     )
-    process = DaemonProcess(config)
-    await process.start()
-    try:
+    async with running(config) as process:
         yield process
-    finally:
-        await process.signal(signal.SIGTERM)
-        await process.wait()
-        await process.kill()
 
 
 @pytest.fixture

