@@ -56,7 +56,6 @@ import asyncpg
 import attrs
 
 from hubd.store.embedded import EmbeddedPostgres, ensure_database
-from hubd.store.migrate import apply_migrations
 from tests.daemonkit import (
     DaemonProcess,
     http_get,
@@ -65,12 +64,12 @@ from tests.daemonkit import (
     sidecar_pids,
     write_config,
 )
+from tests.failoverkit import DATABASE, create_database, end_sessions, replay_check
 from tests.faultkit import ABANDONING, stop_all
 from tests.pgcluster import Cluster, cluster
 from tests.proxykit import blackhole
 from tests.test_daemon import request_many
 
-DATABASE = "hubd"
 TTL = 5.0
 """The instance TTL of tests.daemonkit's config, which readiness is judged with."""
 BOUND = 180.0
@@ -379,51 +378,16 @@ async def _measure(name: str, scenario: Scenario, args: argparse.Namespace, tmp:
 
 
 async def _replayed(ha: Cluster) -> None:
-    """Until the standby has replayed all the primary wrote: replication is asynchronous, and a
-    crash would otherwise lose the last commits (docs/operations.md), which is another story."""
-    primary = await asyncpg.connect(ha.maintenance(ha.primary))
-    standby = await asyncpg.connect(ha.maintenance(ha.standby))
-    try:
-        target = await primary.fetchval("SELECT pg_current_wal_lsn()")
-
-        async def caught_up() -> bool:
-            return bool(
-                await standby.fetchval("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn", target)
-            )
-
+    async with replay_check(ha) as caught_up:
         if await _until(caught_up, time.monotonic()) is None:
             raise SystemExit("the standby did not catch up")
-    finally:
-        await primary.close()
-        await standby.close()
-
-
-async def _end_sessions(maintenance: str) -> None:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = $1 AND pid <> pg_backend_pid()",
-            DATABASE,
-        )
-    finally:
-        await conn.close()
 
 
 @contextlib.asynccontextmanager
 async def _cluster() -> AsyncIterator[Cluster]:
     try:
         with cluster() as ha:
-            conn = await asyncpg.connect(ha.maintenance(ha.primary))
-            try:
-                await conn.execute(f"CREATE DATABASE {DATABASE}")
-            finally:
-                await conn.close()
-            conn = await asyncpg.connect(ha.url(DATABASE, ha.primary))
-            try:
-                await apply_migrations(conn)
-            finally:
-                await conn.close()
+            await create_database(ha)
             yield ha
     except RuntimeError as exc:
         if "binaries" in str(exc):
@@ -462,7 +426,7 @@ async def rejoin(args: argparse.Namespace) -> None:
 
         async def fault() -> None:
             await asyncio.to_thread(ha.follow, ha.standby)
-            await _end_sessions(ha.maintenance(ha.primary))
+            await end_sessions(ha.maintenance(ha.primary))
 
         url = ha.url(DATABASE)
         with tempfile.TemporaryDirectory(prefix="hubd-f") as tmp:

@@ -6,14 +6,16 @@ the live sidecar processes; the poll interval is 30 s, so anything prompt came f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import asyncpg
+import attrs
 import pytest
 
-from hubd.store.migrate import apply_migrations
 from tests.daemonkit import DaemonProcess, http_get, sidecar_pids, write_config
+from tests.failoverkit import DATABASE, create_database, end_sessions, replay_check
 from tests.faultkit import ABANDONING, stop_all
 from tests.pgcluster import Cluster, cluster
 from tests.proxykit import blackhole
@@ -22,7 +24,6 @@ from tests.test_daemon import request_many
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-DATABASE = "hubd"
 PROMPT = 15.0
 """Half the poll interval: an allocation ready within it was woken by a notification."""
 HEALED = 25.0
@@ -45,16 +46,7 @@ def ha() -> Iterator[Cluster]:
 async def url(ha: Cluster) -> str:
     """The database on the cluster, migrated; a URL naming both hosts and no
     ``target_session_attrs`` (hubd asks for a writable one by itself)."""
-    conn = await asyncpg.connect(ha.maintenance(ha.primary))
-    try:
-        await conn.execute(f"CREATE DATABASE {DATABASE}")
-    finally:
-        await conn.close()
-    conn = await asyncpg.connect(ha.url(DATABASE, ha.primary))
-    try:
-        await apply_migrations(conn)
-    finally:
-        await conn.close()
+    await create_database(ha)
     return ha.url(DATABASE)
 
 
@@ -99,68 +91,75 @@ async def _abandoning(url: str, ids: list[str]) -> list[str]:
     return [f"{r['allocation_id']} {r['kind']}" for r in rows]
 
 
-async def _replayed(ha: Cluster) -> None:
-    """Wait until the standby has replayed everything the primary wrote (replication is
-    asynchronous: a crash could otherwise lose the last commits, docs/operations.md)."""
-    primary = await asyncpg.connect(ha.maintenance(ha.primary))
-    standby = await asyncpg.connect(ha.maintenance(ha.standby))
-    try:
-        target = await primary.fetchval("SELECT pg_current_wal_lsn()")
-
-        async def caught_up() -> bool:
-            return bool(
-                await standby.fetchval("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn", target)
-            )
-
-        await poll_until(caught_up, within=30, every=0.05)
-    finally:
-        await primary.close()
-        await standby.close()
-
-
-async def _end_sessions(maintenance: str) -> None:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = $1 AND pid <> pg_backend_pid()",
-            DATABASE,
-        )
-    finally:
-        await conn.close()
-
-
 def _count(daemon: DaemonProcess, event: str, since: int) -> int:
     return sum(1 for line in daemon.lines[since:] if line.get("event") == event)
+
+
+@attrs.frozen(kw_only=True)
+class _Watched:
+    """A running ``hubd run`` polling every 30 s, and the allocations it made ready before the
+    fault: their rows (checked through ``direct``, never a proxy) and sidecar processes."""
+
+    daemon: DaemonProcess
+    env: dict[str, str]
+    direct: str
+    marker: str
+    healthy: list[str]
+    rows: dict[str, tuple[str, int, bool]]
+    pids: set[int]
+
+    async def assert_kept(self, *later: str) -> None:
+        """Nothing healthy was given up: the same rows, generations and processes, and no
+        abandoning write for them or for the ``later`` allocations."""
+        assert await _rows(self.direct, self.healthy) == self.rows
+        assert sidecar_pids(self.marker) >= self.pids
+        assert await _abandoning(self.direct, [*self.healthy, *later]) == []
+
+
+@asynccontextmanager
+async def _watched(url: str, direct: str, marker: str, state_dir: Path) -> AsyncIterator[_Watched]:
+    """``hubd run`` on ``url`` with four allocations ready, stopped when the block ends."""
+    config = write_config(
+        state_dir / "hubd.toml", database_url=url, state_dir=state_dir, marker=marker
+    )
+    daemon = DaemonProcess(config, env={"HUBD_RECONCILER_POLL_INTERVAL": "30s"})
+    env = {"HUBD_DATABASE_URL": direct}
+    await daemon.start()
+    try:
+        healthy = await request_many(4, env)
+        await poll_until(lambda: _all_ready(direct, healthy), within=60, every=0.2)
+        yield _Watched(
+            daemon=daemon,
+            env=env,
+            direct=direct,
+            marker=marker,
+            healthy=healthy,
+            rows=await _rows(direct, healthy),
+            pids=sidecar_pids(marker),
+        )
+    finally:
+        await stop_all(daemon)
 
 
 async def test_hubd_follows_a_promotion_and_skips_the_old_primary_rejoined_as_standby(
     ha: Cluster, url: str, marker: str, state_dir: Path
 ) -> None:
-    config = write_config(
-        state_dir / "hubd.toml", database_url=url, state_dir=state_dir, marker=marker
-    )
-    daemon = DaemonProcess(config, env={"HUBD_RECONCILER_POLL_INTERVAL": "30s"})
-    env = {"HUBD_DATABASE_URL": url}
-    await daemon.start()
-    try:
-        healthy = await request_many(4, env)
-        await poll_until(lambda: _all_ready(url, healthy), within=60, every=0.2)
-        before = await _rows(url, healthy)
-        pids = sidecar_pids(marker)
-        await _replayed(ha)
+    async with _watched(url, url, marker, state_dir) as watched:
+        daemon, env = watched.daemon, watched.env
+        async with replay_check(ha) as caught_up:
+            await poll_until(caught_up, within=30, every=0.05)
 
         # The primary crashes; the standby is promoted.
         await asyncio.to_thread(ha.crash_primary_and_promote)
         promoted = len(daemon.lines)
         first = await request_many(1, env)
         await poll_until(lambda: _all_ready(url, first), within=PROMPT, every=0.1)
-        await poll_until(lambda: _all_ready(url, healthy), within=PROMPT, every=0.1)
+        await poll_until(lambda: _all_ready(url, watched.healthy), within=PROMPT, every=0.1)
 
         # The old primary returns as a standby, still listed first, and every session on the
         # new primary is reset: hubd must not settle on the read-only one.
         await asyncio.to_thread(ha.follow, ha.standby)
-        await _end_sessions(ha.maintenance(ha.primary))
+        await end_sessions(ha.maintenance(ha.primary))
         rejoined = len(daemon.lines)
         second = await request_many(1, env)
         await poll_until(lambda: _all_ready(url, second), within=PROMPT, every=0.1)
@@ -170,16 +169,11 @@ async def test_hubd_follows_a_promotion_and_skips_the_old_primary_rejoined_as_st
 
         await poll_until(ready, within=PROMPT, every=0.1)
 
-        # Nothing healthy was given up: same rows, same generations, same processes.
-        assert await _rows(url, healthy) == before
-        assert sidecar_pids(marker) >= pids
-        assert await _abandoning(url, [*healthy, *first, *second]) == []
+        await watched.assert_kept(*first, *second)
         # No loop: the failures are the few statements that met the fault, not a stream.
         for since in (promoted, rejoined):
             assert _count(daemon, "claim_failed_in_store", since) <= 5
             assert _count(daemon, "heartbeat_failed", since) <= 5
-    finally:
-        await stop_all(daemon)
     # Read after the stop: what a pool left behind (an unretrieved exception) is reported
     # when the loop closes.
     assert not any("Traceback" in line for line in daemon.raw)
@@ -195,40 +189,30 @@ async def test_hubd_comes_back_promptly_after_a_partition(
     state). Either way the healthy allocations are kept, and a request made at the heal is
     ready well inside the 30 s poll: its notification reached a live LISTEN connection and
     its sidecar's handshake found a live pooled connection."""
-    async with blackhole(database_url) as proxy:
-        url = proxy.url(database_url)
-        config = write_config(
-            state_dir / "hubd.toml", database_url=url, state_dir=state_dir, marker=marker
+    async with (
+        blackhole(database_url) as proxy,
+        _watched(proxy.url(database_url), database_url, marker, state_dir) as watched,
+    ):
+        daemon = watched.daemon
+        started = len(daemon.lines)
+        proxy.hold() if mode == "hold" else proxy.drop()
+
+        async def lapsed() -> bool:
+            return _count(daemon, "heartbeat_failed", started) >= 2
+
+        # The partition lasts until the daemon has seen it twice and for longer than
+        # its TTL (5 s), so its peers (none here) could have judged it dead.
+        await poll_until(lapsed, within=30, every=0.1)
+        await asyncio.sleep(6)
+        proxy.heal()
+        healed = len(daemon.lines)
+        fresh = await request_many(1, watched.env)
+        # Well under the 30 s poll, with room for a loaded 2-core machine.
+        await poll_until(lambda: _all_ready(database_url, fresh), within=HEALED, every=0.1)
+        await poll_until(
+            lambda: _all_ready(database_url, watched.healthy), within=HEALED, every=0.1
         )
-        daemon = DaemonProcess(config, env={"HUBD_RECONCILER_POLL_INTERVAL": "30s"})
-        env = {"HUBD_DATABASE_URL": database_url}
-        await daemon.start()
-        try:
-            healthy = await request_many(4, env)
-            await poll_until(lambda: _all_ready(database_url, healthy), within=60, every=0.2)
-            before = await _rows(database_url, healthy)
-            pids = sidecar_pids(marker)
-            started = len(daemon.lines)
-            proxy.hold() if mode == "hold" else proxy.drop()
-
-            async def lapsed() -> bool:
-                return _count(daemon, "heartbeat_failed", started) >= 2
-
-            # The partition lasts until the daemon has seen it twice and for longer than
-            # its TTL (5 s), so its peers (none here) could have judged it dead.
-            await poll_until(lapsed, within=30, every=0.1)
-            await asyncio.sleep(6)
-            proxy.heal()
-            healed = len(daemon.lines)
-            fresh = await request_many(1, env)
-            # Well under the 30 s poll, with room for a loaded 2-core machine.
-            await poll_until(lambda: _all_ready(database_url, fresh), within=HEALED, every=0.1)
-            await poll_until(lambda: _all_ready(database_url, healthy), within=HEALED, every=0.1)
-            assert await _rows(database_url, healthy) == before
-            assert sidecar_pids(marker) >= pids
-            assert await _abandoning(database_url, [*healthy, *fresh]) == []
-            assert _count(daemon, "claim_failed_in_store", healed) <= 5
-        finally:
-            await stop_all(daemon)
-        assert not any("Traceback" in line for line in daemon.raw)
-        assert not any("never retrieved" in line for line in daemon.raw)
+        await watched.assert_kept(*fresh)
+        assert _count(daemon, "claim_failed_in_store", healed) <= 5
+    assert not any("Traceback" in line for line in daemon.raw)
+    assert not any("never retrieved" in line for line in daemon.raw)
