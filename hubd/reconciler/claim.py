@@ -191,7 +191,7 @@ class ClaimRun:
         return task.uncancel() == 0
 
     async def queue_step(self, step: Callable[[], Awaitable[None]]) -> None:
-        """Run ``step`` in the allocation's queue, after connection events queued before it."""
+        """Run ``step`` in the allocation's queue, behind any earlier step still unsettled."""
         s = self.services
         if s.active.get(self.allocation.id) is not self:
             raise LeaseLost("the claim is no longer active")
@@ -204,8 +204,8 @@ class ClaimRun:
         task = s.work.enqueue(self.allocation.id, guarded, "reconciliation step")
         if not await wait_settled(s.clock, task, s.settings.operation_timeout):
             # Stop this claim without queueing another write behind the stalled step. The step
-            # itself stays queued until it settles: that keeps its order with later connection
-            # events, and keeps the allocation excluded from new claims.
+            # itself stays queued until it settles: a later claim's steps cannot overtake it,
+            # and the allocation stays excluded from new claims.
             cause = LeaseLost("a queued step did not settle within operation_timeout")
             self.abort(cause)
             raise cause

@@ -6,8 +6,8 @@ and runs it on the path its kind calls for, then tells the router and the log wh
 - a write the claim goes on from (bind, mark allocated, begin initialization) or that ends the
   allocation (fail, destroy failed, released) must match its fence, or the claim is lost;
 - a write that ends the claim (retry, park, accept and park, mark ready, abandon) runs in the
-  allocation's queue (architecture §3), after connection events queued before it. An abandon
-  whose guard no longer holds writes its ``otherwise`` instead.
+  allocation's queue (architecture §3), behind any earlier step still unsettled there. An
+  abandon whose guard no longer holds writes its ``otherwise`` instead.
 
 A write that brackets a plugin call carries the call's ledger rows (``effects``: the intent
 with the bind that makes the call due, the outcome with the write decided from it) into the
@@ -260,8 +260,8 @@ async def _must_match(claim: Claim, write: Write, effects: Effects) -> Allocatio
 async def _finish(
     claim: Claim, write: Retry | Park | AcceptAndPark | MarkReady, effects: Effects
 ) -> Allocation | None:
-    """End the claim with ``write``, queued behind the allocation's connection events: the row
-    it wrote, or ``None`` when it matched nothing (then the claim is fenced out)."""
+    """End the claim with ``write``, in the allocation's queue: the row it wrote, or ``None``
+    when it matched nothing (then the claim is fenced out)."""
     s, fence = claim.services, claim.fence
     written: Allocation | None = None
 
