@@ -19,11 +19,8 @@ from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server import SidecarServer, SocketRouter
 from hubd.store import Allocation, AllocationStore, Database, LedgerStore
-from hubd.store.connections import (
-    ConnectionStore,
-    parse_connected_payload,
-    parse_sockets_payload,
-)
+from hubd.store.channels import parse_connected_payload, parse_sockets_payload
+from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from tests.reconcilerkit import ScriptedProvisioner
 from tests.wskit import Sidecar, dial, welcome_of

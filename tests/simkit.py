@@ -40,7 +40,8 @@ from hubd.reconciler.faults import Boundary, Site
 from hubd.reconciler.settings import HookContext, ReconcilerSettings
 from hubd.routing import Target
 from hubd.store import Allocation, AllocationStore, Database, LedgerStore, Status
-from hubd.store.connections import ConnectionStore, RecordOutcome
+from hubd.store.connection_values import RecordOutcome
+from hubd.store.connections import ConnectionStore
 from tests.faultkit import violations
 from tests.pgtime import age_row, expire_lease
 from tests.reconcilerkit import RecordingRouter

@@ -18,13 +18,9 @@ from hubd.routing import Target
 from hubd.server.handshake import HandshakeRequest, authorize
 from hubd.server.sockets import new_connection_id
 from hubd.store import AllocationStore, Database, Status
-from hubd.store.connections import (
-    Admission,
-    Admitted,
-    ConnectionStore,
-    RecordOutcome,
-    SocketControl,
-)
+from hubd.store.channels import SocketControl
+from hubd.store.connection_values import Admission, Admitted, RecordOutcome
+from hubd.store.connections import ConnectionStore
 from hubd.tokens import hash_token, new_reconnect_secret
 from tests.polling import eventually
 from tests.test_batching import blocked_on_the_lock, table_locked

@@ -18,14 +18,14 @@ from hubd.routing import Target
 from hubd.server.batching import Batcher
 from hubd.server.sockets import new_connection_id
 from hubd.store import AllocationStore, Database, connect_database
-from hubd.store.connections import (
+from hubd.store.connection_values import (
     Admission,
-    ConnectionStore,
     Record,
     RecordOutcome,
     RecordRequest,
     SidecarIdentity,
 )
+from hubd.store.connections import ConnectionStore
 from hubd.store.secrets import Acknowledgement, Rotation
 from hubd.tokens import hash_token, new_reconnect_secret
 from tests.polling import eventually

@@ -15,8 +15,9 @@ import structlog
 from hubd.routing import Target
 from hubd.store import AllocationStore, Database, Fence, LedgerStore, ParkMode, Status
 from hubd.store.allocations import SQL as ALLOCATION_SQL
+from hubd.store.connection_values import Disconnect, RecordOutcome, RecordRequest
 from hubd.store.connections import SQL as CONNECTION_SQL
-from hubd.store.connections import ConnectionStore, Disconnect, RecordOutcome, RecordRequest
+from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from hubd.store.models import effects_json
 from tests.polling import eventually

@@ -61,7 +61,7 @@ from hubd.reconciler.writes import (
     Retry,
 )
 from hubd.store import Allocation, AttemptKind, Failure, ParkMode, Phase, Status
-from hubd.store.connections import Readiness
+from hubd.store.connection_values import Readiness
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 

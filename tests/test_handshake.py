@@ -21,13 +21,13 @@ from hubd.server.handshake import (
 )
 from hubd.server.limits import TokenBucket
 from hubd.server.wire import is_loopback_host
-from hubd.store.connections import (
+from hubd.store.channels import (
     ConnectedNotice,
-    SidecarIdentity,
     SocketControl,
     parse_connected_payload,
     parse_sockets_payload,
 )
+from hubd.store.connection_values import SidecarIdentity
 from hubd.store.models import Status
 from hubd.store.secrets import SecretState
 from hubd.tokens import hash_token, new_reconnect_secret, new_token

@@ -35,7 +35,7 @@ from hubd.plugins.protocol import Accepted, Destroyed
 from hubd.reconciler.engine import Reconciler, ReconcilerSettings
 from hubd.routing import Target
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
-from hubd.store.connections import RecordOutcome
+from hubd.store.connection_values import RecordOutcome
 from tests.pgtime import age_row
 from tests.polling import scaled
 from tests.reconcilerkit import (

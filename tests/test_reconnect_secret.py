@@ -22,7 +22,8 @@ from hubd.backoff import Backoff
 from hubd.sidecar.client import SidecarClient, SidecarExit
 from hubd.sidecar.settings import SidecarSettings
 from hubd.store import Database
-from hubd.store.connections import ConnectionStore, RecordOutcome
+from hubd.store.connection_values import RecordOutcome
+from hubd.store.connections import ConnectionStore
 from hubd.store.secrets import Rotation
 from hubd.tokens import hash_token, new_reconnect_secret, new_sidecar_id, new_token
 from tests.polling import eventually

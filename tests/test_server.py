@@ -38,10 +38,8 @@ from hubd.server.sockets import new_connection_id
 from hubd.sidecar.client import SidecarClient
 from hubd.sidecar.settings import SidecarConfigError, SidecarSettings
 from hubd.store import AllocationStore, Database, Failure, Status, connect_database
-from hubd.store.connections import (
-    ConnectionStore,
-    RecordOutcome,
-)
+from hubd.store.connection_values import RecordOutcome
+from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from hubd.store.values import new_allocation_id
 from hubd.tokens import (

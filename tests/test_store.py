@@ -25,7 +25,8 @@ from hubd.store import (
     Phase,
     Status,
 )
-from hubd.store.connections import ConnectionStore, Disconnect
+from hubd.store.connection_values import Disconnect
+from hubd.store.connections import ConnectionStore
 from hubd.store.counts import status_counts
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id

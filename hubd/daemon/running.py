@@ -31,11 +31,8 @@ from hubd.server.limits import ListenerLimits
 from hubd.server.listener import SidecarServer
 from hubd.server.router import SocketRouter
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
-from hubd.store.connections import (
-    ConnectionStore,
-    parse_connected_payload,
-    parse_sockets_payload,
-)
+from hubd.store.channels import parse_connected_payload, parse_sockets_payload
+from hubd.store.connections import ConnectionStore
 from hubd.store.counts import status_counts
 from hubd.store.database import connections_opened
 from hubd.store.instances import InstanceStore

@@ -27,7 +27,7 @@ from hubd.reconciler.writes import (
     Retry,
 )
 from hubd.store.allocations import AttemptKind, ParkMode
-from hubd.store.connections import Readiness
+from hubd.store.connection_values import Readiness
 from hubd.store.models import Allocation, EffectRow, Phase, Status
 from hubd.store.values import Failure
 

@@ -22,7 +22,7 @@ from hubd.server.handshake import Rejection
 from hubd.server.limits import HeaderScanner, ListenerLimits, TokenBucket
 from hubd.server.slots import SourceGate
 from hubd.server.sockets import SocketEntry
-from hubd.store.connections import Served
+from hubd.store.connection_values import Served
 
 __all__ = ["ConnectionHost", "SidecarConnection", "drain"]
 

@@ -24,7 +24,7 @@ from typing import Final, Protocol
 
 import attrs
 
-from hubd.store.connections import SidecarIdentity
+from hubd.store.connection_values import SidecarIdentity
 from hubd.store.models import Status
 from hubd.store.secrets import SecretState
 from hubd.tokens import (

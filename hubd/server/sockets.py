@@ -18,7 +18,7 @@ from hubd.redaction import describe_error
 from hubd.routing import Target
 from hubd.server.batching import Batcher
 from hubd.server.handshake import CloseCode
-from hubd.store.connections import Disconnect, RecordOutcome
+from hubd.store.connection_values import Disconnect, RecordOutcome
 from hubd.store.secrets import Acknowledgement
 
 __all__ = [
