@@ -28,7 +28,7 @@ from typing import Any
 
 import asyncpg
 
-from hubd.store.database import SESSION_SETTINGS
+from hubd.store.sessions import SESSION_SETTINGS
 
 __all__ = ["ACTIVE_ROWS", "periodic_statements", "statement_costs"]
 

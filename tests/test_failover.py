@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 
 import hubd.store.database as database_module
+import hubd.store.sessions as sessions_module
 from hubd.daemon.wakeups import NotificationListener
 from hubd.dburl import connect_options, host_labels, hosts_problem
 from hubd.errors import DatabaseReadOnly, DatabaseUnavailable
@@ -300,7 +301,7 @@ class TestSilence:
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
             user_timeout = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
-            assert user_timeout == database_module.TCP_USER_TIMEOUT_MS
+            assert user_timeout == sessions_module.TCP_USER_TIMEOUT_MS
             # The server's end is asked for too; it reads 0 here only because the proxy
             # reaches the server over its Unix socket, so look at who set it.
             sources = await conn.fetch(
@@ -343,7 +344,7 @@ class TestSilence:
         before = await proxied.fetchval("pid", _pid())
         proxy.drop()
         proxy.heal()  # the old connections stay dead, new ones pass
-        monkeypatch.setattr(database_module, "QUIET_PERIOD", 0.0)
+        monkeypatch.setattr(sessions_module, "QUIET_PERIOD", 0.0)
         async with asyncio.timeout(15):
             after = await proxied.fetchval("pid", _pid(), pool=database_module.Pool.MAIN)
         assert after != before

@@ -20,8 +20,8 @@ from hubd.server import CONNECT_PATH, SUBPROTOCOL, SidecarServer, SocketRouter
 from hubd.server.wire import WireLogger
 from hubd.store import AllocationStore, Database, Fence, Status
 from hubd.store.connections import ConnectionStore
-from hubd.store.database import init_connection
 from hubd.store.instances import InstanceStore
+from hubd.store.sessions import init_connection
 from hubd.tokens import hash_token, new_sidecar_id, new_token
 from tests.storekit import drive_to
 

@@ -34,7 +34,8 @@ from hubd.store.channels import (
     SOCKETS_CHANNEL,
     WAKE_CHANNEL,
 )
-from hubd.store.database import Database, init_connection
+from hubd.store.database import Database
+from hubd.store.sessions import init_connection
 
 __all__ = ["NotificationListener", "Waker"]
 

@@ -1,4 +1,4 @@
-"""Connections to PostgreSQL and the translation of driver errors into hubd's own.
+"""The pools hubd holds on one PostgreSQL database, and the one way to run a statement on them.
 
 Four pools, so that no workload waits on another's connections:
 
@@ -17,7 +17,9 @@ SET, no cursors; the one advisory lock is released, or its connection closed, by
 a connection goes back to its pool without asyncpg's reset query: that saves a round trip on
 every release. An open transaction is still rolled back by asyncpg itself.
 
-Every connection has a bound on silence (docs/operations.md):
+Every connection has a bound on silence (docs/operations.md); what a session carries from its
+start (keepalives on both ends, the refusal of one that starts read-only) is in
+:mod:`hubd.store.sessions`, and the pools add:
 
 - a **read-only session is never kept**: every pool connects with
   ``target_session_attrs=read-write`` unless the URL names another value, so a connect walks
@@ -25,28 +27,25 @@ Every connection has a bound on silence (docs/operations.md):
   (SQLSTATE 25006: a standby, a server whose ``default_transaction_read_only`` was turned on
   under open sessions) closes its connection and expires every pool, which then reconnect
   through the host list;
-- **TCP keepalives and ``TCP_USER_TIMEOUT``** on every TCP socket, on both ends;
 - a **statement interrupted** by its budget (``command_timeout``, or any ``asyncio.timeout``
   around the block) closes its connection once its cancel request was heard, or after
   :data:`CANCEL_GRACE`: asyncpg would otherwise hold the pool's release until the server
   acknowledges the CancelRequest it sends over a new connection, which a partitioned network
   never does;
-- a connection **idle for** :data:`QUIET_PERIOD` is checked with one short statement before it
-  is handed out; a busy connection never is, so the hot paths keep one round trip per
-  statement.
+- a connection **idle for** :data:`~hubd.store.sessions.QUIET_PERIOD` is checked with one short
+  statement before it is handed out; a busy connection never is, so the hot paths keep one
+  round trip per statement.
+
+Driver errors raised anywhere in a block on a connection are translated
+(:mod:`hubd.store.driver_errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import json
-import logging
-import socket
-import time
-import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -54,157 +53,14 @@ import attrs
 from asyncpg import Connection, Record
 
 from hubd.dburl import connect_options, host_labels
-from hubd.errors import (
-    API_SQLSTATES,
-    AllocationNotFound,
-    DatabaseReadOnly,
-    DatabaseUnavailable,
-    InvalidRequest,
-    SchemaMissing,
-    StoreError,
-)
+from hubd.errors import DatabaseUnavailable
 from hubd.redaction import redact_dsn
+from hubd.store.driver_errors import INTERRUPTED, READ_ONLY, UNAVAILABLE, translate_errors
 from hubd.store.hosts import try_hosts
 from hubd.store.queries import Bound
+from hubd.store.sessions import SESSION_SETTINGS, SessionUsage, session_of
 
-__all__ = [
-    "Database",
-    "Pool",
-    "connect_database",
-    "connections_opened",
-    "init_connection",
-    "is_unavailable",
-    "translate_errors",
-]
-
-# Errors that mean "the database cannot answer right now", not "the answer is no".
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.AdminShutdownError,
-    asyncpg.CrashShutdownError,
-    asyncpg.TooManyConnectionsError,
-    asyncpg.InterfaceError,
-    # The driver lost track of the protocol: seen when the server's shutdown message reaches
-    # an idle pooled connection just before its next query.
-    asyncpg.InternalClientError,
-)
-
-# Errors that mean "this server takes no writes": a standby, or a server set read-only. The
-# second is asyncpg's answer when no host of the URL is writable.
-_READ_ONLY: tuple[type[BaseException], ...] = (
-    asyncpg.ReadOnlySQLTransactionError,
-    asyncpg.TargetServerAttributeNotMatched,
-)
-
-# Errors after which a connection's protocol state cannot be trusted: it is closed rather than
-# returned to its pool, since no reset query on release would notice (see _keep_session).
-_BROKEN: tuple[type[BaseException], ...] = (
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    asyncpg.PostgresConnectionError,
-)
-
-
-# A statement's end that leaves the connection in doubt (see Database.connection).
-_INTERRUPTED: tuple[type[BaseException], ...] = (*_BROKEN, TimeoutError, asyncio.CancelledError)
-
-
-class _QuietReconnects(logging.Filter):
-    """asyncpg's pool logs a full traceback each time it fails to restore its connection floor,
-    which it does many times during any database restart. An outage is an expected condition,
-    reported by hubd's own warnings: keep asyncpg's record, without the traceback, as a warning
-    that names the error in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            error = record.exc_info[1]
-            if isinstance(error, (*_UNAVAILABLE, *_READ_ONLY)):
-                record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
-                record.args = ()
-                record.exc_info = None
-                record.exc_text = None
-                record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-logging.getLogger("asyncpg.pool").addFilter(_QuietReconnects())
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """Whether ``exc`` (a driver's error) means the database cannot answer right now."""
-    return isinstance(exc, _UNAVAILABLE)
-
-
-@contextmanager
-def translate_errors(what: str) -> Iterator[None]:
-    """Turn driver errors raised inside the block into :class:`StoreError` subclasses."""
-    try:
-        yield
-    except StoreError:
-        raise
-    except asyncpg.UndefinedTableError as exc:
-        # hubd's tables are missing altogether: a database nobody migrated (or the wrong one).
-        raise SchemaMissing() from exc
-    except asyncpg.ForeignKeyViolationError as exc:
-        raise AllocationNotFound(f"{what}: no such allocation") from exc
-    except (asyncpg.CheckViolationError, asyncpg.DataError, asyncpg.NotNullViolationError) as exc:
-        api_error = API_SQLSTATES.get(getattr(exc, "sqlstate", "") or "")
-        if api_error is not None:
-            raise api_error(f"{what}: {exc}") from exc
-        raise InvalidRequest(f"{what}: rejected by the schema ({exc.__class__.__name__})") from exc
-    except _READ_ONLY as exc:
-        raise DatabaseReadOnly(f"{what}: database read-only ({exc.__class__.__name__})") from exc
-    except _UNAVAILABLE as exc:
-        raise DatabaseUnavailable(
-            f"{what}: database unavailable ({exc.__class__.__name__})"
-        ) from exc
-    except asyncpg.PostgresError as exc:
-        # The application API's own refusals (hubd_v1, docs/api.md) carry their reason.
-        api_error = API_SQLSTATES.get(getattr(exc, "sqlstate", "") or "")
-        if api_error is not None:
-            raise api_error(f"{what}: {exc}") from exc
-        raise StoreError(f"{what}: {exc.__class__.__name__}: {exc}") from exc
-
-
-async def init_connection(conn: asyncpg.Connection) -> None:
-    """Per-connection setup: keepalives on its socket; JSON columns round-trip as Python
-    objects."""
-    bound_silence(conn)
-    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
-
-
-# A TCP peer that vanished (a host that died, a NAT or firewall that lost the connection's
-# state) is found by the kernel: an idle connection after KEEPIDLE + KEEPCNT * KEEPINTVL
-# seconds, one with unacknowledged data after USER_TIMEOUT. PostgreSQL's own end gets the same
-# settings (SESSION_SETTINGS), so the server ends a dead hubd session and its locks too.
-TCP_KEEPIDLE = 10
-TCP_KEEPINTVL = 5
-TCP_KEEPCNT = 3
-TCP_USER_TIMEOUT_MS = 25_000
-
-
-def bound_silence(conn: asyncpg.Connection) -> None:
-    """Turn on keepalives and ``TCP_USER_TIMEOUT`` on ``conn``'s socket (TCP only: a Unix
-    socket has no silent peer). asyncpg takes no socket options, so they are set on the
-    connected socket, which it exposes only through its transport."""
-    transport = getattr(conn, "_transport", None)
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (
-        ("TCP_KEEPIDLE", TCP_KEEPIDLE),
-        ("TCP_KEEPINTVL", TCP_KEEPINTVL),
-        ("TCP_KEEPCNT", TCP_KEEPCNT),
-        ("TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_MS),
-    ):
-        option = getattr(socket, name, None)
-        if option is not None:  # Linux has them all; other platforms some
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
+__all__ = ["Database", "Pool", "connect_database", "connections_opened"]
 
 CANCEL_GRACE = 1.0
 """Seconds an interrupted statement's cancel request may take to reach the server before its
@@ -214,53 +70,17 @@ connection is closed anyway (on a partitioned network it never arrives)."""
 async def _cancel_briefly(pooled: asyncpg.Connection) -> None:
     """Wait up to :data:`CANCEL_GRACE` for the cancel requests asyncpg sent for ``pooled``
     (each over a connection of its own) to be delivered."""
-    sending = set(getattr(_raw(pooled), "_cancellations", ()))
+    sending = set(getattr(session_of(pooled), "_cancellations", ()))
     if sending:
         await asyncio.wait(sending, timeout=CANCEL_GRACE)
 
 
-QUIET_PERIOD = 10.0
-"""Seconds a pooled connection may sit unused before it is checked before its next use."""
 IDLE_CHECK_TIMEOUT = 2.0
 """How long the check of an idle connection may take before the connection counts as dead."""
 
 # One statement: a standby reads ``on`` (recovery forces it), as does a server whose
 # default_transaction_read_only was turned on after the connection was made.
 _IDLE_CHECK = "SELECT current_setting('transaction_read_only')"
-
-
-class _Usage:
-    """When each pooled connection was last handed back (or opened), to tell the quiet ones."""
-
-    def __init__(self) -> None:
-        self._last: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
-
-    async def opened(self, conn: asyncpg.Connection) -> None:
-        """The pools' ``init`` hook: a session that starts read-only is refused here too (with
-        ``target_session_attrs=any`` asyncpg would take it), from the settings the server
-        reports at startup, so at no cost of a round trip."""
-        settings = conn.get_settings()
-        for name in ("default_transaction_read_only", "in_hot_standby"):
-            if getattr(settings, name, "off") == "on":
-                raise asyncpg.ReadOnlySQLTransactionError(f"session opened with {name} on")
-        await init_connection(conn)
-        self._last[conn] = time.monotonic()
-
-    def used(self, pooled: asyncpg.Connection) -> None:
-        raw = _raw(pooled)
-        if raw is not None:
-            self._last[raw] = time.monotonic()
-
-    def quiet(self, pooled: asyncpg.Connection) -> bool:
-        raw = _raw(pooled)
-        last = self._last.get(raw) if raw is not None else None
-        return last is None or time.monotonic() - last >= QUIET_PERIOD
-
-
-def _raw(pooled: asyncpg.Connection) -> Any:
-    # A pool hands out a proxy made anew on each acquire; the connection behind it is the
-    # one thing that lives as long as the session (asyncpg names it nowhere public).
-    return getattr(pooled, "_con", pooled)
 
 
 class Pool(enum.Enum):
@@ -277,8 +97,8 @@ class Database:
     """The pools hubd uses against one PostgreSQL database, and the one way to run a statement.
 
     ``fetchrow``, ``fetch``, ``fetchval`` and ``execute`` run a bound statement inside
-    :func:`translate_errors` on a connection of ``pool``, or on ``conn`` when given, so that a
-    write joins the caller's transaction.
+    :func:`~hubd.store.driver_errors.translate_errors` on a connection of ``pool``, or on
+    ``conn`` when given, so that a write joins the caller's transaction.
     """
 
     dsn: str = attrs.field(repr=redact_dsn)
@@ -286,7 +106,7 @@ class Database:
     lease_pool: asyncpg.Pool
     identity_pool: asyncpg.Pool
     socket_pool: asyncpg.Pool
-    usage: _Usage = attrs.field(factory=_Usage, repr=False)
+    usage: SessionUsage = attrs.field(factory=SessionUsage, repr=False)
 
     @asynccontextmanager
     async def connection(
@@ -306,10 +126,10 @@ class Database:
             pooled = await self._acquire(chosen)
             try:
                 yield pooled
-            except _READ_ONLY:
+            except READ_ONLY:
                 await self._met_read_only(pooled)
                 raise
-            except _INTERRUPTED:
+            except INTERRUPTED:
                 # Interrupted mid-statement (its budget, a claim's deadline, a shutdown), the
                 # connection may have a cancellation in flight, which asyncpg's release would
                 # wait for without a limit; and a broken one cannot be trusted. Either way:
@@ -328,8 +148,9 @@ class Database:
                 await chosen.release(pooled)
 
     async def _acquire(self, chosen: asyncpg.Pool) -> asyncpg.Connection:
-        """A connection of ``chosen``; one that sat unused for :data:`QUIET_PERIOD` first
-        answers a check, or is closed and another one taken."""
+        """A connection of ``chosen``; one that sat unused for
+        :data:`~hubd.store.sessions.QUIET_PERIOD` first answers a check, or is closed and
+        another one taken."""
         # Every connection of the pool may have died together (a partition, a restart): a
         # failed check expires them all, so the next acquire opens a new one.
         for _ in range(2):
@@ -339,14 +160,14 @@ class Database:
             try:
                 async with asyncio.timeout(IDLE_CHECK_TIMEOUT):
                     read_only = await pooled.fetchval(_IDLE_CHECK)
-            except _READ_ONLY:
+            except READ_ONLY:
                 await self._met_read_only(pooled)
                 await chosen.release(pooled)
                 raise
             except (Exception, asyncio.CancelledError) as exc:
                 pooled.terminate()
                 await chosen.release(pooled)
-                if not isinstance(exc, (TimeoutError, *_UNAVAILABLE)):
+                if not isinstance(exc, (TimeoutError, *UNAVAILABLE)):
                     raise
                 await _expire(chosen)
                 continue
@@ -447,27 +268,6 @@ IDENTITY_POOL_SIZE = 2
 SOCKET_POOL_SIZE = 4
 
 
-# Every statement hubd runs is a prepared, parameterised one that finds its rows by key or by a
-# partial index; PostgreSQL's default would plan most of them afresh on every execution (a custom
-# plan is never costed above the generic one for these), and planning cost more than running.
-# A generic plan is made per connection from the statistics of that moment, and kept as long as
-# asyncpg caches the statement (five minutes). After a quiet spell the statistics say there are
-# almost no active rows, and a burst of them then met sequential scans of the connection
-# records, the reconnect secrets and the allocations themselves (identity look-ups, the park's
-# look at the record): the CPU of a whole lifecycle run varied by 60% with when each connection
-# planned. With sequential scans off, each of those statements takes its index; a statement no
-# index serves still scans (docs/performance.md, "Plans that do not depend on the statistics").
-SESSION_SETTINGS = {
-    "plan_cache_mode": "force_generic_plan",
-    "enable_seqscan": "off",
-    # The server's end of the keepalives (see bound_silence); ignored on Unix sockets.
-    "tcp_keepalives_idle": str(TCP_KEEPIDLE),
-    "tcp_keepalives_interval": str(TCP_KEEPINTVL),
-    "tcp_keepalives_count": str(TCP_KEEPCNT),
-    "tcp_user_timeout": str(TCP_USER_TIMEOUT_MS),
-}
-
-
 def connections_opened(pool_size: int) -> int:
     """The most connections the daemon's pools open with a main pool of ``pool_size``."""
     return pool_size + LEASE_POOL_SIZE + IDENTITY_POOL_SIZE + SOCKET_POOL_SIZE
@@ -491,7 +291,7 @@ async def connect_database(
         Pool.SOCKETS: socket_pool_size,
     }
     opened: dict[Pool, asyncpg.Pool] = {}
-    usage = _Usage()
+    usage = SessionUsage()
     options = {**connect_options(dsn), **kwargs}
     with translate_errors(f"connect to {redact_dsn(dsn)}"):
         try:
@@ -509,7 +309,7 @@ async def connect_database(
         except BaseException as exc:
             for each in opened.values():
                 await each.close()
-            if len(host_labels(dsn)) > 1 and isinstance(exc, (*_UNAVAILABLE, *_READ_ONLY)):
+            if len(host_labels(dsn)) > 1 and isinstance(exc, (*UNAVAILABLE, *READ_ONLY)):
                 # asyncpg reports the last host's error alone: say what each one answered.
                 tried = "; ".join(await try_hosts(dsn, within=connect_timeout))
                 raise DatabaseUnavailable(

@@ -37,7 +37,7 @@ import attrs
 import structlog
 
 from hubd.errors import ConfigError, EmbeddedPostgresError, HubdError
-from hubd.store.database import translate_errors
+from hubd.store.driver_errors import translate_errors
 from hubd.store.queries import load_queries
 
 __all__ = [

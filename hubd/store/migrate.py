@@ -14,7 +14,7 @@ import asyncpg
 import attrs
 
 from hubd.errors import StoreError
-from hubd.store.database import translate_errors
+from hubd.store.driver_errors import translate_errors
 from hubd.store.queries import load_queries
 
 __all__ = ["Migration", "apply_migrations", "available_migrations", "current_schema_sql"]

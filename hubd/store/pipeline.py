@@ -49,7 +49,8 @@ import asyncpg
 import attrs
 from asyncpg import Record
 
-from hubd.store.database import Database, is_unavailable, translate_errors
+from hubd.store.database import Database
+from hubd.store.driver_errors import is_unavailable, translate_errors
 from hubd.store.queries import Bound, Statement
 
 __all__ = ["Pipeline"]
