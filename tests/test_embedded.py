@@ -16,13 +16,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from hubd.store.embedded import (
-    EmbeddedPostgres,
-    LockVerdict,
-    embedded_available,
-    judge_lock_file,
-    log_excerpt,
-)
+from hubd.store.embedded import EmbeddedPostgres, embedded_available, log_excerpt
+from hubd.store.postmaster import LockVerdict, judge_lock_file
 from tests.clikit import run_hubd
 
 pytestmark = pytest.mark.skipif(not embedded_available(), reason="needs hubd[embedded]")

