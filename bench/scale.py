@@ -42,7 +42,8 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     Taken from hubd itself so the benchmark follows the code; when the daemon's claim, renewal
     or status counts change shape, change them here too.
     """
-    from hubd.store.allocations import SQL
+    from hubd.store.allocations import SQL as ALLOCATIONS
+    from hubd.store.claims import SQL as CLAIMS
     from hubd.store.connections import SQL as CONNECTIONS
     from hubd.store.counts import SQL as COUNTS
     from hubd.store.instances import SQL as INSTANCES
@@ -50,7 +51,7 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     def claim() -> tuple[Any, ...]:
         # The dispatcher's statement, claiming for 16 free slots at once, with an identity per
         # slot for the pending rows it binds.
-        bound = SQL.claim_due(
+        bound = CLAIMS.claim_due(
             lease_ids=[uuid.uuid4().hex for _ in range(16)],
             effect_ids=[uuid.uuid4().hex for _ in range(16)],
             sidecar_ids=[uuid.uuid4().hex for _ in range(16)],
@@ -64,7 +65,7 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
         return tuple(bound.args)
 
     def renewal() -> tuple[Any, ...]:
-        bound = SQL.renew_leases(
+        bound = CLAIMS.renew_leases(
             allocation_ids=[f"al_bench_due_{g}" for g in range(1, 17)],
             lease_ids=[uuid.uuid4().hex for _ in range(16)],
             lease_duration=60.0,
@@ -76,17 +77,19 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
         args = tuple(statement.args)
         return statement.sql, lambda: args
 
-    sample_renewal = SQL.renew_leases(allocation_ids=[], lease_ids=[], lease_duration=60.0)
+    sample_renewal = CLAIMS.renew_leases(allocation_ids=[], lease_ids=[], lease_duration=60.0)
     # The repair sweep's, the socket check's and the heartbeat's, as the daemon binds them
     # (instance TTL 20 s, connect timeout 60 s, dead instances after ten TTLs).
     held = [f"al_bench_ready_{g}" for g in range(2, 34, 2)]
     return {
-        "claim": (SQL.claim_due.sql, claim),
+        "claim": (CLAIMS.claim_due.sql, claim),
         "renewal": (sample_renewal.sql, renewal),
         "status_count": (COUNTS.count_active().sql, tuple),
         "status_estimate": (COUNTS.estimate_statuses().sql, tuple),
         "repair": bound(
-            SQL.mark_unconnected(instance_ttl=20.0, connect_timeout=60.0, instance_id="bench")
+            ALLOCATIONS.mark_unconnected(
+                instance_ttl=20.0, connect_timeout=60.0, instance_id="bench"
+            )
         ),
         "stale_sweep": bound(
             CONNECTIONS.sweep_stale(ttl=20.0, instance_id="bench", connect_timeout=60.0)

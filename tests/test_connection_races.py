@@ -14,12 +14,12 @@ import structlog
 
 from hubd.routing import Target
 from hubd.store import AllocationStore, Database, Fence, LedgerStore, ParkMode, Status
-from hubd.store.allocations import SQL as ALLOCATION_SQL
 from hubd.store.connection_values import Disconnect, RecordOutcome, RecordRequest
 from hubd.store.connections import SQL as CONNECTION_SQL
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from hubd.store.models import effects_json
+from hubd.store.transitions import SQL as TRANSITION_SQL
 from tests.polling import eventually
 from tests.storekit import drive_to
 from tests.wskit import Sidecar, dial, record_row, running_hub, sidecar_in, welcome_of
@@ -548,7 +548,7 @@ class TestReadyOnConnect:
         claim = await asyncpg.connect(database_url)
         try:
             async with claim.transaction():
-                park = ALLOCATION_SQL.park(
+                park = TRANSITION_SQL.park(
                     **fence.parameters(store.instance_id),
                     effects=effects_json((), accepted=True),
                     accept=True,

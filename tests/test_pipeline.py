@@ -14,10 +14,10 @@ import pytest
 
 from hubd.errors import InvalidRequest
 from hubd.store import Allocation, AllocationStore, Database, Fence, Status, connect_database
-from hubd.store.allocations import SQL, ParkMode
 from hubd.store.models import EffectRow, Phase
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound
+from hubd.store.transitions import SQL, ParkMode
 from hubd.store.values import Failure
 from tests.polling import eventually
 from tests.storekit import claim_one, drive_to, token_hash

@@ -15,10 +15,10 @@ from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
 from hubd.store import AllocationStore, Database, Failure, Status
-from hubd.store.allocations import ParkMode
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import LedgerStore
+from hubd.store.transitions import ParkMode
 from tests.polling import eventually
 from tests.wskit import (
     INSTANCE_ID,

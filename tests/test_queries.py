@@ -92,7 +92,7 @@ class TestStatementsAndStores:
 
     def test_fenced_statements_take_the_fence(self) -> None:
         """Every claim-owned transition takes the fence parameters and the writing instance."""
-        queries = load_queries("allocations.sql")
+        queries = load_queries("allocations_transitions.sql")
         fence = {"allocation_id", "lease_id", "generation", "instance_id"}
         for name in ("bind_initial_sidecar", "park", "begin_replacement", "mark_released"):
             assert fence <= set(queries[name].params), name

@@ -748,7 +748,7 @@ class TestClaims:
         wants (a few pages, where fetching every due row to sort them reads hundreds), takes the
         oldest, and looks for open plugin calls in the claimed rows' own ledger rows, not in the
         whole ledger's."""
-        from hubd.store.allocations import SQL
+        from hubd.store.claims import SQL
 
         async with db.pool.acquire() as conn:
             await conn.execute("ANALYZE hubd_allocations, hubd_allocation_ledger")
@@ -825,17 +825,19 @@ class TestClaims:
         no sequential scan. Each plan is made before the burst arrives, as a daemon's first
         statements are."""
         from hubd.store.allocations import SQL as ALLOCATIONS
+        from hubd.store.claims import SQL as CLAIMS
         from hubd.store.connections import SQL as CONNECTIONS
+        from hubd.store.transitions import SQL as TRANSITIONS
 
         async with db.pool.acquire() as conn:
             await _quiet_statistics(conn, finished)
             statements = {
                 "release": ALLOCATIONS.release_allocation,
                 "lookup": CONNECTIONS.identities,
-                "bind": ALLOCATIONS.bind_initial_sidecar,
-                "park": ALLOCATIONS.park,
+                "bind": TRANSITIONS.bind_initial_sidecar,
+                "park": TRANSITIONS.park,
                 "readiness": CONNECTIONS.readiness,
-                "claim": ALLOCATIONS.claim_due,
+                "claim": CLAIMS.claim_due,
             }
             await _plan_now(conn, statements)
             await conn.execute(
@@ -891,7 +893,7 @@ class TestClaims:
                 allocation_id=wanted[0], instance_id="test", reason="test"
             )
             lookup = CONNECTIONS.identities(allocation_ids=wanted)
-            bind = ALLOCATIONS.bind_initial_sidecar(
+            bind = TRANSITIONS.bind_initial_sidecar(
                 allocation_id=pending,
                 lease_id=lease,
                 generation=1,
@@ -911,7 +913,7 @@ class TestClaims:
             )
             # In set form, one row: each parameter an array of one, written as text for the
             # literals of EXECUTE (the statement's casts read them).
-            park = ALLOCATIONS.park(
+            park = TRANSITIONS.park(
                 allocation_id=[wanted[1]],
                 lease_id=["ls_park"],
                 generation=["1"],
@@ -938,7 +940,7 @@ class TestClaims:
                 FROM generate_series(1, 100) AS i
                 """
             )
-            claim = ALLOCATIONS.claim_due(
+            claim = CLAIMS.claim_due(
                 lease_ids=[f"ls_claim_{i}" for i in range(16)],
                 effect_ids=[f"ef_claim_{i}" for i in range(16)],
                 **_claim_binds(16),
@@ -1056,12 +1058,13 @@ class TestClaims:
         instance's sweep, the orphan sweep's owner lookup and the close of 1,000 sockets each
         read the rows they name by key, never every allocation or every record."""
         from hubd.store.allocations import SQL as ALLOCATIONS
+        from hubd.store.claims import SQL as CLAIMS
         from hubd.store.connections import SQL as CONNECTIONS
 
         async with db.pool.acquire() as conn:
             await _quiet_statistics(conn, finished)
             statements = {
-                "renew": ALLOCATIONS.renew_leases,
+                "renew": CLAIMS.renew_leases,
                 "verify": CONNECTIONS.check_sockets,
                 "sweep": CONNECTIONS.sweep_stale,
                 "owners": ALLOCATIONS.sidecar_owners,
@@ -1078,7 +1081,7 @@ class TestClaims:
                 " ORDER BY id LIMIT 16"
             )
             bounds = {
-                "renew": ALLOCATIONS.renew_leases(
+                "renew": CLAIMS.renew_leases(
                     allocation_ids=[r["id"] for r in leased],
                     lease_ids=[r["lease_id"] for r in leased],
                     lease_duration=60.0,

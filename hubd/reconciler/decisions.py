@@ -26,9 +26,9 @@ from hubd.reconciler.writes import (
     Park,
     Retry,
 )
-from hubd.store.allocations import AttemptKind, ParkMode
 from hubd.store.connection_values import Readiness
 from hubd.store.models import Allocation, EffectRow, Phase, Status
+from hubd.store.transitions import AttemptKind, ParkMode
 from hubd.store.values import Failure
 
 __all__ = [

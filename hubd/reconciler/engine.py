@@ -42,10 +42,10 @@ from hubd.reconciler.settings import Hook, HookContext, ReconcilerSettings
 from hubd.reconciler.steps import reconcile
 from hubd.reconciler.work import LocalWork
 from hubd.routing import Router
-from hubd.store.allocations import AllocationStore, Claimed
+from hubd.store.allocations import AllocationStore
 from hubd.store.connections import ConnectionStore
 from hubd.store.ledger import LedgerStore
-from hubd.store.models import InitialBinds
+from hubd.store.models import Claimed, InitialBinds
 from hubd.tokens import hash_token, new_lease_id, new_sidecar_id, new_token
 
 __all__ = ["HookContext", "Reconciler", "ReconcilerSettings"]

@@ -43,8 +43,9 @@ from hubd.reconciler.writes import (
     Write,
 )
 from hubd.routing import Router
-from hubd.store.allocations import AllocationStore, Effects
+from hubd.store.allocations import AllocationStore
 from hubd.store.models import Allocation, Fence
+from hubd.store.transitions import Effects
 
 __all__ = ["Claim", "WriteServices", "apply", "statement"]
 

@@ -48,9 +48,9 @@ from hubd.reconciler.writes import (
     MarkReleased,
     Retry,
 )
-from hubd.store.allocations import Effects
 from hubd.store.connection_values import Readiness
 from hubd.store.models import EffectRow, Status
+from hubd.store.transitions import Effects
 from hubd.tokens import hash_token
 
 __all__ = ["reconcile"]

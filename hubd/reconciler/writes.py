@@ -12,8 +12,8 @@ from typing import Any
 
 import attrs
 
-from hubd.store.allocations import AttemptKind, ParkMode
 from hubd.store.models import Status
+from hubd.store.transitions import AttemptKind, ParkMode
 from hubd.store.values import Failure
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The store: hubd's only door to PostgreSQL. Nothing here imports from higher layers."""
 
-from hubd.store.allocations import AllocationStore, AttemptKind, ParkMode
+from hubd.store.allocations import AllocationStore
 from hubd.store.database import Database, connect_database
 from hubd.store.ledger import LedgerStore
 from hubd.store.models import (
@@ -13,6 +13,7 @@ from hubd.store.models import (
     Phase,
     Status,
 )
+from hubd.store.transitions import AttemptKind, ParkMode
 from hubd.store.values import Failure
 
 __all__ = [

@@ -3,9 +3,9 @@
 A plugin call is bracketed by an ``intent`` row before it and a ``committed``, ``failed`` or
 ``ambiguous`` row after it, sharing one effect id. Both are fenced like every claim-owned write,
 and both normally ride on the transitions around the call (architecture §6; ``:effects`` in
-``allocations.sql``); :meth:`LedgerStore.record_effect` writes one phase on its own, for a call
-no transition makes due. A claim that lost its lease leaves its intent open, and the next owner
-settles it as ambiguous.
+``allocations_transitions.sql``); :meth:`LedgerStore.record_effect` writes one phase on its own,
+for a call no transition makes due. A claim that lost its lease leaves its intent open, and the
+next owner settles it as ambiguous.
 """
 
 from __future__ import annotations

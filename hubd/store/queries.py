@@ -1,5 +1,10 @@
 """Named SQL statements with named parameters, loaded once from the package's ``sql/*.sql`` files.
 
+A file holds the statements on one table (``connections.sql``: ``hubd_sidecar_connections``) or
+for one use (``counts.sql``, ``embedded.sql``), and says which in its head. A table with many
+statements has one file per family, named for the table and the family: ``allocations.sql``
+(requests, reads, repair), ``allocations_claims.sql`` and ``allocations_transitions.sql``.
+
 A file holds blocks that start with a header line ``-- name: <statement>``; the comment lines
 right below it say what the statement does. Parameters are written ``:name`` and translated once,
 at load time, to asyncpg's ``$n`` (a name used twice is one ``$n``). Casts (``::text``) and

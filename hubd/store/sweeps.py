@@ -1,6 +1,6 @@
 """The statements orphan collection runs on ``hubd_allocations``: who owns a sidecar a
 provisioner reports, and the cluster-wide lock one sweeper holds. Part of
-:class:`~hubd.store.allocations.AllocationStore`, kept in a module of its own for size.
+:class:`~hubd.store.allocations.AllocationStore`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 --
 -- Every statement that records or clears a connection also bumps the allocation's
 -- connection_seq in the same statement. Claims fence their connection-dependent writes on that
--- number (see park and mark_connection_ready in allocations.sql); updating the allocation row
--- also takes its row lock, so a record and a clear of one allocation never interleave.
+-- number (see park and mark_connection_ready in allocations_transitions.sql); updating the
+-- allocation row also takes its row lock, so a record and a clear of one allocation never
+-- interleave.
 --
 -- Lock order: allocation rows before their connection rows, several allocations in id order
 -- (FOR NO KEY UPDATE where a statement takes the row before updating it: what its UPDATE would
