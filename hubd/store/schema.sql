@@ -270,6 +270,61 @@ AS $$
           AND (i.heartbeat_at > now() - make_interval(secs => ttl) OR c.instance_id = instance))
 $$;
 
+-- A sidecar whose connection record went is lost: the one rule of every statement that clears
+-- records (disconnect_many, sweep_stale and release_instance in connections.sql). For each
+-- allocation lost_ids[i] whose record of generation lost_generations[i] was cleared, while that
+-- generation is current and provisioning or allocated, the connection number is bumped and the
+-- row reads not ready. An allocated one also gets a new connect deadline connect_timeout seconds
+-- away, is scheduled for it unless a claim holds the row (the claim's connection-fenced write
+-- sees the bumped number and decides again; its lease is never touched), and gets a committed
+-- ledger row of ledger_kind with lost_messages[i] (a shorter or NULL array: no message), written
+-- by instance. Returns how many ledger rows were written. The caller has locked the allocation
+-- rows, in id order, before it cleared their records: the lock order of connections.sql.
+-- The rows are found by key, through a map of the arrays made once per call, whatever the
+-- statistics the plan was made from. PL/pgSQL, not SQL: it keeps its plans for the session,
+-- where before PostgreSQL 18 a SQL function's are made again at every call.
+CREATE FUNCTION hubd_connection_lost(lost_ids text[], lost_generations integer[],
+    lost_messages text[], ledger_kind text, connect_timeout double precision, instance text)
+RETURNS integer
+LANGUAGE plpgsql
+SET enable_seqscan = off
+AS $$
+DECLARE
+    seen jsonb;
+    logged integer;
+BEGIN
+    SELECT jsonb_object_agg(l.id, jsonb_build_array(l.generation, l.message)) INTO seen
+    FROM unnest(lost_ids, lost_generations, lost_messages) AS l (id, generation, message);
+    WITH updated AS (
+        UPDATE hubd_allocations AS a SET
+            connection_seq = a.connection_seq + 1,
+            connection_ready = false,
+            connect_deadline = CASE WHEN a.status = 'allocated'
+                                    THEN now() + make_interval(secs => connect_timeout)
+                                    ELSE a.connect_deadline END,
+            next_attempt_at = CASE WHEN a.status = 'allocated'
+                                        AND (a.lease_expires_at IS NULL
+                                             OR a.lease_expires_at <= clock_timestamp())
+                                   THEN now() + make_interval(secs => connect_timeout)
+                                   ELSE a.next_attempt_at END,
+            updated_at = now()
+        WHERE a.id = ANY (lost_ids)
+          AND (seen -> a.id ->> 0)::integer = a.generation
+          AND a.status IN ('provisioning', 'allocated')
+        RETURNING a.id, a.generation, a.status
+    ), written AS (
+        INSERT INTO hubd_allocation_ledger
+            (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+        SELECT u.id, u.generation, instance, ledger_kind, u.status, u.status, 'committed',
+            seen -> u.id ->> 1
+        FROM updated AS u WHERE u.status = 'allocated'
+        RETURNING 1
+    )
+    SELECT count(*) INTO logged FROM written;
+    RETURN logged;
+END;
+$$;
+
 -- A generation's reconnect secret (protocol v2): only its holder may take over the connection.
 CREATE TABLE hubd_sidecar_secrets (
     allocation_id text PRIMARY KEY REFERENCES hubd_allocations (id),

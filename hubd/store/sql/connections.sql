@@ -288,14 +288,15 @@ SELECT written.seq, (SELECT count(*) FROM notified) AS notified FROM written;
 -- Connections :connection_ids[i] of :allocation_ids[i] closed (one per allocation; a network blip
 -- closes thousands at once, and they share a statement). Each record is cleared only while it is
 -- still that connection's: a takeover on any replica replaced it otherwise, and one replaced while
--- this statement waited for the allocation's row is re-checked as the new record and kept. For an
--- allocated row of the record's generation the sidecar is then marked lost: not ready, a new
--- connect deadline :connect_timeout seconds away. A row that a claim holds keeps its schedule:
--- that claim's connection-fenced write sees the bumped number and decides again; its lease is
--- never touched. The allocation rows are locked in id order before any record is deleted, as
--- sweep_stale does. :instance_id is the instance for the ledger. Returns the connection ids whose
--- records were cleared. Like sweep_stale, each step finds the rows of the step before by key
--- (arrays and maps), whatever the statistics its plan was made from.
+-- this statement waited for the allocation's row is re-checked as the new record and kept. The
+-- sidecar of each record cleared is then lost (hubd_connection_lost, schema.sql): an allocated
+-- row of the record's generation reads not ready, with a new connect deadline :connect_timeout
+-- seconds away, and a row a claim holds keeps its lease and schedule. The allocation rows are
+-- locked in id order before any record is deleted, as sweep_stale does. :instance_id is the
+-- instance for the ledger ('connection_lost'). Returns the connection ids whose records were
+-- cleared, each with the number of ledger rows written. Like sweep_stale, each step finds the
+-- rows of the step before by key (arrays and maps), whatever the statistics its plan was made
+-- from.
 WITH wanted AS (
     SELECT jsonb_object_agg(allocation_id, connection_id) AS seen
     FROM unnest(:allocation_ids::text[], :connection_ids::text[]) AS i(allocation_id, connection_id)
@@ -315,40 +316,21 @@ WITH wanted AS (
     WHERE c.allocation_id = ANY (ARRAY(SELECT id FROM locked))
       AND c.connection_id = (SELECT seen FROM wanted) ->> c.allocation_id
     RETURNING c.allocation_id, c.generation, c.connection_id
-), gone AS (
-    SELECT array_agg(allocation_id) AS ids, jsonb_object_agg(allocation_id, generation) AS seen
+), lost AS (
+    -- Once, over every record cleared; the result reads it, as a CTE nothing reads never runs.
+    SELECT hubd_connection_lost(array_agg(allocation_id), array_agg(generation::integer), NULL,
+                                'connection_lost', :connect_timeout, :instance_id) AS logged
     FROM cleared
-), updated AS (
-    UPDATE hubd_allocations AS a SET
-        connection_seq = a.connection_seq + 1,
-        connection_ready = false,
-        connect_deadline = CASE WHEN a.status = 'allocated'
-                                THEN now() + make_interval(secs => :connect_timeout)
-                                ELSE a.connect_deadline END,
-        next_attempt_at = CASE WHEN a.status = 'allocated'
-                                    AND (a.lease_expires_at IS NULL
-                                         OR a.lease_expires_at <= clock_timestamp())
-                               THEN now() + make_interval(secs => :connect_timeout)
-                               ELSE a.next_attempt_at END,
-        updated_at = now()
-    WHERE a.id = ANY ((SELECT ids FROM gone)::text[])
-      AND ((SELECT seen FROM gone) ->> a.id)::integer = a.generation
-      AND a.status IN ('provisioning', 'allocated')
-    RETURNING a.id, a.generation, a.status
-), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, instance_id, kind, from_status, to_status, phase)
-    SELECT id, generation, :instance_id, 'connection_lost', status, status, 'committed'
-    FROM updated WHERE status = 'allocated'
 )
-SELECT connection_id FROM cleared;
+SELECT connection_id, (SELECT logged FROM lost) AS logged FROM cleared;
 
 -- name: sweep_stale
 -- Records held by instances that are gone or whose heartbeat is older than :ttl seconds (never the
 -- caller's own, :instance_id: it knows its own sockets are open) are cleared, and their sidecars
--- marked lost exactly as a disconnect would (:connect_timeout seconds to reconnect, to any
--- replica). If such an instance is alive after all, it writes its records again (reassert) and
--- readiness comes back at the same generation. Returns one row per swept record.
+-- lost as a disconnect's are (hubd_connection_lost: :connect_timeout seconds to reconnect, to any
+-- replica; 'connection_swept' in the ledger, naming the instance). If such an instance is alive
+-- after all, it writes its records again (reassert) and readiness comes back at the same
+-- generation. Returns one row per swept record, each with the number of ledger rows written.
 -- A record is deleted by its connection id, so one replaced while this statement waited for the
 -- allocation's row (the sidecar reconnected to a live replica) is re-checked as the new record
 -- and kept: re-checking the instance's liveness instead would re-use the stale instance's answer.
@@ -374,42 +356,21 @@ WITH stale AS (
     WHERE c.allocation_id = ANY (ARRAY(SELECT id FROM locked))
       AND c.connection_id = (SELECT seen FROM found) ->> c.allocation_id
     RETURNING c.allocation_id, c.generation, c.connection_id, c.instance_id
-), gone AS (
-    SELECT array_agg(allocation_id) AS ids,
-           jsonb_object_agg(allocation_id, jsonb_build_array(generation, instance_id)) AS seen
+), lost AS (
+    -- Once, over every record cleared; the result reads it, as a CTE nothing reads never runs.
+    SELECT hubd_connection_lost(array_agg(allocation_id), array_agg(generation::integer),
+                                array_agg('instance ' || instance_id || ' stopped heartbeating'),
+                                'connection_swept', :connect_timeout, :instance_id) AS logged
     FROM cleared
-), updated AS (
-    UPDATE hubd_allocations AS a SET
-        connection_seq = a.connection_seq + 1,
-        connection_ready = false,
-        connect_deadline = CASE WHEN a.status = 'allocated'
-                                THEN now() + make_interval(secs => :connect_timeout)
-                                ELSE a.connect_deadline END,
-        next_attempt_at = CASE WHEN a.status = 'allocated'
-                                    AND (a.lease_expires_at IS NULL
-                                         OR a.lease_expires_at <= clock_timestamp())
-                               THEN now() + make_interval(secs => :connect_timeout)
-                               ELSE a.next_attempt_at END,
-        updated_at = now()
-    WHERE a.id = ANY ((SELECT ids FROM gone)::text[])
-      AND ((SELECT seen FROM gone) -> a.id ->> 0)::integer = a.generation
-      AND a.status IN ('provisioning', 'allocated')
-    RETURNING a.id, a.generation, a.status, (SELECT seen FROM gone) -> a.id ->> 1 AS instance_id
-), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
-    SELECT id, generation, :instance_id, 'connection_swept', status, status, 'committed',
-           'instance ' || instance_id || ' stopped heartbeating'
-    FROM updated WHERE status = 'allocated'
-    RETURNING 1
 )
-SELECT cleared.allocation_id, cleared.generation, cleared.connection_id, cleared.instance_id,
-       (SELECT count(*) FROM logged) AS logged
+SELECT allocation_id, generation, connection_id, instance_id, (SELECT logged FROM lost) AS logged
 FROM cleared;
 
 -- name: release_instance
--- A clean stop of :instance_id: its records go and their sidecars are marked lost (:connect_timeout
--- seconds to reconnect to a peer) at once, instead of reading ready until a peer's sweep.
+-- A clean stop of :instance_id: its records go and their sidecars are lost at once, as a
+-- disconnect's are (hubd_connection_lost: :connect_timeout seconds to reconnect to a peer),
+-- instead of reading ready until a peer's sweep. Returns the records cleared, each with the
+-- number of ledger rows written.
 WITH locked AS (
     SELECT a.id FROM hubd_allocations AS a
     WHERE a.id IN (SELECT allocation_id FROM hubd_sidecar_connections
@@ -420,31 +381,14 @@ WITH locked AS (
     DELETE FROM hubd_sidecar_connections
     WHERE allocation_id IN (SELECT id FROM locked) AND instance_id = :instance_id
     RETURNING allocation_id, generation
-), updated AS (
-    UPDATE hubd_allocations AS a SET
-        connection_seq = a.connection_seq + 1,
-        connection_ready = false,
-        connect_deadline = CASE WHEN a.status = 'allocated'
-                                THEN now() + make_interval(secs => :connect_timeout)
-                                ELSE a.connect_deadline END,
-        next_attempt_at = CASE WHEN a.status = 'allocated'
-                                    AND (a.lease_expires_at IS NULL
-                                         OR a.lease_expires_at <= clock_timestamp())
-                               THEN now() + make_interval(secs => :connect_timeout)
-                               ELSE a.next_attempt_at END,
-        updated_at = now()
+), lost AS (
+    -- Once, over every record cleared; the result reads it, as a CTE nothing reads never runs.
+    SELECT hubd_connection_lost(array_agg(allocation_id), array_agg(generation::integer),
+                                array_agg('the hub holding the socket stopped'::text),
+                                'connection_lost', :connect_timeout, :instance_id) AS logged
     FROM cleared
-    WHERE a.id = cleared.allocation_id AND a.generation = cleared.generation
-      AND a.status IN ('provisioning', 'allocated')
-    RETURNING a.id, a.generation, a.status
-), logged AS (
-    INSERT INTO hubd_allocation_ledger
-        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
-    SELECT id, generation, :instance_id, 'connection_lost', status, status, 'committed',
-           'the hub holding the socket stopped'
-    FROM updated WHERE status = 'allocated'
 )
-SELECT allocation_id, generation FROM cleared;
+SELECT allocation_id, generation, (SELECT logged FROM lost) AS logged FROM cleared;
 
 -- name: readiness
 -- Whether :generation of :allocation_id has a current record on an instance whose heartbeat is
