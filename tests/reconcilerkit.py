@@ -27,7 +27,8 @@ from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import MemoryRouter, Target
 from hubd.server.sockets import new_connection_id
 from hubd.store import Allocation, AllocationStore, Database, LedgerStore, Status
-from hubd.store.connections import ConnectionStore, RecordOutcome
+from hubd.store.connection_values import RecordOutcome
+from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from tests.polling import eventually
 

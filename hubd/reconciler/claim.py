@@ -43,7 +43,6 @@ from hubd.store.allocations import AllocationStore
 from hubd.store.connections import ConnectionStore
 from hubd.store.ledger import LedgerStore, new_effect_id
 from hubd.store.models import Allocation, EffectRow, Fence, Phase, Status
-from hubd.store.transitions import Effects
 
 __all__ = ["ClaimRun", "ClaimServices"]
 

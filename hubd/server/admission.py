@@ -38,7 +38,7 @@ from hubd.server.limits import BucketMap, ListenerLimits
 from hubd.server.router import SocketRouter
 from hubd.server.slots import SourceGate
 from hubd.server.wire import ServerStats, note, remote_of
-from hubd.store.connections import Admission, Admitted, RecordOutcome, SidecarIdentity
+from hubd.store.connection_values import Admission, Admitted, RecordOutcome, SidecarIdentity
 from hubd.tokens import hash_token, new_reconnect_secret
 
 __all__ = ["Admitter"]

@@ -38,7 +38,8 @@ from hubd.server.session import SessionHandler
 from hubd.server.slots import SourceGate
 from hubd.server.sockets import SocketEntry
 from hubd.server.wire import ServerStats, WireLogger, is_loopback_host, note, tls_context
-from hubd.store.connections import Admission, Admitted, ConnectionStore, SidecarIdentity
+from hubd.store.connection_values import Admission, Admitted, SidecarIdentity
+from hubd.store.connections import ConnectionStore
 
 __all__ = ["MAX_MESSAGE_SIZE", "SidecarServer"]
 

@@ -20,7 +20,8 @@ from hubd.routing import Arrivals
 from hubd.server.handshake import CloseCode
 from hubd.server.registry import SocketRegistry
 from hubd.server.sockets import KeyedFifo, SocketEntry
-from hubd.store.connections import ConnectedNotice, ConnectionStore, SocketControl
+from hubd.store.channels import ConnectedNotice, SocketControl
+from hubd.store.connections import ConnectionStore
 from hubd.store.models import Status
 
 __all__ = ["SocketRepair"]

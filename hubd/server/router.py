@@ -61,13 +61,8 @@ from hubd.server.sockets import (
     clear_record,
     new_connection_id,
 )
-from hubd.store.connections import (
-    ConnectionStore,
-    Disconnect,
-    PublishOutcome,
-    Record,
-    RecordOutcome,
-)
+from hubd.store.connection_values import Disconnect, PublishOutcome, Record, RecordOutcome
+from hubd.store.connections import ConnectionStore
 from hubd.store.secrets import Acknowledgement
 
 __all__ = ["SocketRouter"]

@@ -29,7 +29,7 @@ from hubd.server.messages import ProtocolError, parse_publish, parse_ready
 from hubd.server.router import SocketRouter
 from hubd.server.sockets import SocketEntry
 from hubd.server.wire import ServerStats
-from hubd.store.connections import PublishOutcome, Served
+from hubd.store.connection_values import PublishOutcome, Served
 
 __all__ = ["SessionHandler", "welcome_message"]
 
