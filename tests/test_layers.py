@@ -1,0 +1,149 @@
+"""The package's shape: layers point one way, no module needs another that needs it back, and
+every module stays small enough to hold one concept.
+
+Imports are read from the source (``import`` statements anywhere in a module, those under
+``TYPE_CHECKING`` included: a circle of types is a circle a reader must hold in their head).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hubd"
+MAX_LINES = 450
+
+# What each layer must never import. The store is the bottom of the daemon (SQL and the values
+# it returns), the reconciler and the listener stand beside each other on top of it, and the
+# daemon wires them; the configuration is read by everyone and reads none of them.
+FORBIDDEN = {
+    "store": {"config", "plugins", "reconciler", "server", "daemon", "commands", "cli"},
+    "config": {"store", "plugins", "reconciler", "server", "daemon", "commands", "cli"},
+    "reconciler": {"server", "daemon", "commands", "cli"},
+    "server": {"reconciler", "plugins", "daemon", "commands", "cli"},
+    "plugins": {"store", "reconciler", "server", "daemon", "commands", "cli"},
+    "client": {"store", "reconciler", "server", "daemon", "plugins", "commands", "cli"},
+    "sidecar": {"store", "reconciler", "server", "daemon", "plugins", "commands", "cli"},
+    "daemon": {"commands", "cli"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _imported(module: str, path: Path) -> Iterator[str]:
+    """The package's modules ``module`` imports (a name imported from a package counts as its
+    submodule when one of that name exists)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".")
+                if path.name != "__init__.py":
+                    package = package[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join([*package, base] if base else package)
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        yield from (name for name in names if name in MODULES and name != module)
+
+
+GRAPH = {module: set(_imported(module, path)) for module, path in MODULES.items()}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _circles() -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(GRAPH):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(GRAPH[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(GRAPH[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_the_graph_is_read() -> None:
+    """The reader finds the imports it is meant to judge (a broken reader passes everything)."""
+    assert "hubd.store.database" in GRAPH["hubd.daemon.running"] or any(
+        _layer(name) == "store" for name in GRAPH["hubd.daemon.running"]
+    )
+    assert any(_layer(name) == "reconciler" for name in GRAPH["hubd.daemon.running"])
+    assert len(MODULES) > 50
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    assert _circles() == []
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layers_point_one_way(layer: str) -> None:
+    wrong = sorted(
+        f"{module} -> {name}"
+        for module, names in GRAPH.items()
+        if _layer(module) == layer
+        for name in names
+        if _layer(name) in FORBIDDEN[layer]
+    )
+    assert wrong == []
+
+
+def test_every_module_is_small() -> None:
+    large = {
+        module: lines
+        for module, path in MODULES.items()
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert large == {}
