@@ -46,8 +46,6 @@ from hubd.sidecar.settings import SidecarSettings
 from hubd.tokens import reconnect_secret_is_well_formed
 
 __all__ = [
-    "SIDECAR_PING_INTERVAL",
-    "SIDECAR_PING_TIMEOUT",
     "SUBPROTOCOL",
     "Publication",
     "SidecarClient",

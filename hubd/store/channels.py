@@ -23,7 +23,6 @@ __all__ = [
     "WAKE_CHANNEL",
     "ConnectedNotice",
     "SocketControl",
-    "connected_payload",
     "parse_connected_payload",
     "parse_sockets_payload",
 ]
@@ -71,10 +70,6 @@ class SocketControl:
     allocation_id: str
     generation: int
     retire: bool
-
-
-def connected_payload(target: Target, seq: int, connection_id: str) -> str:
-    return f"{target.allocation_id}:{target.generation}:{seq}:{connection_id}"
 
 
 def parse_connected_payload(payload: str) -> ConnectedNotice | None:

@@ -19,9 +19,7 @@ from hubd.store.models import Status
 from hubd.store.secrets import Rotation, SecretState
 
 __all__ = [
-    "READY_WHEN",
     "READY_WHEN_CONNECTED",
-    "READY_WHEN_DECLARED",
     "Admission",
     "Admitted",
     "Declaration",
@@ -38,8 +36,6 @@ __all__ = [
 ]
 
 READY_WHEN_CONNECTED: Final = "connected"
-READY_WHEN_DECLARED: Final = "declared"
-READY_WHEN: Final = (READY_WHEN_CONNECTED, READY_WHEN_DECLARED)
 """How an allocation becomes ready (``ready_when``): once its sidecar connected, or once the
 connected sidecar declared it (a ``ready`` message)."""
 
