@@ -167,6 +167,10 @@ def options(engine: Engine, **overrides: Any) -> dict[str, Any]:
         "pull": "never",
         "command": sidecar_command(),
         "binds": sidecar_binds(),
+        # ``python -m`` puts the working directory first on the path: the sidecar runs this
+        # checkout's hubd, as the test does, whichever checkout the virtualenv's editable
+        # install points at.
+        "workdir": str(ROOT),
         "network": "host",
         "ulimits": ULIMITS,
         "stop_timeout": 2,
