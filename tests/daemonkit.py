@@ -23,6 +23,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+INSTANCE_TTL = 5.0
+"""Seconds a test daemon's instance stays alive without a heartbeat (``[instance] ttl``)."""
+
+
 def daemon_sections(
     *,
     database_url: str,
@@ -57,7 +61,7 @@ repair_interval = "2s"
 shutdown_grace = "5s"
 [instance]
 heartbeat_interval = "1s"
-ttl = "5s"
+ttl = "{INSTANCE_TTL:g}s"
 """
 
 

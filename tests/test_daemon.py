@@ -215,6 +215,11 @@ class TestLifecycle:
         await daemon.start()
         holder = await asyncpg.connect(database_url)
         try:
+            # The start's own claim statement is done before the count is taken.
+            quiet = await scrape_until(
+                daemon, lambda b: metric_total(b, "hubd_claim_statements_idle_total") >= 1
+            )
+            idle = metric_total(quiet, "hubd_claim_statements_idle_total")
             # Stopped, the daemon hears the request only once the row is already held.
             await daemon.signal(signal.SIGSTOP)
             try:
@@ -225,8 +230,11 @@ class TestLifecycle:
                         allocation.id,
                     )
                     await daemon.signal(signal.SIGCONT)
-                    # The fault's length: the hold outlasts the notification's first claim.
-                    await asyncio.sleep(0.2)
+                    # The hold lasts until the notification's claim has run and found nothing.
+                    await scrape_until(
+                        daemon,
+                        lambda b: metric_total(b, "hubd_claim_statements_idle_total") > idle,
+                    )
             finally:
                 await daemon.signal(signal.SIGCONT)
 

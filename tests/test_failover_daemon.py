@@ -14,7 +14,7 @@ import asyncpg
 import attrs
 import pytest
 
-from tests.daemonkit import DaemonProcess, http_get, sidecar_pids, write_config
+from tests.daemonkit import INSTANCE_TTL, DaemonProcess, http_get, sidecar_pids, write_config
 from tests.failoverkit import DATABASE, create_database, end_sessions, replay_check
 from tests.faultkit import ABANDONING, stop_all
 from tests.pgcluster import Cluster, cluster
@@ -200,10 +200,24 @@ async def test_hubd_comes_back_promptly_after_a_partition(
         async def lapsed() -> bool:
             return _count(daemon, "heartbeat_failed", started) >= 2
 
-        # The partition lasts until the daemon has seen it twice and for longer than
-        # its TTL (5 s), so its peers (none here) could have judged it dead.
+        async def judged_dead() -> bool:
+            # Read past the proxy: the instance's last beat, by the database's clock.
+            conn = await asyncpg.connect(database_url)
+            try:
+                return bool(
+                    await conn.fetchval(
+                        "SELECT bool_and(now() - heartbeat_at > make_interval(secs => $1)) "
+                        "FROM hubd_instances",
+                        INSTANCE_TTL,
+                    )
+                )
+            finally:
+                await conn.close()
+
+        # The partition lasts until the daemon has seen it twice and the database holds its
+        # last beat older than its TTL, so its peers (none here) could have judged it dead.
         await poll_until(lapsed, within=30, every=0.1)
-        await asyncio.sleep(6)
+        await poll_until(judged_dead, within=30, every=0.1)
         proxy.heal()
         healed = len(daemon.lines)
         fresh = await request_many(1, watched.env)
