@@ -337,6 +337,18 @@ async def owner_of_record(db: Database, allocation_id: str) -> tuple[str, str] |
     return None if row is None else (row["connection_id"], row["instance_id"])
 
 
+async def assert_not_lost(
+    db: Database, store: AllocationStore, sidecar: Sidecar, seq: int | None
+) -> None:
+    """The allocation still stands as the reconnect left it: a clear that waited behind the
+    reconnect marked nothing lost (no connection number past the reconnect's, no ledger row)."""
+    row = await store.get(sidecar.allocation_id)
+    assert seq is not None
+    assert row.connection_seq == seq
+    ledger = await LedgerStore(db, instance_id="in_test").history(sidecar.allocation_id)
+    assert not [e for e in ledger if e.kind in ("connection_lost", "connection_swept")]
+
+
 class TestLockOrder:
     """Statements that clear records take the allocation's row before the record's, as records
     and transitions do. The other way round, a clear and a write of the same allocation at the
@@ -362,6 +374,7 @@ class TestLockOrder:
         assert reconnect.outcome is RecordOutcome.RECORDED
         assert close is False
         assert await owner_of_record(db, sidecar.allocation_id) == ("cn_b", "in_b")
+        await assert_not_lost(db, store, sidecar, reconnect.seq)
 
     async def test_a_close_and_a_release_both_complete(
         self, db: Database, database_url: str, store: AllocationStore
@@ -402,6 +415,7 @@ class TestLockOrder:
         # B's record replaced A's before the sweep got the row: a live replica's, left alone.
         assert swept == []
         assert await owner_of_record(db, sidecar.allocation_id) == ("cn_b", "in_b")
+        await assert_not_lost(db, store, sidecar, reconnect.seq)
 
     async def test_a_clean_stop_and_a_reconnect_to_another_replica_both_complete(
         self, db: Database, database_url: str, store: AllocationStore
@@ -419,6 +433,7 @@ class TestLockOrder:
         assert reconnect.outcome is RecordOutcome.RECORDED
         assert stopped == []
         assert await owner_of_record(db, sidecar.allocation_id) == ("cn_b", "in_b")
+        await assert_not_lost(db, store, sidecar, reconnect.seq)
 
 
 async def parked(store: AllocationStore, db: Database) -> tuple[Sidecar, Fence]:
