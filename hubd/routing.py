@@ -52,10 +52,13 @@ class Router(Protocol):
 
 
 class ConnectionEvents(Protocol):
-    async def handle_connected(self, target: Target) -> None:
+    """Told in the order an allocation's sockets opened and closed, on the router's path: a
+    sink only counts or records, it never waits."""
+
+    def handle_connected(self, target: Target) -> None:
         """A sidecar of ``target`` connected and its connection record is written."""
 
-    async def handle_disconnect(self, target: Target) -> None:
+    def handle_disconnect(self, target: Target) -> None:
         """The current connection of ``target`` closed (not superseded, fenced or retired)."""
 
 

@@ -27,6 +27,7 @@ from hubd.server.slots import OVER_SHARE, SLOW
 from hubd.server.sockets import SocketEntry
 from hubd.store import AllocationStore, Database
 from tests.polling import eventually
+from tests.test_daemon import metric_total
 from tests.wskit import (
     Hub,
     Sidecar,
@@ -49,11 +50,8 @@ PING = 0x9
 
 
 def sample(metrics: Metrics, name: str) -> float:
-    """The value of the unlabelled sample ``name`` in a scrape of ``metrics``."""
-    for line in metrics.render().decode().splitlines():
-        if line.split(" ", 1)[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no sample {name!r}")
+    """``name`` in a scrape of ``metrics``."""
+    return metric_total(metrics.render().decode(), name)
 
 
 async def closed_by_hub(reader: asyncio.StreamReader) -> bool:

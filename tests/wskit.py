@@ -103,15 +103,15 @@ class RecordingEvents:
     disconnected: list[Target] = attrs.field(factory=list)
     forward: Any = None
 
-    async def handle_connected(self, target: Target) -> None:
+    def handle_connected(self, target: Target) -> None:
         self.connected.append(target)
         if self.forward is not None:
-            await self.forward.handle_connected(target)
+            self.forward.handle_connected(target)
 
-    async def handle_disconnect(self, target: Target) -> None:
+    def handle_disconnect(self, target: Target) -> None:
         self.disconnected.append(target)
         if self.forward is not None:
-            await self.forward.handle_disconnect(target)
+            self.forward.handle_disconnect(target)
 
 
 @attrs.define

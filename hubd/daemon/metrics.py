@@ -154,11 +154,11 @@ class Metrics:
         self.queue_depth.set_function(queue_depth)
         self.connected_sidecars.set_function(connected_sidecars)
 
-    async def handle_connected(self, target: Target) -> None:
+    def handle_connected(self, target: Target) -> None:
         """A sidecar's socket was welcomed here (the router's connection events)."""
         self.sidecar_connects.inc()
 
-    async def handle_disconnect(self, target: Target) -> None:
+    def handle_disconnect(self, target: Target) -> None:
         """A sidecar's socket here was lost."""
         self.sidecar_disconnects.inc()
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -265,7 +265,7 @@ class SocketRouter:
             except Exception as exc:  # noqa: BLE001 -- a peer that vanished is not an error
                 entry.log.info("welcome_not_sent", error=describe_error(exc))
                 return False
-            await self._deliver(entry, "handle_connected")
+            self._deliver(entry, "handle_connected")
             return True
 
     def acknowledge(self, entry: SocketEntry) -> None:
@@ -296,7 +296,7 @@ class SocketRouter:
             cleared = await self._clear(entry, log=entry.log)
             # ``None`` (the clear kept failing): the socket is gone all the same, so report it.
             if cleared is not False:
-                await self._deliver(entry, "handle_disconnect")
+                self._deliver(entry, "handle_disconnect")
 
     def close_socket(self, entry: SocketEntry, code: CloseCode, reason: str | None = None) -> None:
         """Close one socket on the hub's initiative (policy, protocol error, internal error),
@@ -386,13 +386,12 @@ class SocketRouter:
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    async def _deliver(self, entry: SocketEntry, event: str) -> None:
+    def _deliver(self, entry: SocketEntry, event: str) -> None:
         if self._events is None:
             return
-        handler: Callable[[Target], Awaitable[None]] = getattr(self._events, event)
+        handler: Callable[[Target], None] = getattr(self._events, event)
         try:
-            async with asyncio.timeout(self._event_timeout):
-                await handler(entry.target)
+            handler(entry.target)
         except Exception as exc:
-            # Logged, not raised: the socket stays, and the reconciler's poll repairs a lost event.
+            # Logged, not raised: a failing sink must not cost the socket its welcome or its clear.
             entry.log.exception("connection_event_failed", event=event, error=describe_error(exc))
