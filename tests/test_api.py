@@ -112,14 +112,16 @@ class TestSqlApi:
             ("hubd_v1.request('fake', session => E'a\\u202eb')", "session"),
             ("hubd_v1.request('fake', idempotency_key => repeat('k', 201))", "idempotency_key"),
             ("hubd_v1.request('fake', ready_when => 'eventually')", "ready_when"),
+            ("hubd_v1.request('fake', spec => '{\"a\": ')", "not valid JSON"),
+            ("hubd_v1.request('fake', spec => '{\"a\" 1}')", "not valid JSON"),
+            ("hubd_v1.request('fake', spec => repeat('[', 100000))", "not valid JSON"),
+            ("hubd_v1.request('fake', spec => repeat('[', 9000) || repeat(']', 9000))", "deeper"),
             (
-                "hubd_v1.request('fake', spec => ('{\"a\": \"' || repeat('x', 70000) || '\"}')"
-                "::jsonb)",
+                "hubd_v1.request('fake', spec => '{\"a\": \"' || repeat('x', 70000) || '\"}')",
                 "64 KiB",
             ),
             (
-                "hubd_v1.request('fake', spec => (repeat('{\"a\": ', 40) || '1' || "
-                "repeat('}', 40))::jsonb)",
+                "hubd_v1.request('fake', spec => repeat('{\"a\": ', 40) || '1' || repeat('}', 40))",
                 "deeper than 32",
             ),
         ],
@@ -352,7 +354,7 @@ class TestFeed:
             if token_hash is not None:
                 assert token_hash.hex() not in row["doc"]
 
-    async def test_the_notification_names_the_event_and_its_position(
+    async def test_the_notification_names_the_position_alone(
         self, app_dsn: str, client: Client
     ) -> None:
         listener = await asyncpg.connect(app_dsn)
@@ -362,15 +364,9 @@ class TestFeed:
             made = await client.request("fake", tenant="t9")
             note = json.loads(await asyncio.wait_for(notes.get(), 10))
             (event,) = [e async for e in _take(client.events(since=0), 1)]
-            assert note == {
-                "position": event.position,
-                "allocation_id": made.id,
-                "event": "requested",
-                "status": "pending",
-                "ready": False,
-                "generation": 1,
-                "tenant": "t9",
-            }
+            # Any role may LISTEN on any channel: the payload says nothing it could not read.
+            assert note == {"position": event.position}
+            assert event.allocation_id == made.id
         finally:
             await listener.close()
 

@@ -33,7 +33,7 @@ HEALTH_INTERVAL: Final = 30.0
 answers (a connection whose peer vanished delivers nothing, and says nothing either)."""
 
 _REQUEST: Final = """
-SELECT * FROM hubd_v1.request($1, $2, $3, $4::text::jsonb, $5, $6)"""
+SELECT * FROM hubd_v1.request($1, $2, $3, $4, $5, $6)"""
 _RELEASE: Final = "SELECT * FROM hubd_v1.release($1, $2)"
 _GET: Final = "SELECT * FROM hubd_v1.allocations WHERE id = $1"
 _LIST: Final = """

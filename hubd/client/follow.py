@@ -1,10 +1,13 @@
 """Following the event feed: LISTEN for the hint, read the durable feed for the truth.
 
-A notification on ``hubd_events`` names the position its event took; the feed
-(``hubd_v1.events_after``) holds every event in commit order. The follower listens first and
-reads second, so an event that commits between the two is read, and an event whose notification
-is lost (the connection dropped, the process paused) is read when the connection is back, from
-the cursor. No event is skipped and none is read twice.
+A notification on ``hubd_events`` names the position its event took and nothing else (any role
+may listen, whatever its tenant); the feed (``hubd_v1.events_after``) holds every event in
+commit order. The follower listens first and reads second, so an event that commits between the
+two is read, and an event whose notification is lost (the connection dropped, the process
+paused) is read when the connection is back, from the cursor. No event is skipped and none is
+read twice. Each read also takes the feed's newest position in the same snapshot: a follower of
+one allocation or tenant moves its cursor past the events it does not see, so a notification of
+another tenant's event wakes it at most once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from hubd.errors import API_SQLSTATES, AllocationNotFound, StoreError
 __all__ = ["CHANNEL", "Follower"]
 
 CHANNEL: Final = "hubd_events"
-_EVENTS_AFTER: Final = "SELECT * FROM hubd_v1.events_after($1, $2, $3, $4)"
+_EVENTS_AFTER: Final = """
+SELECT w.watermark, e.* FROM (SELECT hubd_v1.event_cursor() AS watermark) AS w
+LEFT JOIN hubd_v1.events_after($1, $2, $3, $4) AS e ON true
+ORDER BY e.position"""
 _STATE: Final = """
 SELECT v.*, hubd_v1.event_cursor() AS feed_cursor FROM hubd_v1.allocations AS v WHERE v.id = $1"""
 _HEALTH_TIMEOUT: Final = 10.0
@@ -89,9 +95,14 @@ class Follower:
                         _EVENTS_AFTER, self.cursor, self._tenant, self._allocation_id, self._batch
                     )
                 )
-                if rows:
-                    events = [Event.from_row(row) for row in rows]
+                events = [Event.from_row(row) for row in rows if row["position"] is not None]
+                if events:
                     self.cursor = events[-1].position
+                if len(events) < self._batch:
+                    # The read saw every position up to the watermark (one snapshot): what it
+                    # did not return belongs to other allocations or tenants.
+                    self.cursor = max(self.cursor, int(rows[0]["watermark"]))
+                if events:
                     return events
                 await self._wait()
             except _Lost:
@@ -132,10 +143,6 @@ class Follower:
             self._wake.set()  # unreadable: read the feed, which is the truth anyway
             return
         if position <= self.cursor:
-            return
-        if self._allocation_id is not None and note.get("allocation_id") != self._allocation_id:
-            return
-        if self._tenant is not None and note.get("tenant") != self._tenant:
             return
         self._wake.set()
 

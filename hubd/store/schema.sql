@@ -1,5 +1,14 @@
 -- The current schema of hubd, as every migration applied in order leaves it.
 
+-- Nobody but the schema's owner creates objects where hubd's functions look for names: a
+-- function or operator created there could outbid the built-in one a hubd function calls.
+-- (A migrating role that does not own the schema changes nothing here: PostgreSQL warns.)
+DO $$
+BEGIN
+    EXECUTE format('REVOKE CREATE ON SCHEMA %I FROM PUBLIC', current_schema());
+END;
+$$;
+
 -- A rule about one column is a domain, not a table constraint. PostgreSQL reads a table's CHECK
 -- constraints from their stored text and plans them again in every statement that writes the
 -- table, whichever columns it writes: 20 us a statement for the allocations' nine, more than the
@@ -426,11 +435,19 @@ CREATE TABLE hubd_event_horizon (
 );
 INSERT INTO hubd_event_horizon (position) VALUES (0);
 
+-- The feed's lock: an empty table that only hubd's functions may lock. An application role has
+-- no privilege on it, so it can neither LOCK it nor hold it; an advisory lock's key, visible in
+-- pg_locks, could be taken by any role. EXCLUSIVE conflicts with itself and with nothing a
+-- reader takes; pg_locks shows who waits (waitstart) and who holds it.
+CREATE TABLE hubd_feed_lock ();
+
 -- Runs at commit (a deferred constraint trigger), once per changed row. SECURITY DEFINER: at
 -- commit the current role is the caller's again (an application's, after hubd_v1.request), which
--- may not write the feed.
+-- may not write the feed. It takes the feed's lock (hubd_feed_lock), held to the end of the
+-- commit: the next transaction's positions come after this one's, and only once this one is
+-- visible. The notification carries the position alone: any role may LISTEN on any channel.
 CREATE FUNCTION hubd_record_event() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
-SET search_path FROM CURRENT AS $$
+AS $$
 DECLARE
     terminal boolean := NEW.status IN ('released', 'failed', 'destroy_failed');
     kind text;
@@ -449,19 +466,14 @@ BEGIN
     ELSE
         kind := 'published';
     END IF;
-    -- Held to the end of the commit: the next transaction's positions come after this one's,
-    -- and only once this one is visible.
-    PERFORM pg_advisory_xact_lock(hashtext('hubd.events'));
+    LOCK TABLE hubd_feed_lock IN EXCLUSIVE MODE;
     at_position := nextval('hubd_event_position');
     INSERT INTO hubd_events (position, allocation_id, tenant_id, session_id, event, status,
         ready, generation, endpoint, metadata, failure_code, failure_message)
     VALUES (at_position, NEW.id, NEW.tenant_id, NEW.session_id, kind, NEW.status,
         NEW.connection_ready AND NEW.status = 'allocated', NEW.generation, NEW.endpoint,
         NEW.metadata, NEW.failure_code, NEW.failure_message);
-    PERFORM pg_notify('hubd_events', json_build_object(
-        'position', at_position, 'allocation_id', NEW.id, 'event', kind,
-        'status', NEW.status, 'ready', NEW.connection_ready AND NEW.status = 'allocated',
-        'generation', NEW.generation, 'tenant', NEW.tenant_id)::text);
+    PERFORM pg_notify('hubd_events', json_build_object('position', at_position)::text);
     RETURN NULL;
 END;
 $$;
@@ -648,50 +660,150 @@ BEGIN
 END;
 $$;
 
+-- Which tenant a database role is walled into, or that it sees every tenant (an operator's
+-- role). A role with no row, and no row for the login it came from, sees every tenant: the
+-- single-tenant behaviour. Names, not OIDs: a role dropped and created again keeps its wall.
+CREATE TABLE hubd_tenant_roles (
+    role_name    text PRIMARY KEY,
+    tenant_id    text,
+    every_tenant boolean NOT NULL DEFAULT false,
+    granted_at   timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT hubd_tenant_roles_scope_check CHECK ((tenant_id IS NULL) = every_tenant),
+    CONSTRAINT hubd_tenant_roles_tenant_check CHECK (length(tenant_id) BETWEEN 1 AND 200)
+);
+
+-- The caller's wall: (false, NULL) when it sees every tenant, (true, tenant) when it is walled
+-- into one. The caller is the role it SET ROLE to, else the login; a login walled into a
+-- tenant stays walled after a SET ROLE to a role with no row (hubd_app itself, say). Neither
+-- value can be forged: SET ROLE checks membership, and only a superuser changes session_user.
+-- EXECUTE for hubd_app, harmless by design: it tells a caller its own wall.
+CREATE FUNCTION hubd_caller_scope(OUT restricted boolean, OUT tenant text)
+LANGUAGE sql STABLE SECURITY DEFINER AS $$
+    SELECT coalesce(chosen.every_tenant = false, false), chosen.tenant_id
+    FROM (SELECT 1) AS one
+    LEFT JOIN LATERAL (
+        SELECT r.every_tenant, r.tenant_id FROM hubd_tenant_roles AS r
+        WHERE r.role_name IN (nullif(current_setting('role'), 'none'), session_user)
+        ORDER BY r.role_name = coalesce(nullif(current_setting('role'), 'none'), session_user)
+            DESC
+        LIMIT 1
+    ) AS chosen ON true
+$$;
+
+-- A spec as text, bounded before it is parsed: the text is refused past 256 KiB (a parse costs
+-- about ten times the text in memory) and past 32 levels of nesting, counted on the text
+-- itself (a deep document must not reach the parser's recursion). The parsed spec then meets
+-- hubd_check_request's 64 KiB.
+CREATE FUNCTION hubd_parse_spec(spec text) RETURNS jsonb LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    brackets text;
+    before integer;
+BEGIN
+    IF spec IS NULL THEN
+        RETURN '{}'::jsonb;
+    END IF;
+    IF octet_length(spec) > 262144 THEN
+        RAISE EXCEPTION 'spec is larger than 64 KiB (its text has % bytes, more than the 256 KiB '
+            'read before parsing)', octet_length(spec) USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Strings gone, only brackets kept; each pass removes the innermost pairs.
+    brackets := regexp_replace(regexp_replace(spec, '"(?:[^"\\]|\\.)*"', '', 'g'),
+        '[^][{}]', '', 'g');
+    FOR depth IN 1..32 LOOP
+        EXIT WHEN brackets = '';
+        brackets := regexp_replace(brackets, '\[\]|\{\}', '', 'g');
+    END LOOP;
+    IF brackets <> '' THEN
+        before := length(brackets);
+        brackets := regexp_replace(brackets, '\[\]|\{\}', '', 'g');
+        IF length(brackets) < before THEN
+            RAISE EXCEPTION 'spec nests deeper than 32 levels'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        RAISE EXCEPTION 'spec is not valid JSON: its brackets do not pair up'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- No EXCEPTION block: a subtransaction per request would overflow the backend's cache of
+    -- them in a transaction of many requests. PostgreSQL 15 has no pg_input_is_valid; there the
+    -- cast's own error (22P02) stands.
+    IF current_setting('server_version_num')::integer >= 160000 THEN
+        IF NOT pg_input_is_valid(spec, 'jsonb') THEN
+            RAISE EXCEPTION 'spec is not valid JSON: %',
+                left((pg_input_error_info(spec, 'jsonb')).message, 200)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+    END IF;
+    RETURN spec::jsonb;
+END;
+$$;
+
 -- The application API, version 1. Everything here keeps its name, arguments and columns
 -- across migrations; a change that cannot be compatible becomes hubd_v2 beside it.
 CREATE SCHEMA hubd_v1;
 
--- The stable columns: never a token hash, a secret or a lease.
-CREATE VIEW hubd_v1.allocations AS
+-- The stable columns: never a token hash, a secret or a lease. A walled caller sees its tenant's
+-- rows only; security_barrier: the wall is applied before any function of the caller's sees a row.
+CREATE VIEW hubd_v1.allocations WITH (security_barrier) AS
 SELECT a.id, a.status::text AS status, (a.status = 'allocated' AND a.connection_ready) AS ready,
     a.generation::integer AS generation, a.provisioner_id AS provisioner, a.tenant_id AS tenant,
     a.session_id AS session, a.spec::jsonb AS spec, a.idempotency_key,
     a.ready_when::text AS ready_when, a.endpoint::text AS endpoint, a.metadata::jsonb AS metadata,
     a.failure_code, a.failure_message, a.created_at, a.updated_at, a.finished_at
-FROM hubd_allocations AS a;
+FROM hubd_allocations AS a
+WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
+   OR a.tenant_id = (SELECT s.tenant FROM hubd_caller_scope() AS s);
 
-CREATE VIEW hubd_v1.events AS
+CREATE VIEW hubd_v1.events WITH (security_barrier) AS
 SELECT e.position, e.at, e.allocation_id, e.tenant_id AS tenant, e.session_id AS session,
     e.event, e.status::text AS status, e.ready, e.generation::integer AS generation, e.endpoint,
     e.metadata, e.failure_code, e.failure_message
-FROM hubd_events AS e;
+FROM hubd_events AS e
+WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
+   OR e.tenant_id = (SELECT s.tenant FROM hubd_caller_scope() AS s);
 
--- The functions resolve hubd's tables in the schema that holds them, never through a caller's
--- search_path: SET search_path FROM CURRENT records this one.
-SELECT set_config('hubd.saved_search_path', current_setting('search_path'), true),
-    set_config('search_path', 'pg_catalog, ' || quote_ident(current_schema()), true);
-
+-- The spec arrives as text and is bounded before it is parsed (hubd_parse_spec). A walled caller
+-- requests for its tenant: naming none gets its own, naming another is refused.
 CREATE FUNCTION hubd_v1.request(provisioner text, tenant text DEFAULT NULL,
-    session text DEFAULT NULL, spec jsonb DEFAULT '{}', idempotency_key text DEFAULT NULL,
+    session text DEFAULT NULL, spec text DEFAULT '{}', idempotency_key text DEFAULT NULL,
     ready_when text DEFAULT NULL)
-RETURNS hubd_v1.allocations LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+RETURNS hubd_v1.allocations LANGUAGE plpgsql SECURITY DEFINER AS $$
 DECLARE
+    scope record;
+    for_tenant text := request.tenant;
     made text;
     result hubd_v1.allocations;
 BEGIN
-    SELECT r.id INTO made FROM hubd_request_allocation($1, $2, $3, $4, $5, $6, NULL) AS r;
+    SELECT * INTO scope FROM hubd_caller_scope();
+    IF scope.restricted THEN
+        IF for_tenant IS NULL THEN
+            for_tenant := scope.tenant;
+        ELSIF for_tenant IS DISTINCT FROM scope.tenant THEN
+            RAISE EXCEPTION 'this role may request only for tenant %', quote_literal(scope.tenant)
+                USING ERRCODE = 'insufficient_privilege';
+        END IF;
+    END IF;
+    SELECT r.id INTO made FROM hubd_request_allocation(request.provisioner, for_tenant,
+        request.session, hubd_parse_spec(request.spec), request.idempotency_key,
+        request.ready_when, NULL) AS r;
     SELECT * INTO result FROM hubd_v1.allocations AS v WHERE v.id = made;
     RETURN result;
 END;
 $$;
 
-CREATE FUNCTION hubd_v1.release(allocation_id text, reason text DEFAULT 'release requested')
-RETURNS hubd_v1.allocations LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+-- A walled caller releases its tenant's allocations only; another tenant's id is as unknown to
+-- it as an id no allocation has.
+CREATE FUNCTION hubd_v1.release(allocation_id text,
+    reason text DEFAULT 'release requested')
+RETURNS hubd_v1.allocations LANGUAGE plpgsql SECURITY DEFINER AS $$
 DECLARE
     released text;
     result hubd_v1.allocations;
 BEGIN
+    IF NOT EXISTS (SELECT 1 FROM hubd_v1.allocations AS v WHERE v.id = release.allocation_id)
+    THEN
+        RAISE EXCEPTION 'no allocation %', quote_literal(left(release.allocation_id, 80))
+            USING ERRCODE = 'no_data_found';
+    END IF;
     SELECT r.id INTO released FROM hubd_release_allocation($1, $2, NULL) AS r;
     SELECT * INTO result FROM hubd_v1.allocations AS v WHERE v.id = released;
     RETURN result;
@@ -702,7 +814,7 @@ $$;
 -- read this in one repeatable-read transaction, then follow the feed from it, and nothing is
 -- missed or seen twice.
 CREATE FUNCTION hubd_v1.event_cursor()
-RETURNS bigint LANGUAGE sql STABLE SECURITY DEFINER SET search_path FROM CURRENT AS $$
+RETURNS bigint LANGUAGE sql STABLE SECURITY DEFINER AS $$
     SELECT greatest((SELECT max(position) FROM hubd_events),
         (SELECT position FROM hubd_event_horizon))
 $$;
@@ -711,8 +823,7 @@ $$;
 -- allocation when given. A cursor the feed no longer covers fails (HU410) rather than skip.
 CREATE FUNCTION hubd_v1.events_after(after_position bigint, tenant text DEFAULT NULL,
     allocation_id text DEFAULT NULL, max_events integer DEFAULT 1000)
-RETURNS SETOF hubd_v1.events LANGUAGE plpgsql STABLE SECURITY DEFINER
-SET search_path FROM CURRENT AS $$
+RETURNS SETOF hubd_v1.events LANGUAGE plpgsql STABLE SECURITY DEFINER AS $$
 DECLARE
     pruned bigint := (SELECT h.position FROM hubd_event_horizon AS h);
 BEGIN
@@ -734,10 +845,25 @@ BEGIN
 END;
 $$;
 
-SELECT set_config('search_path', current_setting('hubd.saved_search_path'), true);
+-- Every hubd function names its objects on one fixed path: the catalog, hubd's schema, and the
+-- caller's temporary schema last, where nothing of hubd's can be shadowed. None is executable by
+-- PUBLIC; hubd_app gets what it may run below.
+DO $$
+DECLARE
+    fixed text := format('pg_catalog, %I, pg_temp', current_schema());
+    f regprocedure;
+BEGIN
+    FOR f IN
+        SELECT p.oid::regprocedure FROM pg_proc AS p
+        WHERE (p.pronamespace = current_schema()::regnamespace AND p.proname LIKE 'hubd\_%')
+           OR p.pronamespace = 'hubd_v1'::regnamespace
+    LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path = %s', f, fixed);
+        EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END;
+$$;
 
-REVOKE ALL ON ALL FUNCTIONS IN SCHEMA hubd_v1 FROM PUBLIC;
-REVOKE ALL ON FUNCTION hubd_record_event() FROM PUBLIC;
 
 -- The least-privilege role: run the API, read its views, nothing else. Roles belong to the
 -- server, not the database: several hubd databases share it, and a migrating role that may not
@@ -758,6 +884,7 @@ BEGIN
         GRANT USAGE ON SCHEMA hubd_v1 TO hubd_app;
         GRANT SELECT ON ALL TABLES IN SCHEMA hubd_v1 TO hubd_app;
         GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA hubd_v1 TO hubd_app;
+        GRANT EXECUTE ON FUNCTION hubd_caller_scope() TO hubd_app;
     END IF;
 END;
 $$;
