@@ -30,6 +30,8 @@ from hubd.logs import configure_logging, flush_logs, journal_prefix, stderr_is_j
 from hubd.sidecar.command import add_arguments as add_sidecar_arguments
 from hubd.sidecar.command import options_from as sidecar_options
 from hubd.store import Status
+from hubd.tenant_command import add_arguments as add_tenant_arguments
+from hubd.tenant_command import cmd_tenant
 
 __all__ = ["main"]
 
@@ -189,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("id", help="the allocation id (al_…)")
     show.add_argument("--json", action="store_true", help="one JSON object, history included")
 
+    tenant = commands.add_parser(
+        "tenant",
+        help="wall the application API's database roles into tenants",
+        description="Wall the database roles applications use into tenants: a walled role "
+        "sees, requests and releases its tenant's allocations only (hubd_tenant_roles).",
+        parents=[common],
+    )
+    add_tenant_arguments(tenant, common, _Parser)
+
     return parser
 
 
@@ -287,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         config = dev_config(config)
     level = config.log.level
-    if args.command == "alloc" and level in ("info", "warning"):
+    if args.command in ("alloc", "tenant") and level in ("info", "warning"):
         # A command's output is its answer; the daemon's routine news would only bury it.
         level = "warning"
     configure_logging(fmt=config.log.format, level=level)
@@ -302,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(cmd_migrate(config, args))
         if args.command == "alloc":
             return asyncio.run(cmd_alloc(config, args))
+        if args.command == "tenant":
+            return asyncio.run(cmd_tenant(config, args))
     except IdempotencyConflict as exc:
         # Not a usage error: the request was well formed, and the key is taken.
         _say_error(f"hubd: {exc}")
