@@ -60,6 +60,8 @@ class TestDefaults:
         assert config.reconciler.automatic_replacement_recovery is False
         assert config.instance.heartbeat_interval == 5.0
         assert config.instance.ttl == 20.0
+        assert config.events.lock_wait_alarm == 5.0
+        assert config.events.lock_hold_limit == 30.0
         assert config.log.format == "json"
         assert config.log.level == "info"
         assert config.server.allowed_origins == ()
@@ -237,6 +239,23 @@ class TestValidation:
         """An instance heartbeat no more often than its TTL is rejected."""
         with pytest.raises(ConfigError, match=r"^instance\.heartbeat_interval: .*instance\.ttl"):
             load(tmp_path, '[instance]\nheartbeat_interval = "20s"\n')
+
+    def test_feed_lock_bounds(self, tmp_path: pathlib.Path) -> None:
+        """The feed lock's alarm and hold limit are positive, and the limit is not below the
+        alarm (a holder would be ended before anyone was told); equal is allowed."""
+        with pytest.raises(
+            ConfigError, match=r"^events\.lock_hold_limit: must be at least events\.lock_wait_"
+        ):
+            load(tmp_path, '[events]\nlock_wait_alarm = "10s"\nlock_hold_limit = "5s"\n')
+        with pytest.raises(ConfigError, match=r"^events\.lock_hold_limit: .*lock_wait_alarm"):
+            load(tmp_path, '[events]\nlock_wait_alarm = "1m"\n')
+        for key in ("lock_wait_alarm", "lock_hold_limit"):
+            with pytest.raises(ConfigError, match=rf"^events\.{key}: must be positive"):
+                load(tmp_path, f'[events]\n{key} = "0s"\n')
+        both = load(tmp_path, '[events]\nlock_wait_alarm = "2s"\nlock_hold_limit = "2s"\n')
+        assert (both.events.lock_wait_alarm, both.events.lock_hold_limit) == (2.0, 2.0)
+        with pytest.raises(ConfigError, match=r"^events\.lock_hold_limit: "):
+            attrs.evolve(Config().events, lock_hold_limit=1.0)
 
     @pytest.mark.parametrize(
         "listen", ["localhost", "127.0.0.1:", "127.0.0.1:65536", ":8765", "::1:8765", "[x]:1"]

@@ -349,9 +349,23 @@ class EventsConfig:
     """``[events]``: the application event feed (docs/api.md)."""
 
     retention: float = _duration("24h")
+    lock_wait_alarm: float = _duration("5s")
+    """A commit waiting longer than this for the feed's lock makes ``/readyz`` not ready and
+    logs who holds it (docs/operations.md, "The feed's lock")."""
+    lock_hold_limit: float = _duration("30s")
+    """While commits have waited longer than this, a holder of another role than the daemon's
+    is ended (``pg_terminate_backend``)."""
 
     def __attrs_post_init__(self) -> None:
         check_fields("events", self)
+        # A cut-off before the alarm would end holders nobody was told about.
+        if self.lock_hold_limit < self.lock_wait_alarm:
+            raise problem(
+                "events.lock_hold_limit",
+                "must be at least events.lock_wait_alarm "
+                f"({format_duration(self.lock_hold_limit)} < "
+                f"{format_duration(self.lock_wait_alarm)})",
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -136,6 +136,22 @@ class Metrics:
             ["provisioner", "outcome"],
             registry=r,
         )
+        self.feed_lock_waiters = Gauge(
+            "hubd_feed_lock_waiters",
+            "Commits waiting for the event feed's lock (pg_locks, read every second)",
+            registry=r,
+        )
+        self.feed_lock_wait = Gauge(
+            "hubd_feed_lock_wait_seconds",
+            "How long the longest-waiting commit has waited for the event feed's lock",
+            registry=r,
+        )
+        self.feed_lock_terminations = Counter(
+            "hubd_feed_lock_holders_terminated",
+            "Backends of other roles ended by this daemon for holding the event feed's lock "
+            "past events.lock_hold_limit",
+            registry=r,
+        )
         self.loop_errors = Counter(
             "hubd_claim_loop_errors",
             "Errors the claim dispatcher recovered from",

@@ -25,6 +25,7 @@ import structlog
 
 from hubd.backoff import Retries
 from hubd.config import Config
+from hubd.daemon.feedwatch import FeedLockWatch
 from hubd.daemon.heartbeat import Heartbeat, registered
 from hubd.daemon.hooks import load_on_ready
 from hubd.daemon.loops import loop_name
@@ -48,6 +49,7 @@ from hubd.plugins.registry import load_provisioners
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook
 from hubd.store.connect import resolve_dsn
+from hubd.store.events import EventStore
 
 __all__ = ["Daemon", "Running", "listen_error", "new_instance_id"]
 
@@ -77,6 +79,7 @@ class Daemon:
         """Set when the sockets held here must be compared with the database soon."""
         self._running: Running | None = None
         self._heartbeat: Heartbeat | None = None
+        self._feed_lock: FeedLockWatch | None = None
         self._stop_began: float | None = None
 
     @property
@@ -167,6 +170,12 @@ class Daemon:
                 verify_soon=self._verify_soon,
                 on_recovered=running.listener.recycle,
             )
+            self._feed_lock = FeedLockWatch(
+                EventStore(db),
+                self.metrics,
+                alarm=cfg.events.lock_wait_alarm,
+                limit=cfg.events.lock_hold_limit,
+            )
             self._running = running
             # Start-up repair comes before anything says ready: a probe that passes must find
             # the allocations this instance left behind already taken care of.
@@ -182,6 +191,7 @@ class Daemon:
                 running=running,
                 metrics=self.metrics,
                 heartbeat=self._heartbeat,
+                feed_lock=self._feed_lock,
                 verify_soon=self._verify_soon,
             )
             return await Supervisor(
@@ -241,10 +251,11 @@ class Daemon:
         """``None`` when ready; otherwise what is missing.
 
         Answered from state the daemon already holds (the heartbeat's last success, the
-        listener's health), never by a query: a probe must answer at once even while a flood
-        of handshakes or slow statements holds every connection, or a liveness check would
-        restart a daemon that is merely busy. Called on the admin listener's own thread, so
-        it reads only flags and monotonic times.
+        listener's health, the feed lock watch's last reading), never by a query: a probe must
+        answer at once even while a flood of handshakes or slow statements holds every
+        connection, or a liveness check would restart a daemon that is merely busy. Called on
+        the admin listener's own thread, so it reads only flags, monotonic times and strings
+        replaced whole.
         """
         if self._stopping.requested.is_set():
             return "shutting down"
@@ -257,6 +268,10 @@ class Daemon:
             return "database unreachable"
         if not self._running.listener.healthy:
             return "wake-up listener down"
+        # Last: while the database is away the watch keeps its last reading, and the heartbeat's
+        # word is the one that holds then.
+        if self._feed_lock is not None and self._feed_lock.problem is not None:
+            return self._feed_lock.problem
         return None
 
 

@@ -63,6 +63,7 @@ class Supervisor:
                 start("wake-listener", self.sweeps.running.listener.run())
                 start("announce-ready", self._announce_ready())
                 start("heartbeat", self.sweeps.heartbeat.run())
+                start("feed-lock-watch", self.sweeps.feed_lock.run())
                 start("repair", self.sweeps.repair())
                 start("socket-check", self.sweeps.socket_check())
                 if self.sweeps.config.orphans.mode != "off":

@@ -1,4 +1,5 @@
-"""The daemon's periodic work besides claiming: socket checks, repair, orphans, watchdog.
+"""The daemon's periodic work besides claiming: socket checks, repair, orphans, watchdog (the
+heartbeat and the watch on the feed's lock are loops of their own modules, held here).
 
 Each loop survives a failing database (it logs and tries again at its next turn); none of them
 is a claim, so none of them holds a lease.
@@ -14,6 +15,7 @@ import structlog
 
 from hubd.config import Config
 from hubd.daemon.cancellation import raise_if_cancelled
+from hubd.daemon.feedwatch import FeedLockWatch
 from hubd.daemon.heartbeat import Heartbeat
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.running import Running
@@ -39,6 +41,7 @@ class Sweeps:
     running: Running
     metrics: Metrics
     heartbeat: Heartbeat
+    feed_lock: FeedLockWatch
     verify_soon: asyncio.Event
     """Set when the sockets held here must be compared with the database soon."""
 
