@@ -288,6 +288,9 @@ class ReconcilerConfig:
 
     lease_duration: float = _duration("60s")
     connect_timeout: float = _duration("120s")
+    restart_window: float = _duration("60s")
+    """At a start that finds no other live replica, the least time each sidecar that is not
+    connected gets to come back, whatever its deadline was (``connect_timeout`` when longer)."""
     operation_timeout: float = _duration("30s")
     max_concurrent_claims: int = _integer(16)
     poll_interval: float = _duration("5s")

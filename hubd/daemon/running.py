@@ -260,6 +260,7 @@ class Running:
             settings=ReconcilerSettings(
                 lease_duration=rc.lease_duration,
                 connect_timeout=rc.connect_timeout,
+                restart_window=rc.restart_window,
                 operation_timeout=rc.operation_timeout,
                 max_concurrent_claims=rc.max_concurrent_claims,
                 automatic_replacement_recovery=rc.automatic_replacement_recovery,

@@ -372,7 +372,9 @@ class Reconciler:
 
     async def initialize(self) -> None:
         """Start-up repair: fence every active allocation at its generation, treat allocated
-        sidecars that hold no live connection as lost, and schedule anything unscheduled.
+        sidecars that hold no live connection as lost, and schedule anything unscheduled. When
+        no peer is alive, every unconnected sidecar gets the restart window from now: a stop,
+        however long, is not a failure of the sidecars that waited it out.
 
         Safe to run while sockets are already being accepted and while peers claim: each write
         decides in its own statement (unleased rows only, fenced on the connection number).
@@ -382,6 +384,12 @@ class Reconciler:
             if wake_on_start(allocation):
                 await self._store.wake(allocation.id, allocation.generation)
         await self.repair_unscheduled_connections()
+        reopened = await self._store.open_reconnect_windows(
+            instance_ttl=self.settings.instance_ttl,
+            window=max(self.settings.restart_window, self.settings.connect_timeout),
+        )
+        if reopened:
+            log.info("reconnect_windows_opened", count=reopened)
 
     async def repair_unscheduled_connections(self) -> int:
         """Give allocated rows that read ready, or that nothing would revisit, a connect

@@ -35,6 +35,10 @@ class ReconcilerSettings:
     automatic_replacement_recovery: bool = False
     instance_ttl: float = 20.0
     """A connection record counts only while its instance heartbeated within this time."""
+    restart_window: float = 60.0
+    """At a start that finds no live peer, the least time every unconnected sidecar gets to
+    come back (``connect_timeout`` when longer): it covers the reference sidecar's reconnect
+    backoff (at most 30 s between dials) whatever ``connect_timeout`` is."""
     ready_when: Mapping[str, str] = attrs.field(factory=dict, hash=False)
     """Provisioner id → how its allocations become ready unless requested otherwise
     (``"connected"``, the default for a provisioner not named, or ``"declared"``); written
@@ -44,7 +48,13 @@ class ReconcilerSettings:
         return self.ready_when.get(provisioner_id, "connected")
 
     def __attrs_post_init__(self) -> None:
-        for name in ("lease_duration", "connect_timeout", "operation_timeout", "instance_ttl"):
+        for name in (
+            "lease_duration",
+            "connect_timeout",
+            "operation_timeout",
+            "instance_ttl",
+            "restart_window",
+        ):
             try:
                 positive(getattr(self, name), getattr(self, name))
             except ValueError as exc:

@@ -156,5 +156,16 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
             )
         )
 
+    async def open_reconnect_windows(self, *, instance_ttl: float, window: float) -> int:
+        """At a start with no live peer: every allocated row whose sidecar is not connected gets
+        ``window`` seconds from now to reconnect; returns how many deadlines moved."""
+        rows = await self._db.fetch(
+            "open reconnect windows",
+            SQL.open_reconnect_windows(
+                instance_ttl=float(instance_ttl), window=float(window), instance_id=self.instance_id
+            ),
+        )
+        return len(rows)
+
     async def _fetch_all(self, what: str, query: Bound) -> list[Allocation]:
         return [Allocation.from_row(row) for row in await self._db.fetch(what, query)]

@@ -121,3 +121,25 @@ SELECT * FROM hubd_allocations
 WHERE (:status::text IS NULL OR status = :status)
 ORDER BY created_at DESC, id
 LIMIT :limit;
+
+-- name: open_reconnect_windows
+-- At a start that finds no other live instance (none heartbeated within :instance_ttl seconds):
+-- no hub could take a sidecar back while this one was away, so each allocated row whose sidecar
+-- holds no live record gets until :window seconds from now to reconnect, whenever its deadline
+-- fell. A stop is not a failure: the deadline a clean stop wrote, or that start-up repair just
+-- gave, ran while the sidecars knocked on a closed door. Rows a claim holds decide for
+-- themselves; a row with a peer alive is left alone (its sidecars had a hub to return to).
+-- Returns the rows whose deadline moved.
+UPDATE hubd_allocations AS a SET
+    connect_deadline = now() + make_interval(secs => :window),
+    updated_at = now()
+WHERE a.status = 'allocated'
+  AND a.connect_deadline IS NOT NULL
+  AND a.connect_deadline < now() + make_interval(secs => :window)
+  AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= now())
+  AND NOT hubd_sidecar_live(a.id, a.generation, :instance_ttl, :instance_id)
+  AND NOT EXISTS (
+      SELECT 1 FROM hubd_instances AS i
+      WHERE i.id <> :instance_id
+        AND i.heartbeat_at > now() - make_interval(secs => :instance_ttl))
+RETURNING a.id;
