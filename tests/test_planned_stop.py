@@ -59,6 +59,11 @@ class TestReconnectWindowAtStart:
         )
         assert await store.open_reconnect_windows(instance_ttl=5, window=WINDOW) == 1
         assert WINDOW - 5 < await _seconds_left(db, lapsed) <= WINDOW
+        # The claim that watched the old deadline watches the new one.
+        assert await db.pool.fetchval(
+            "SELECT next_attempt_at = connect_deadline FROM hubd_allocations WHERE id = $1",
+            lapsed,
+        )
         # A deadline already later is kept; a row a claim holds decides for itself.
         assert await _seconds_left(db, later) > 3000
         assert await _seconds_left(db, claimed) < 0

@@ -22,6 +22,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import attrs
@@ -332,6 +333,47 @@ class TestService:
         assert "schema is up to date" in migrated.stdout
         systemd_host.run("systemctl", "start", "hubd")
         _poll(_ready_at(systemd_host, allocation, generation), what="ready after the upgrade")
+
+    def test_a_stop_longer_than_connect_timeout_keeps_the_sidecar(
+        self, systemd_host: Host, allocation: str
+    ) -> None:
+        """``systemctl stop`` for longer than ``connect_timeout`` (3 s here, by a drop-in) is not
+        a failure: the next start takes the same sidecar process back at the same generation,
+        with no connect failure in its history."""
+        dropin = "/etc/systemd/system/hubd.service.d/connect-timeout.conf"
+        systemd_host.run(
+            "sh", "-c",
+            f"printf '[Service]\\nEnvironment=HUBD_RECONCILER_CONNECT_TIMEOUT=3s\\n' > {dropin}"
+            " && systemctl daemon-reload",
+        )  # fmt: skip
+        try:
+            systemd_host.run("systemctl", "restart", "hubd")
+            generation = systemd_host.allocation(allocation)["generation"]
+            _poll(_ready_at(systemd_host, allocation, generation), what="ready before the stop")
+            sidecars = systemd_host.run("pgrep", "-f", "hubd sidecar").stdout.split()
+            systemd_host.run("systemctl", "stop", "hubd")
+
+            def deadline_passed() -> bool:
+                deadline = systemd_host.allocation(allocation)["connect_deadline"]
+                return isinstance(deadline, str) and (
+                    datetime.fromisoformat(deadline) < datetime.now(UTC)
+                )
+
+            _poll(deadline_passed, what="the stop to outlast connect_timeout")
+            systemd_host.run("systemctl", "start", "hubd")
+            try:
+                _poll(_ready_at(systemd_host, allocation, generation), what="ready after the stop")
+            except AssertionError as exc:
+                # What the row and the daemon said, for a failure on a machine nobody can see.
+                shown = systemd_host.hubctl("alloc", "show", allocation, "--json").stdout
+                said = systemd_host.run("journalctl", "-u", "hubd", "-o", "cat", "-n", "40").stdout
+                raise AssertionError(f"{exc}\n{scrub(shown)}\n{scrub(said)}") from None
+            assert systemd_host.run("pgrep", "-f", "hubd sidecar").stdout.split() == sidecars
+            history = systemd_host.allocation(allocation).get("history") or []
+            assert not [h for h in history if "deadline" in str(h)], history
+        finally:
+            systemd_host.run("sh", "-c", f"rm -f {dropin} && systemctl daemon-reload")
+            systemd_host.run("systemctl", "restart", "hubd")
 
     def test_journal_priorities_and_no_secrets(self, systemd_host: Host, allocation: str) -> None:
         """Warnings reach the journal as warnings (``-p warning`` has no routine lines), and

@@ -1,5 +1,5 @@
 -- Statements on hubd_allocations that no claim owns: requests and releases (through the
--- functions applications call too), reads, the wake-up of a connect, the repair sweep and orphan
+-- functions applications call too), an operator's forget, reads, the wake-up of a connect, the repair sweep and orphan
 -- collection. The table's claims and leases are in allocations_claims.sql, a claim's fenced
 -- transitions in allocations_transitions.sql.
 
@@ -17,6 +17,45 @@ SELECT * FROM hubd_request_allocation(:provisioner_id, :tenant_id, :session_id,
 -- new generation, which fences off the current claim and sidecar. Returns the row as it stands;
 -- an unknown id fails (no_data_found).
 SELECT * FROM hubd_release_allocation(:allocation_id, :reason, :instance_id);
+
+-- name: forget_allocation
+-- An operator's forget (hubd alloc forget): an active allocation whose sidecar is gone for good
+-- ends now, with no destroy, ever. A release that was under way ends released (what its
+-- requester asked for); anything else ends failed (nobody asked it to end), both with failure
+-- 'forgotten' and the operator's :reason, which the ledger keeps too. The generation is bumped
+-- and the lease cleared, so a claim working on the row, and the sidecar, are fenced off: their
+-- later writes match nothing. The sidecar id and external ref stay, naming what the operator may
+-- have to clean up. The row's triggers retire its sockets and write the event. Returns the row;
+-- none when nothing was forgotten (an unknown id, or an allocation that had ended already).
+WITH prior AS (
+    SELECT id, status FROM hubd_allocations
+    WHERE id = :allocation_id
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+    FOR UPDATE
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        status = CASE WHEN prior.status = 'releasing' THEN 'released' ELSE 'failed' END,
+        generation = a.generation + 1,
+        failure_code = 'forgotten',
+        failure_message = :reason,
+        connection_ready = false,
+        initialization_lease_id = NULL,
+        next_attempt_at = NULL,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        finished_at = now(),
+        updated_at = now()
+    FROM prior
+    WHERE a.id = prior.id AND a.id = :allocation_id
+    RETURNING a.*, prior.status AS from_status
+), logged AS (
+    INSERT INTO hubd_allocation_ledger (allocation_id, generation, instance_id, kind,
+        from_status, to_status, phase, error_code, message)
+    SELECT id, generation, :instance_id, 'forget', from_status, status, 'committed', 'forgotten',
+        :reason
+    FROM updated
+)
+SELECT * FROM updated;
 
 -- name: wake
 -- Make :generation of :allocation_id due now (a sidecar connected, or a repair) and tell the
@@ -130,8 +169,14 @@ LIMIT :limit;
 -- gave, ran while the sidecars knocked on a closed door. Rows a claim holds decide for
 -- themselves; a row with a peer alive is left alone (its sidecars had a hub to return to).
 -- Returns the rows whose deadline moved.
+-- The claim that watched the old deadline is moved to the new one; one scheduled earlier for
+-- something else keeps its time.
 UPDATE hubd_allocations AS a SET
     connect_deadline = now() + make_interval(secs => :window),
+    next_attempt_at = CASE WHEN a.next_attempt_at IS NULL
+                                OR a.next_attempt_at >= a.connect_deadline
+                           THEN now() + make_interval(secs => :window)
+                           ELSE a.next_attempt_at END,
     updated_at = now()
 WHERE a.status = 'allocated'
   AND a.connect_deadline IS NOT NULL
