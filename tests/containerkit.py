@@ -23,10 +23,13 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pytest
+
+if TYPE_CHECKING:
+    import aiodocker
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / ".ci" / "container-engine"
@@ -191,15 +194,46 @@ def toml_options(values: dict[str, Any]) -> str:
     return "\n".join(f"{key} = {literal(value)}" for key, value in values.items())
 
 
+def gone(exc: aiodocker.DockerError) -> bool:
+    """Whether the engine's error says the container is not there: 404, or the 500 Podman
+    answers for one it is removing while it is looked at (``… no such container``)."""
+    return exc.status == 404 or (exc.status == 500 and "no such container" in str(exc.message))
+
+
 async def containers(engine: Engine, deployment: str) -> list[dict[str, Any]]:
-    """The containers (any state) labelled with ``deployment``, as the engine lists them."""
+    """The containers (any state) labelled with ``deployment``, as the engine lists them; one
+    removed between the list and its inspect (a running daemon's destroy, its orphan sweep)
+    is not there."""
     import aiodocker
 
     async with aiodocker.Docker(url=engine.socket) as docker:
         listed = await docker.containers.list(
             all=True, filters={"label": [f"io.hubd.deployment={deployment}"]}
         )
-        return [await c.show() for c in listed]
+        found = []
+        for container in listed:
+            try:
+                found.append(await container.show())
+            except aiodocker.DockerError as exc:
+                if not gone(exc):
+                    raise
+        return found
+
+
+async def remove_all(engine: Engine, deployment: str) -> None:
+    """Remove every container labelled with ``deployment``, whatever its state; one already
+    removed meanwhile (by a daemon still stopping it) is not an error."""
+    import aiodocker
+
+    async with aiodocker.Docker(url=engine.socket) as docker:
+        for container in await docker.containers.list(
+            all=True, filters={"label": [f"io.hubd.deployment={deployment}"]}
+        ):
+            try:
+                await container.delete(force=True)
+            except aiodocker.DockerError as exc:
+                if not gone(exc):
+                    raise
 
 
 def run(coro: Any) -> Any:

@@ -87,13 +87,17 @@ def namespace(pid: int | str, kind: str) -> str:
 
 def sidecar_process(marker: str) -> int:
     """The sidecar's interpreter among the processes carrying ``marker``: bwrap's two (the
-    parent outside, PID 1 inside) carry it too, under bwrap's command line."""
-    (pid,) = [
-        pid
-        for pid in sidecar_pids(marker)
-        if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == sys.executable.encode()
-    ]
+    parent outside, PID 1 inside) carry it too, under bwrap's command line. One that exits
+    between the listing and the read of its command line is not it."""
+    (pid,) = [pid for pid in sidecar_pids(marker) if _program(pid) == sys.executable.encode()]
     return pid
+
+
+def _program(pid: int) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return None
 
 
 class TestBubblewrap:

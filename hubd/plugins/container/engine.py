@@ -47,6 +47,9 @@ _CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 # Podman answers a name conflict with 500 and this text where dockerd answers 409.
 _IN_USE: Final = re.compile(r"already in use", re.IGNORECASE)
 _NO_IMAGE: Final = re.compile(r"no such image|image not known|not found", re.IGNORECASE)
+# Podman answers 500 and this text where dockerd answers 404 for a container removed while the
+# call was looking at it (a destroy racing another replica's, or the orphan sweep).
+_NO_CONTAINER: Final = re.compile(r"no such container", re.IGNORECASE)
 
 T = TypeVar("T")
 
@@ -73,7 +76,9 @@ class EngineFailed(PluginError):
 
     @property
     def not_found(self) -> bool:
-        return self.status == 404
+        return self.status == 404 or (
+            self.status == 500 and bool(_NO_CONTAINER.search(self.message))
+        )
 
     @property
     def image_missing(self) -> bool:
