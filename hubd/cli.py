@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -68,6 +70,17 @@ def _positive_seconds(text: str) -> float:
         return parse_duration(text if not text.replace(".", "", 1).isdigit() else f"{text}s")
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _reason(text: str) -> str:
+    from hubd.store.values import MAX_MESSAGE_LENGTH
+
+    # Refused rather than cut: the ledger keeps the operator's words as written, or not at all.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("say why the allocation is forgotten")
+    if len(text) > MAX_MESSAGE_LENGTH:
+        raise argparse.ArgumentTypeError(f"longer than {MAX_MESSAGE_LENGTH} characters")
+    return text
 
 
 def _version() -> str:
@@ -168,11 +181,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long --wait waits, e.g. 60s or 5m (default: 300s); the allocation outlives it",
     )
     request.add_argument(
-        "--json", action="store_true", help="print the new allocation as JSON instead of its id"
+        "--json",
+        action="store_true",
+        help="print the allocation as JSON instead of its id; with --wait, once the wait ends "
+        "(ready, ended or timed out: the exit code says which)",
     )
 
     release = alloc_commands.add_parser("release", help="release an allocation", parents=[common])
     release.add_argument("id", help="the allocation id (al_…)")
+
+    forget = alloc_commands.add_parser(
+        "forget",
+        help="end an allocation whose sidecar is gone for good, without destroying it",
+        description="End an active allocation at once without destroying its sidecar, for one "
+        "whose sidecar is gone for good (a release that can never finish, a provisioner that "
+        "no longer exists). hubd makes no further attempt to destroy the sidecar: whatever it "
+        "left behind is yours to clean up. A release in progress ends released, anything "
+        "else failed; both with failure forgotten and your reason, which the ledger keeps.",
+        parents=[common],
+    )
+    forget.add_argument("id", help="the allocation id (al_…)")
+    forget.add_argument(
+        "--reason",
+        required=True,
+        type=_reason,
+        help="why, in at most 500 characters: kept in the ledger, and shown to the "
+        "application as the allocation's failure_message",
+    )
+    forget.add_argument(
+        "--confirm", action="store_true", help="forget it (without this nothing changes)"
+    )
 
     listing = alloc_commands.add_parser(
         "list", help="list allocations, newest first", parents=[common]
@@ -270,6 +308,36 @@ def _say_error(text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        # Written out here, not at exit: a reader gone by then is a traceback nobody can catch.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+    return code
+
+
+def _reader_gone() -> int:
+    """Whoever read the output stopped reading (``hubd alloc list | head``): end silently, as
+    git and coreutils do, by the SIGPIPE a write into a closed pipe means. Every block the
+    command opened has let go by now (the database, an embedded server's share), so nothing
+    is left behind by dying."""
+    with contextlib.suppress(OSError, ValueError):
+        flush_logs()
+        sys.stderr.flush()
+    # What is still buffered for the closed pipe goes nowhere rather than fail once more.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+    # Python ignores SIGPIPE; restored, it ends the process as it would end any other command.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGPIPE)
+    return 128 + signal.SIGPIPE  # the shell's number for it, where the signal did not end us
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "sidecar":

@@ -67,6 +67,17 @@ async def cmd_migrate(config: Config, _args: argparse.Namespace) -> int:
 
 
 async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
+    if args.alloc_command == "forget" and not args.confirm:
+        # Before the database: nothing is read or changed until the operator has read this.
+        print(
+            f"hubd: forgetting {args.id} ends it without destroying its sidecar: hubd makes no "
+            "further attempt to destroy it, so whatever it left behind (a process, a container, "
+            "files) is yours to clean up. To have hubd destroy it, use `hubd alloc release "
+            f"{args.id}`; to forget it anyway, add --confirm",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+
     async def work(db: Database) -> int:
         store = AllocationStore(db, instance_id=CLI_INSTANCE)
         ledger = LedgerStore(db, instance_id=CLI_INSTANCE)
@@ -81,17 +92,25 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
                 idempotency_key=args.idempotency_key,
                 ready_when=args.ready_when,
             )
-            if args.json:
-                print(json.dumps(allocation_json(allocation), indent=2), flush=True)
-            else:
+            if not args.json:
                 print(allocation.id, flush=True)
-            if args.wait:
-                return await _wait(db, allocation.id, args.timeout)
-            return EXIT_OK
+            elif not args.wait:
+                print(json.dumps(allocation_json(allocation), indent=2), flush=True)
+            if not args.wait:
+                return EXIT_OK
+            code = await _wait(db, allocation.id, args.timeout)
+            if args.json:
+                # What the wait came to (ready, ended, or still on its way when it ran out),
+                # not the pending row a script would have to look up again.
+                settled = await store.get(allocation.id)
+                print(json.dumps(allocation_json(settled), indent=2), flush=True)
+            return code
         if command == "release":
             released = await store.release(args.id, reason="released from the command line")
             print(f"{released.id} {released.status}")
             return EXIT_OK
+        if command == "forget":
+            return await _forget(store, args.id, args.reason)
         if command == "list":
             status = Status(args.status) if args.status else None
             rows = await store.list_allocations(status=status, limit=args.limit)
@@ -113,6 +132,29 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
         raise AssertionError(command)
 
     return await _with_database(config, work)
+
+
+async def _forget(store: AllocationStore, allocation_id: str, reason: str) -> int:
+    forgotten = await store.forget(allocation_id, reason=reason)
+    if forgotten is None:
+        ended = await store.get(allocation_id)  # an unknown id raises: exit 1, "no allocation"
+        why = f" ({ended.failure_code}: {ended.failure_message})" if ended.failure_code else ""
+        print(
+            f"hubd: {allocation_id} has ended already ({ended.status}{why}): nothing to forget",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    print(f"{forgotten.id} {forgotten.status}")
+    if forgotten.sidecar_id is None:
+        left = "no sidecar was bound to it"
+    else:
+        where = f", external ref {forgotten.external_ref}" if forgotten.external_ref else ""
+        left = (
+            f"hubd makes no further attempt to destroy its sidecar {forgotten.sidecar_id}"
+            f"{where}: whatever it left behind is yours to clean up"
+        )
+    print(f"hubd: forgot {allocation_id}; {left}", file=sys.stderr)
+    return EXIT_OK
 
 
 async def _check_provisioner(db: Database, config: Config, provisioner_id: str) -> None:
@@ -161,10 +203,11 @@ async def _wait(db: Database, allocation_id: str, limit: float) -> int:
                 if info.ready:
                     return EXIT_OK
                 if info.terminal:
-                    print(
-                        f"{allocation_id}: {info.failure_code}: {info.failure_message}",
-                        file=sys.stderr,
-                    )
+                    if info.failure_code:
+                        print(
+                            f"{allocation_id}: {info.failure_code}: {info.failure_message}",
+                            file=sys.stderr,
+                        )
                     return EXIT_FAILED
         raise AssertionError("a watch ends only when it is closed")
     except TimeoutError:

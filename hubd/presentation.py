@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from hubd.store.allocations import FORGOTTEN
 from hubd.store.models import Allocation, LedgerEntry, Status
 
 __all__ = ["NO_DAEMON", "allocation_json", "ledger_json", "next_step", "rfc3339"]
@@ -86,6 +87,11 @@ def next_step(allocation: Allocation, now: datetime, *, daemon_alive: bool = Tru
 def _next_step(allocation: Allocation, now: datetime) -> str:
     a = allocation
     last_error = f", last error {a.failure_code}: {a.failure_message}" if a.failure_code else ""
+    if a.status.terminal and a.failure_code == FORGOTTEN:
+        return (
+            f"nothing: forgotten by an operator ({a.failure_message}); whatever sidecar "
+            f"{a.sidecar_id or '-'} left behind is the operator's to clean up"
+        )
     if a.status is Status.RELEASED:
         return "nothing: released"
     if a.status is Status.FAILED:

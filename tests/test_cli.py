@@ -6,7 +6,10 @@ import asyncio
 import json
 import os
 import re
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,13 +18,15 @@ import asyncpg
 import pytest
 
 from hubd.errors import ConfigError
-from hubd.store import connect_database
+from hubd.store import AllocationStore, connect_database
 from hubd.store.address import embedded_dsn
 from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import available_migrations
-from tests.clikit import run_hubd, run_hubd_async
+from tests.clikit import Result, hubd_env, run_hubd, run_hubd_async
 from tests.conftest import PostgresServer, drop_database, fresh_database
+from tests.daemonkit import running, write_config
+from tests.polling import eventually
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -131,6 +136,16 @@ class TestCheckConfig:
         result = run_hubd("check-config", env={"HUBD_RECONCILER_MAX_CONCURRENT_CLAIMS": "0"})
         assert result.code == 2
         assert "reconciler.max_concurrent_claims" in result.err
+
+    @pytest.mark.parametrize("argv", [("check-config",), ("db-url",), ("alloc", "list")])
+    def test_unrelated_hubd_variable_is_ignored(self, argv: tuple[str, ...]) -> None:
+        """HUBD_LOG=1 exported for some other tool is no override (it names no key): commands
+        run as without it."""
+        env = {"HUBD_LOG": "1", "HUBD_DATABASE_URL": "postgresql://u@127.0.0.1:1/x"}
+        result = run_hubd(*argv, env=env)
+        assert "HUBD_LOG" not in result.err
+        # alloc list gets as far as the database, which nobody answers here.
+        assert result.code == (3 if argv[0] == "alloc" else 0), result.err
 
 
 @pytest.fixture
@@ -374,6 +389,138 @@ class TestRequestAnswers:
         data = json.loads(result.out)
         assert data["id"].startswith("al_")
         assert (data["status"], data["session_id"], data["spec"]) == ("pending", "s1", {})
+
+
+class TestWaitJson:
+    """``request --wait --json`` prints one JSON object, the allocation as the wait left it;
+    the exit code is the plain --wait's."""
+
+    def test_timeout_prints_the_row_as_it_stands(self, external_db: str) -> None:
+        """A wait that runs out prints the allocation still pending, exit 1, and says so."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert run_hubd("migrate", env=env).code == 0
+        argv = ("alloc", "request", "--provisioner", "local", "--wait", "--json")
+        result = run_hubd(*argv, "--timeout", "1s", env=env)
+        assert result.code == 1
+        data = json.loads(result.out)
+        assert data["status"] == "pending"
+        assert f"{data['id']}: not ready after 1s (still pending)" in result.err
+
+    async def test_ended_prints_the_ended_row(
+        self, database_url: str, store: AllocationStore
+    ) -> None:
+        """An allocation released while the command waits prints as released, exit 1."""
+        env = {"HUBD_DATABASE_URL": database_url}
+        argv = ("alloc", "request", "--provisioner", "local", "--wait", "--json")
+        waiting = asyncio.create_task(run_hubd_async(*argv, "--timeout", "60s", env=env))
+
+        async def requested() -> bool:
+            return bool(await store.list_allocations())
+
+        await eventually(requested, within=30, what="the request")
+        (allocation,) = await store.list_allocations()
+        await store.release(allocation.id)
+        result = await waiting
+        assert result.code == 1, result.err
+        data = json.loads(result.out)
+        assert (data["id"], data["status"], data["ready"]) == (allocation.id, "released", False)
+        assert f"{allocation.id}: released (generation 1)" in result.err
+        assert "None" not in result.err
+
+    @pytest.mark.timeout(120)
+    async def test_ready_prints_the_ready_row(
+        self, database_url: str, state_dir: Path, marker: str
+    ) -> None:
+        """With a daemon making it ready, the JSON printed is the ready allocation (status,
+        generation, sidecar), exit 0, as a script reading it would want."""
+        config = write_config(
+            state_dir / "hubd.toml", database_url=database_url, state_dir=state_dir, marker=marker
+        )
+        argv = ("alloc", "request", "--provisioner", "local", "--wait", "--json")
+        async with running(config):
+            result = await run_hubd_async(
+                *argv, "--timeout", "60s", env={"HUBD_DATABASE_URL": database_url}
+            )
+        assert result.code == 0, result.err
+        data = json.loads(result.out)
+        assert (data["status"], data["ready"], data["generation"]) == ("allocated", True, 1)
+        assert data["sidecar_id"] is not None
+        assert f"{data['id']}: ready (generation 1)" in result.err
+
+
+def into_closed_pipe(*args: str, env: dict[str, str] | None = None) -> Result:
+    """Run hubd with its standard output a pipe nobody reads any more."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "hubd.cli", *args],
+            env=hubd_env(env),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    return Result(done.returncode, "", done.stderr)
+
+
+class TestClosedOutput:
+    """A reader that stops reading (``| head``) ends the command as it ends git or seq: by
+    SIGPIPE, with nothing on standard error."""
+
+    @pytest.mark.parametrize("argv", [("check-config",), ("db-url",), ("--help",)])
+    def test_without_a_database(self, argv: tuple[str, ...]) -> None:
+        result = into_closed_pipe(*argv)
+        assert result.err == ""
+        assert result.code in (0, -signal.SIGPIPE)
+
+    @pytest.mark.parametrize("argv", [("alloc", "list"), ("alloc", "show", "{id}", "--json")])
+    def test_with_a_database(self, external_db: str, argv: tuple[str, ...]) -> None:
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert run_hubd("migrate", env=env).code == 0
+        allocation_id = run_hubd("alloc", "request", "--provisioner", "local", env=env).out
+        result = into_closed_pipe(*(a.format(id=allocation_id.strip()) for a in argv), env=env)
+        assert result.err == ""
+        assert result.code == -signal.SIGPIPE
+
+    async def test_head_of_a_long_list(self, database_url: str) -> None:
+        """``hubd alloc list | head -1``: the reader takes one line and goes; hubd, mid-way
+        through a table larger than the pipe holds (1,000 rows, 100 KiB), ends quietly."""
+        conn = await asyncpg.connect(database_url)
+        try:
+            # Each call names its own row (a session label), or the planner may call it once.
+            made = await conn.fetchval(
+                "SELECT count(*) FROM generate_series(1, 1000) AS g, LATERAL "
+                "hubd_request_allocation('local', NULL, 's' || g, '{}'::jsonb, NULL, NULL, 'test')"
+            )
+            assert made == 1000
+        finally:
+            await conn.close()
+        for flag in ((), ("--json",)):
+            read_end, write_end = os.pipe()
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "hubd.cli",
+                "alloc",
+                "list",
+                *flag,
+                env=hubd_env({"HUBD_DATABASE_URL": database_url}),
+                stdout=write_end,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            os.close(write_end)
+            # As head does: take one line, then close the read end.
+            with os.fdopen(read_end, "rb") as reader:
+                first = await asyncio.to_thread(reader.readline)
+            assert first.startswith(b"[" if flag else b"ID")
+            assert process.stderr is not None
+            err = await process.stderr.read()
+            assert (flag, await process.wait()) == (flag, -signal.SIGPIPE), err
+            assert err == b""
 
 
 class TestProvisionerCheck:

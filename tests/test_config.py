@@ -502,6 +502,18 @@ class TestEnvironment:
         )
         assert config == Config()
 
+    @pytest.mark.parametrize("variable", ["HUBD_LOG", "HUBD_DEBUG", "HUBD_RECONCILER", "HUBD_LOG_"])
+    def test_names_without_a_key_ignored(self, tmp_path: pathlib.Path, variable: str) -> None:
+        """A HUBD_ variable with no key after its first word (HUBD_LOG=1, exported for some
+        other tool) is not an override: ignored, whatever its first word names."""
+        assert load(tmp_path, "", **{variable: "1"}) == Config()
+
+    def test_typo_of_a_key_still_refused(self, tmp_path: pathlib.Path) -> None:
+        """A key of the override's shape in a known section is still checked: a typo is an
+        error naming the variable and the likely one."""
+        with pytest.raises(ConfigError, match=r"^HUBD_LOG_LEVL: .*'HUBD_LOG_LEVEL'"):
+            load(tmp_path, "", HUBD_LOG_LEVL="debug")
+
     def test_hubd_config_names_the_file(self, tmp_path: pathlib.Path) -> None:
         """Without a path argument, HUBD_CONFIG names the file to read."""
         path = write(tmp_path, "[database]\npool_size = 4\n")

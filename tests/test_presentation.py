@@ -55,6 +55,22 @@ def allocation(**changes: object) -> Allocation:
 
 
 class TestNextStep:
+    @pytest.mark.parametrize("status", [Status.RELEASED, Status.FAILED])
+    def test_forgotten(self, status: Status) -> None:
+        """An allocation an operator forgot says so, with the reason, and that its sidecar was
+        left for the operator, whichever terminal status it ended in."""
+        a = allocation(
+            status=status,
+            sidecar_id="sc_1",
+            next_attempt_at=None,
+            failure_code="forgotten",
+            failure_message="host wiped",
+        )
+        assert next_step(a, NOW) == (
+            "nothing: forgotten by an operator (host wiped); whatever sidecar sc_1 left behind "
+            "is the operator's to clean up"
+        )
+
     def test_waiting_for_connect(self) -> None:
         """An allocated, parked allocation says until when it waits for its sidecar."""
         a = allocation(

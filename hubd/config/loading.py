@@ -85,11 +85,20 @@ def _build(document: Mapping[str, Any], env: Mapping[str, str]) -> Config:
 
 
 def _env_overrides(env: Mapping[str, str]) -> Iterator[tuple[str, str, Any]]:
-    """``(section, key, parsed value)`` for every ``HUBD_<SECTION>_<KEY>`` variable."""
+    """``(section, key, parsed value)`` for every ``HUBD_<SECTION>_<KEY>`` variable.
+
+    Only that shape is read: a name with no key part, or whose first word names no section, is
+    someone else's (a sidecar's ``HUBD_TOKEN``, a script's ``HUBD_LOG``). A known section with an
+    unknown key is refused, naming the variable: that is a typo of an override.
+    """
     for variable in sorted(env):
         if not variable.startswith("HUBD_") or variable == "HUBD_CONFIG":
             continue
         name, _, key = variable.removeprefix("HUBD_").lower().partition("_")
+        if not key:
+            # HUBD_LOG=1, HUBD_DEBUG: not of the override's shape, so not meant for us; an
+            # unrelated variable that happens to share the prefix must not stop every command.
+            continue
         if name == "provisioners":
             raise ConfigError(
                 f"{variable}: provisioners cannot be set from the environment; use the config file"

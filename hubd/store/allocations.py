@@ -1,8 +1,8 @@
 """AllocationStore: the statements on ``hubd_allocations``, for one hub instance.
 
-Requests and releases from applications, reads, the wake-up of a connect and the repair sweep
-are here; a claim's statements are in :mod:`hubd.store.claims` (claims and leases) and
-:mod:`hubd.store.transitions` (its fenced transitions), orphan collection's in
+Requests and releases from applications, an operator's forget, reads, the wake-up of a connect
+and the repair sweep are here; a claim's statements are in :mod:`hubd.store.claims` (claims and
+leases) and :mod:`hubd.store.transitions` (its fenced transitions), orphan collection's in
 :mod:`hubd.store.sweeps`. One class, so that a claim and everything it writes share one store
 and one set of pipelines.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import asyncpg
 
@@ -31,9 +31,12 @@ from hubd.store.values import (
     validate_spec,
 )
 
-__all__ = ["AllocationStore"]
+__all__ = ["FORGOTTEN", "AllocationStore"]
 
 SQL = load_queries("allocations.sql")
+
+FORGOTTEN: Final = "forgotten"
+"""The failure code of an allocation an operator forgot (forget_allocation writes it)."""
 
 
 class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
@@ -108,6 +111,21 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
         )
         assert row is not None
         return Allocation.from_row(row)
+
+    async def forget(self, allocation_id: str, *, reason: str) -> Allocation | None:
+        """End an active allocation without destroying its sidecar (an operator's word that it
+        is gone for good), fencing off any claim on it. Returns the row as forgotten, or
+        ``None`` when nothing was: the id is unknown or the allocation had ended."""
+        validate_allocation_id(allocation_id)
+        row = await self._db.fetchrow(
+            "forget allocation",
+            SQL.forget_allocation(
+                allocation_id=allocation_id,
+                instance_id=self.instance_id,
+                reason=bounded_message(reason),
+            ),
+        )
+        return None if row is None else Allocation.from_row(row)
 
     # -- reads -------------------------------------------------------------------------------
 
