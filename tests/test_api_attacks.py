@@ -24,6 +24,7 @@ import pytest
 
 from hubd.client import Client
 from hubd.errors import AllocationNotFound
+from hubd.store import AllocationStore, connect_database
 from hubd.store.migrate import apply_migrations
 from tests.apikit import SecretDsn, dsn_as
 from tests.externalpg import OWNER, ExternalServer, external_server
@@ -324,6 +325,40 @@ class TestNoLockStallsACommit:
                     await conn.close()
         hubd_relations = {r for r in locked if r.split(".")[-1].startswith("hubd")}
         assert hubd_relations == set()
+
+    async def test_the_advisory_keys_hubd_once_used_stop_no_start_and_no_sweep(
+        self, deployment: Deployment
+    ) -> None:
+        """An application holding the keys that elected the migrating replica and the orphan
+        sweeper (any role may take an advisory key): a daemon's start still migrates, and a
+        sweeper is still elected, each well within its deadline."""
+        async with deployment.role() as dsn:
+            attacker = await asyncpg.connect(dsn)
+            owner = await asyncpg.connect(deployment.owner)
+            try:
+                await attacker.execute("SELECT pg_advisory_lock(hashtext('hubd.migrate'))")
+                await attacker.execute(
+                    "SELECT pg_advisory_lock(hashtext('hubd_orphans'), hashtext('fake'))"
+                )
+                async with asyncio.timeout(scaled(10)):
+                    assert await apply_migrations(owner) == []
+                db = await connect_database(deployment.owner)
+                try:
+                    store = AllocationStore(db, instance_id="in_attacked")
+                    async with asyncio.timeout(scaled(10)):
+                        async with store.sweep_lock("fake") as held:
+                            assert held is not None
+                            # One sweeper at a time: a second replica is told someone sweeps.
+                            async with store.sweep_lock("fake") as second:
+                                assert second is None
+                finally:
+                    await db.close()
+                # The attacker cannot take the sweeper's lock either.
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await attacker.execute("SELECT * FROM hubd_sweep_locks FOR UPDATE")
+            finally:
+                await attacker.close()
+                await owner.close()
 
 
 async def _take_advisory(conn: asyncpg.Connection, key: tuple[int, int, int]) -> None:

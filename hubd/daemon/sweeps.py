@@ -70,7 +70,7 @@ class Sweeps:
 
     async def orphans(self) -> None:
         """Sweep provisioners that can list their sidecars for orphans (one replica at a
-        time per provisioner, elected by an advisory lock)."""
+        time per provisioner, elected by a row lock in ``hubd_sweep_locks``)."""
         cfg, running = self.config.orphans, self.running
         collector = OrphanCollector(
             store=running.store,

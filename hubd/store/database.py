@@ -13,7 +13,7 @@ Four pools, so that no workload waits on another's connections:
   delayed because many claims are busy, nor because of a flood of handshakes.
 
 hubd owns every use of a pooled connection and leaves no session state behind (no LISTEN, no
-SET, no cursors; the one advisory lock is released, or its connection closed, by its holder), so
+SET, no cursors; the sweep lock's transaction is ended, or its connection closed, by its holder), so
 a connection goes back to its pool without asyncpg's reset query: that saves a round trip on
 every release. An open transaction is still rolled back by asyncpg itself.
 

@@ -1,8 +1,8 @@
-"""Numbered schema migrations shipped in the package, applied under an advisory lock.
+"""Numbered schema migrations shipped in the package, applied under a lock.
 
 Each ``migrations/NNNN_name.sql`` runs once, in order. The whole run is one transaction holding
-``pg_advisory_xact_lock``: replicas starting together queue on the lock, and the second finds
-everything applied.
+the lock of ``hubd_schema_migrations`` (an advisory key only before that table exists):
+replicas starting together queue on it, and the second finds everything applied.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ async def apply_migrations(conn: asyncpg.Connection) -> list[Migration]:
             # the bound statements run on it directly.
             await conn.execute(_SQL.lock().sql)
             await conn.execute(_SQL.create_table().sql)
+            await conn.execute(_SQL.lock_table().sql)
             applied = {row["version"] for row in await conn.fetch(_SQL.applied().sql)}
             unknown = applied - {m.version for m in migrations}
             if unknown:

@@ -660,6 +660,13 @@ BEGIN
 END;
 $$;
 
+-- One orphan sweeper per provisioner across replicas: the sweeper holds its row's lock (FOR
+-- UPDATE SKIP LOCKED, in a transaction on a connection of its own) for the sweep. An application
+-- role has no privilege on the table, so it can neither take nor keep that lock.
+CREATE TABLE hubd_sweep_locks (
+    name text PRIMARY KEY
+);
+
 -- Which tenant a database role is walled into, or that it sees every tenant (an operator's
 -- role). A role with no row, and no row for the login it came from, sees every tenant: the
 -- single-tenant behaviour. Names, not OIDs: a role dropped and created again keeps its wall.

@@ -38,20 +38,24 @@ class SweepQueries:
     @contextlib.asynccontextmanager
     async def sweep_lock(self, name: str) -> AsyncIterator[asyncpg.Connection | None]:
         """Hold the cluster-wide sweep lock ``name`` for the block: yields the connection that
-        holds it (closed means lost), or ``None`` when another replica holds it."""
+        holds it (closed means lost), or ``None`` when another replica holds it. The lock is
+        ``name``'s row in ``hubd_sweep_locks``, locked by a transaction that lasts the block."""
         what = "orphan sweep lock"
         async with self._db.connection(what) as conn:
-            if not await self._db.fetchval(what, SQL.try_sweep_lock(lock_name=name), conn=conn):
-                yield None
-                return
+            await self._db.execute(what, SQL.add_sweep_lock(lock_name=name), conn=conn)
+            transaction = conn.transaction()
+            await transaction.start()
             try:
+                held = await self._db.fetchval(what, SQL.try_sweep_lock(lock_name=name), conn=conn)
+                if held is None:
+                    await transaction.rollback()
+                    yield None
+                    return
                 yield conn
             finally:
-                if not conn.is_closed():
+                if not conn.is_closed() and conn.is_in_transaction():
                     try:
-                        await self._db.fetchval(
-                            what, SQL.release_sweep_lock(lock_name=name), conn=conn
-                        )
+                        await transaction.rollback()
                     except BaseException:
                         # Pooled connections are not reset on release: one that may still hold
                         # the lock must not go back to the pool. Closing it releases the lock.

@@ -137,13 +137,16 @@ SELECT s.sidecar_id,
                WHERE a.id = s.allocation_id AND a.id = ANY (:allocation_ids::text[])) AS known
 FROM unnest(:sidecar_ids::text[], :allocation_ids::text[]) AS s (sidecar_id, allocation_id);
 
--- name: try_sweep_lock
--- One sweeper per provisioner across replicas: a session advisory lock, released by
--- release_sweep_lock or by the session's end (a crashed sweeper holds nothing).
-SELECT pg_try_advisory_lock(hashtext('hubd_orphans'), hashtext(:lock_name));
+-- name: add_sweep_lock
+-- The row whose lock elects :lock_name's sweeper, made once (committed on its own, so the next
+-- statement's lock finds it).
+INSERT INTO hubd_sweep_locks (name) VALUES (:lock_name) ON CONFLICT (name) DO NOTHING;
 
--- name: release_sweep_lock
-SELECT pg_advisory_unlock(hashtext('hubd_orphans'), hashtext(:lock_name));
+-- name: try_sweep_lock
+-- One sweeper per provisioner across replicas: the row's lock, held by the sweeper's transaction
+-- until it ends or its connection does (a crashed sweeper holds nothing). No application role
+-- can lock the row, as it could an advisory key. No row: another replica sweeps.
+SELECT name FROM hubd_sweep_locks WHERE name = :lock_name FOR UPDATE SKIP LOCKED;
 
 -- name: get_allocation
 SELECT * FROM hubd_allocations WHERE id = :allocation_id;

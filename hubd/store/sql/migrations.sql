@@ -2,7 +2,14 @@
 
 -- name: lock
 -- Held for the migration transaction so replicas starting together apply each migration once.
-SELECT pg_advisory_xact_lock(hashtext('hubd.migrate'));
+-- Once the record exists, its table's lock: no application role may lock it, as any role of
+-- the database could take and keep an advisory key and so stop every daemon from starting.
+-- Before (a database nothing has migrated yet, that no application uses), an advisory key.
+SELECT CASE WHEN to_regclass('hubd_schema_migrations') IS NULL
+            THEN pg_advisory_xact_lock(hashtext('hubd.migrate')) END;
+
+-- name: lock_table
+LOCK TABLE hubd_schema_migrations IN SHARE ROW EXCLUSIVE MODE;
 
 -- name: create_table
 CREATE TABLE IF NOT EXISTS hubd_schema_migrations (
