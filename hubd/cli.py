@@ -132,8 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_sidecar_arguments(sidecar)
     commands.add_parser("migrate", help="apply schema migrations", parents=[common])
-    commands.add_parser(
+    check = commands.add_parser(
         "check-config", help="validate and print the effective config", parents=[common]
+    )
+    check.add_argument(
+        "--probe",
+        action="store_true",
+        help="also build each provisioner and ask it whether it can make sidecars here "
+        "(its engine answers, its image or command is there); creates nothing",
     )
     db_url = commands.add_parser(
         "db-url",
@@ -244,13 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
 # -- commands --------------------------------------------------------------------------------
 
 
-def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
+def cmd_check_config(config: Config, args: argparse.Namespace) -> int:
     from hubd.daemon.hooks import load_on_ready
-    from hubd.plugins.registry import resolve_factories
+    from hubd.plugins.preflight import preflight
 
-    # The operator's pre-flight: a plugin that cannot be imported fails here (exit 2), not at
-    # start. Factories are found, not called: building a provisioner may do I/O.
-    resolve_factories(config.provisioners)
+    # The operator's pre-flight: a plugin that cannot be imported, or whose own parser refuses
+    # its options, fails here (exit 2), not at start. Factories are called only under --probe:
+    # building a provisioner may do I/O.
+    notes = preflight(config.provisioners, state_dir=config.state_path, probe=args.probe)
     load_on_ready(config.reconciler.on_ready)
     print(render_toml(config.to_display_dict()), end="")
     print(f"# state dir: {config.state_path}")
@@ -264,6 +271,7 @@ def cmd_check_config(config: Config, _args: argparse.Namespace) -> int:
             "(server.listen uses port 0: the port is chosen at start; hubd run logs it)"
         )
     print(f"# provisioners: {', '.join(p.id for p in config.provisioners) or 'none'} (found)")
+    print(*notes, sep="\n", end="\n" if notes else "")
     if config.reconciler.on_ready:
         print(f"# on_ready hook: {config.reconciler.on_ready} (found, async, takes 2 arguments)")
     return EXIT_OK

@@ -1,15 +1,17 @@
-"""A private container engine for the tests (``.ci/container-engine``), started once per test
-process on first use and stopped when the process exits, and the options that run the
-reference sidecar (this checkout, this interpreter) in it.
+"""Private container engines for the tests (``.ci/container-engine``): Podman's API service and
+dockerd (Debian's docker.io, with a containerd of its own), each started once per test process
+on first use and stopped when the process exits, and the options that run the reference
+sidecar (this checkout, this interpreter) in them.
 
-No engine (not root, no Podman, no busybox, or it fails to start) skips the tests that need
-one, with the reason; under ``HUBD_REQUIRE_CONTAINER_ENGINE=1`` (set by ``.ci/run`` where
-``.ci/install-podman`` started an engine) it fails them instead.
+No engine of a kind (not root, no Podman or no dockerd, no busybox, or it fails to start) skips
+the tests that need it, with the reason. ``HUBD_REQUIRE_CONTAINER_ENGINE`` (set by ``.ci/run``
+to what ``.ci/install-podman`` could start, ``podman,dockerd``) names the kinds whose tests fail
+instead; ``1``, what it said before dockerd was an engine here, means Podman.
 
-A second engine runs every container under gVisor (``.ci/container-engine start DIR runsc``)
-for the tests of a sandboxed runtime. Where runsc is missing or cannot run a container here
-(the script's own probe, exit 3), those tests skip with the reason even under that variable:
-what is required is that gVisor works wherever it can.
+A second engine of each kind runs containers under gVisor (``.ci/container-engine start DIR
+runsc KIND``) for the tests of a sandboxed runtime. Where runsc is missing or cannot run a
+container here (the script's own probe, exit 3), those tests skip with the reason even when
+the kind is required: what is required is that gVisor works wherever it can.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import attrs
 import pytest
@@ -34,9 +36,23 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / ".ci" / "container-engine"
 IMAGE = "localhost/hubd-sidecar-base:latest"
-REQUIRED = os.environ.get("HUBD_REQUIRE_CONTAINER_ENGINE") == "1"
+ENGINES: Final = ("podman", "dockerd")
+"""The kinds of engine the container tests run on."""
 # The VM's hard limits are below what the engine would otherwise ask of the runtime.
 ULIMITS = {"nofile": [1024, 20000], "nproc": [4096, 4096]}
+# What each kind needs on the PATH besides busybox (the image).
+_TOOLS: Final = {"podman": ("podman",), "dockerd": ("dockerd", "containerd", "docker")}
+_PACKAGE: Final = {"podman": "podman", "dockerd": "docker.io"}
+
+
+def _required(value: str) -> frozenset[str]:
+    if value.strip() == "1":
+        return frozenset({"podman"})
+    return frozenset(part.strip() for part in value.split(",") if part.strip())
+
+
+REQUIRED: Final = _required(os.environ.get("HUBD_REQUIRE_CONTAINER_ENGINE", ""))
+"""The kinds whose tests fail, rather than skip, without an engine."""
 
 
 @attrs.frozen
@@ -44,43 +60,82 @@ class Engine:
     socket: str
     """``unix://…``"""
     directory: Path
+    kind: str = "podman"
+    """``podman`` or ``dockerd``."""
 
     @property
     def path(self) -> str:
         return self.socket.removeprefix("unix://")
 
-    def podman(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """The Podman CLI on this engine's storage (what a test inspects, never the code)."""
+    @property
+    def gvisor_runtime(self) -> str | None:
+        """The provisioner's ``runtime`` option that runs a sidecar under this engine's gVisor:
+        dockerd runs a container under the runtime it names; Podman ignores it, and its gVisor
+        engine runs every container under runsc instead."""
+        return "runsc" if self.kind == "dockerd" else None
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """The engine's own CLI (``podman`` on this engine's storage, ``docker`` on its
+        socket): what a test inspects or does behind the provisioner's back, never the code."""
+        if self.kind == "dockerd":
+            command = ["docker", "-H", self.socket, *args]
+            env = {**os.environ, "DOCKER_CONFIG": str(self.directory / "docker-cli")}
+        else:
+            command = [
+                "podman", "--root", str(self.directory / "storage"),
+                "--runroot", str(self.directory / "run"), "--tmpdir", str(self.directory / "tmp"),
+                *args,
+            ]  # fmt: skip
+            env = {**os.environ, "CONTAINERS_CONF": str(self.directory / "containers.conf")}
         return subprocess.run(
-            ["podman", "--root", str(self.directory / "storage"),
-             "--runroot", str(self.directory / "run"), "--tmpdir", str(self.directory / "tmp"),
-             *args],
-            env={**os.environ, "CONTAINERS_CONF": str(self.directory / "containers.conf")},
-            capture_output=True, text=True, check=check, timeout=60,
+            command, env=env, capture_output=True, text=True, check=check, timeout=60
+        )
+
+    def restart(self) -> None:
+        """Stops and starts the engine's daemon (dockerd; Podman's API service), as an upgrade
+        or ``systemctl restart`` does; its containers stay as they are."""
+        subprocess.run(
+            [str(SCRIPT), "restart", str(self.directory)],
+            capture_output=True, text=True, check=True, timeout=120,
         )  # fmt: skip
+
+    def runtime_of(self, container: str) -> str:
+        """The OCI runtime that runs ``container``, as the engine reports it (Podman's compat
+        API says ``oci`` whatever it is; its own CLI tells)."""
+        template = "{{.HostConfig.Runtime}}" if self.kind == "dockerd" else "{{.OCIRuntime}}"
+        return self.cli("inspect", "--format", template, container).stdout.strip()
+
+
+@attrs.define
+class _Slot:
+    """One engine of a kind and runtime: started, failed, or unusable here."""
+
+    engine: Engine | None = None
+    failure: str | None = None
+    unusable: str | None = None
 
 
 _lock = threading.Lock()
-_engine: Engine | None = None
-_failure: str | None = None
-_gvisor: Engine | None = None
-_gvisor_failure: str | None = None
-_gvisor_unusable: str | None = None
+_slots: dict[tuple[str, str], _Slot] = {}
 
 
 class _RuntimeUnusable(RuntimeError):
     """The engine's runtime cannot run a container on this machine (not hubd's doing)."""
 
 
-def _start(runtime: str = "runc") -> Engine:
+def _start(kind: str, runtime: str = "runc") -> Engine:
     if sys.platform != "linux" or os.geteuid() != 0:
-        raise RuntimeError("needs root on Linux for a private Podman engine")
-    for tool in ("podman", "busybox"):
+        raise RuntimeError(f"needs root on Linux for a private {kind} engine")
+    for tool in (*_TOOLS[kind], "busybox"):
         if shutil.which(tool) is None:
-            raise RuntimeError(f"needs {tool} (.ci/install-podman installs it)")
+            package = "busybox-static" if tool == "busybox" else _PACKAGE[kind]
+            raise RuntimeError(f"needs {tool} (.ci/install-podman installs {package})")
     directory = Path(tempfile.mkdtemp(prefix="hubd-engine"))
     done = subprocess.run(
-        [str(SCRIPT), "start", str(directory), runtime],
+        [str(SCRIPT), "start", str(directory), runtime, kind],
+        # dockerd with live-restore, as docs/operations.md recommends: restarting it keeps the
+        # containers running (Podman's service never stops them).
+        env={**os.environ, "HUBD_TEST_LIVE_RESTORE": "1"},
         capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
     if done.returncode != 0:
@@ -89,7 +144,7 @@ def _start(runtime: str = "runc") -> Engine:
         if done.returncode == 3:
             raise _RuntimeUnusable(done.stderr.strip()[-500:])
         raise RuntimeError(f".ci/container-engine start failed: {done.stderr.strip()[-500:]}")
-    engine = Engine(socket=done.stdout.strip(), directory=directory)
+    engine = Engine(socket=done.stdout.strip(), directory=directory, kind=kind)
     atexit.register(_stop, engine)
     return engine
 
@@ -101,48 +156,50 @@ def _stop(engine: Engine) -> None:
     shutil.rmtree(engine.directory, ignore_errors=True)
 
 
-def engine() -> Engine:
-    """The process's engine, started on first call; skips (or fails, when required) without."""
-    global _engine, _failure  # noqa: PLW0603 -- one engine per test process, made on demand
+def _slot(kind: str, runtime: str) -> _Slot:
+    """The engine of ``kind`` and ``runtime``, started on first call, one per process."""
     with _lock:
-        if _engine is None and _failure is None:
+        slot = _slots.setdefault((kind, runtime), _Slot())
+        if slot.engine is None and slot.failure is None and slot.unusable is None:
             try:
-                _engine = _start()
+                slot.engine = _start(kind, runtime)
+            except _RuntimeUnusable as exc:
+                slot.unusable = str(exc)
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-                _failure = str(exc)
-    if _engine is not None:
-        return _engine
-    assert _failure is not None
-    if REQUIRED:
-        pytest.fail(f"HUBD_REQUIRE_CONTAINER_ENGINE=1 but no container engine: {_failure}")
-    pytest.skip(f"no container engine: {_failure}")
+                slot.failure = str(exc)
+        return slot
 
 
-def gvisor_engine() -> Engine:
-    """An engine of the process's own whose every container runs under gVisor (runsc),
-    started on first call; skips where runsc is missing or cannot work here, and otherwise
-    as :func:`engine` does."""
-    global _gvisor, _gvisor_failure, _gvisor_unusable  # noqa: PLW0603 -- as engine()
-    engine()  # the plain engine's verdict first: no Podman is no Podman, under gVisor too
-    with _lock:
-        if _gvisor is None and _gvisor_failure is None and _gvisor_unusable is None:
-            if shutil.which("runsc") is None:
-                _gvisor_unusable = "runsc is not installed (.ci/install-podman installs it)"
-            else:
-                try:
-                    _gvisor = _start("runsc")
-                except _RuntimeUnusable as exc:
-                    _gvisor_unusable = str(exc)
-                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-                    _gvisor_failure = str(exc)
-    if _gvisor is not None:
-        return _gvisor
-    if _gvisor_unusable is not None:
-        pytest.skip(f"no gVisor here: {_gvisor_unusable}")
-    assert _gvisor_failure is not None
-    if REQUIRED:
-        pytest.fail(f"HUBD_REQUIRE_CONTAINER_ENGINE=1 but no gVisor engine: {_gvisor_failure}")
-    pytest.skip(f"no gVisor engine: {_gvisor_failure}")
+def _unavailable(kind: str, what: str, failure: str) -> NoReturn:
+    if kind in REQUIRED:
+        pytest.fail(f"HUBD_REQUIRE_CONTAINER_ENGINE names {kind} but no {what}: {failure}")
+    pytest.skip(f"no {what}: {failure}")
+
+
+def engine(kind: str = "podman") -> Engine:
+    """The process's engine of ``kind``, started on first call; skips (or fails, when the
+    kind is required) without."""
+    if kind not in ENGINES:
+        raise ValueError(f"no engine kind {kind!r} (one of {', '.join(ENGINES)})")
+    slot = _slot(kind, "runc")
+    if slot.engine is None:
+        _unavailable(kind, f"{kind} engine", str(slot.failure))
+    return slot.engine
+
+
+def gvisor_engine(kind: str = "podman") -> Engine:
+    """An engine of the process's own of ``kind`` that runs containers under gVisor (runsc;
+    on dockerd, those asking for :attr:`Engine.gvisor_runtime`), started on first call; skips
+    where runsc is missing or cannot work here, and otherwise as :func:`engine` does."""
+    engine(kind)  # the plain engine's verdict first: no engine is no engine, under gVisor too
+    if shutil.which("runsc") is None:
+        pytest.skip("no gVisor here: runsc is not installed (.ci/install-podman installs it)")
+    slot = _slot(kind, "runsc")
+    if slot.unusable is not None:
+        pytest.skip(f"no gVisor here: {slot.unusable}")
+    if slot.engine is None:
+        _unavailable(kind, f"gVisor {kind} engine", str(slot.failure))
+    return slot.engine
 
 
 def sidecar_binds() -> list[str]:

@@ -1,7 +1,8 @@
-"""The ``container`` provisioner against a real engine (a private Podman service, see
-``tests/containerkit.py``): in process, and under a real ``hubd run`` with the reference sidecar
-inside each container. Skipped with the reason where no engine can be had, failed instead
-under ``HUBD_REQUIRE_CONTAINER_ENGINE=1``."""
+"""The ``container`` provisioner against each real engine (a private Podman service and a
+private dockerd, see ``tests/containerkit.py``): in process, and under a real ``hubd run`` with
+the reference sidecar inside each container. Every test that takes the ``engine`` fixture runs
+once per engine. An engine that cannot be had skips its tests with the reason; one named in
+``HUBD_REQUIRE_CONTAINER_ENGINE`` fails them instead."""
 
 from __future__ import annotations
 
@@ -30,9 +31,14 @@ from tests.reconcilerkit import poll_until
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="session")
-def engine() -> containerkit.Engine:
-    return containerkit.engine()
+@pytest.fixture(scope="session", params=containerkit.ENGINES)
+def engine(request: pytest.FixtureRequest) -> containerkit.Engine:
+    return containerkit.engine(request.param)
+
+
+def only_on(kind: str) -> pytest.MarkDecorator:
+    """Runs a test on the engine of ``kind`` only, for behaviour that differs between them."""
+    return pytest.mark.parametrize("engine", [kind], indirect=True)
 
 
 @pytest.fixture
@@ -98,13 +104,19 @@ class Hub:
         return {"HUBD_DATABASE_URL": self.database_url}
 
     def config(
-        self, *, engine: containerkit.Engine | None = None, server_port: int = 0, extra: str = ""
+        self,
+        *,
+        engine: containerkit.Engine | None = None,
+        server_port: int = 0,
+        extra: str = "",
+        **overrides: Any,
     ) -> Path:
         """The daemon's config in the state dir: the suite's settings (with an 8 s operation
         timeout and the default claim limit), ``extra`` sections, and the container provisioner
-        on ``engine`` (the test's by default) publishing port 18080."""
+        on ``engine`` (the test's by default) publishing port 18080, with ``overrides`` of its
+        options."""
         options = containerkit.options(
-            engine or self.engine, deployment=self.deployment, port=18080
+            engine or self.engine, deployment=self.deployment, port=18080, **overrides
         )
         path = self.state_dir / "hubd.toml"
         path.write_text(
@@ -227,7 +239,7 @@ class TestProvisioner:
         assert "failing" in result.message
         assert request.token not in result.message
         assert request.token.removeprefix("hubd_sc_") not in result.message
-        assert await made.destroy(destroy_request(request)) == Destroyed()
+        assert await made.destroy(destroy_request(request)) == Destroyed(removed=True)
         assert await containerkit.containers(engine, deployment) == []
 
     async def test_missing_image_is_not_retryable(
@@ -242,6 +254,7 @@ class TestProvisioner:
         assert "localhost/hubd-absent:1" in result.message
         assert await containerkit.containers(engine, deployment) == []
 
+    @only_on("podman")  # dockerd runs a container under the runtime it names, or refuses it
     async def test_runtime_the_engine_ignores_is_refused(
         self, engine: containerkit.Engine, deployment: str
     ) -> None:
@@ -254,6 +267,18 @@ class TestProvisioner:
         assert (result.code, result.retryable) == ("runtime_unsupported", False)
         assert "'runsc'" in result.message
         assert "'oci'" in result.message
+        assert await containerkit.containers(engine, deployment) == []
+
+    @only_on("dockerd")  # Podman's compatible API ignores a container's runtime (test above)
+    async def test_runtime_the_engine_does_not_know_is_refused(
+        self, engine: containerkit.Engine, deployment: str
+    ) -> None:
+        """dockerd refuses to create a container for a runtime it has no entry for in its
+        daemon.json: the ensure is rejected naming the runtime, and nothing is left behind."""
+        made = provisioner(engine, deployment, runtime="runsc", command=["sleep", "300"])
+        result = await made.ensure(ensure_request())
+        assert isinstance(result, Rejected), result
+        assert "Unknown runtime specified runsc" in result.message, result
         assert await containerkit.containers(engine, deployment) == []
 
     async def test_engine_down_is_retryable_naming_the_socket(
@@ -341,21 +366,22 @@ class TestThroughDaemon:
             assert {(row.status, row.ready) for row in rows} == {(Status.RELEASED, False)}
 
     async def test_sidecar_under_gvisor(self, hub: Hub) -> None:
-        """On an engine whose runtime is runsc, the reference sidecar runs inside gVisor's
+        """Under runsc (on Podman the service's default runtime, on dockerd the runtime the
+        provisioner's ``runtime`` option names), the reference sidecar runs inside gVisor's
         user-space kernel and still reaches the hub: the allocation becomes ready, the engine
         ran its container with runsc, no host process is the sidecar (the sandbox runs it);
         released, the container is removed. Skipped with the reason where runsc is missing or
         cannot run a container here."""
-        gvisor = containerkit.gvisor_engine()
+        gvisor = containerkit.gvisor_engine(hub.engine.kind)
+        runtime = gvisor.gvisor_runtime
+        overrides = {} if runtime is None else {"runtime": runtime}
         try:
-            async with running(hub.config(engine=gvisor)):
+            async with running(hub.config(engine=gvisor, **overrides)):
                 allocation_id = await hub.request()
                 row = await hub.observer.get(allocation_id)
                 assert row.ready
                 (inspected,) = await containerkit.containers(gvisor, hub.deployment)
-                name = inspected["Name"].lstrip("/")
-                runtime = gvisor.podman("inspect", "--format", "{{.OCIRuntime}}", name).stdout
-                assert runtime.strip() == "runsc"
+                assert gvisor.runtime_of(inspected["Name"].lstrip("/")) == "runsc"
                 assert _host_processes_with(f"HUBD_SIDECAR_ID={row.sidecar_id}") == []
                 await hub.release(allocation_id)
                 assert await containerkit.containers(gvisor, hub.deployment) == []
@@ -421,6 +447,25 @@ class TestThroughDaemon:
             swept = await daemon.wait_for_log("orphan_sidecar_destroyed", within=30)
             assert swept["sidecar_id"] == stray.sidecar_id
             assert (await hub.observer.get(allocation_id)).ready
+
+    @pytest.mark.usefixtures("cleanup")
+    async def test_engine_restart_keeps_every_allocation(self, hub: Hub) -> None:
+        """The engine's daemon restarted under a running hubd (dockerd with live-restore, as
+        docs/operations.md recommends; Podman's API service, which never owned the containers):
+        every container runs on, started when it was, and every allocation stays ready at its
+        generation; hubd goes on using the engine, so a release removes its container."""
+        async with running(hub.config()):
+            ids = list(await asyncio.gather(*(hub.request() for _ in range(2))))
+            started = {c["Id"]: c["State"]["StartedAt"] for c in await hub.containers()}
+            await asyncio.to_thread(hub.engine.restart)
+            after = await hub.containers()
+            assert {c["Id"]: c["State"]["StartedAt"] for c in after} == started
+            assert {c["State"]["Status"] for c in after} == {"running"}
+            rows = [await hub.observer.get(i) for i in ids]
+            assert {(row.ready, row.generation) for row in rows} == {(True, 1)}
+            await hub.release(ids[0])
+            (left,) = await hub.containers()
+            assert left["Config"]["Labels"]["io.hubd.allocation-id"] == ids[1]
 
     @pytest.mark.usefixtures("cleanup")
     async def test_kill_9_then_restart_adopts(self, hub: Hub) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from hubd.errors import PluginError
 from hubd.plugins.local import LocalProvisioner
-from hubd.plugins.protocol import Accepted, EnsureRequest
+from hubd.plugins.protocol import Accepted, Destroyed, EnsureRequest, check_destroy_result
 from hubd.reconciler.clock import ManualClock
 from hubd.reconciler.orphans import OrphanCollector, Verdict, judge
 from hubd.store import AllocationStore, Database, LedgerStore, Status
@@ -165,3 +166,15 @@ class TestSweep:
             report_ = await collector(store, ledger, ManualClock()).sweep(provisioner)
             assert report_.skipped
         assert not (await collector(store, ledger, ManualClock()).sweep(provisioner)).skipped
+
+
+class TestRemoved:
+    @pytest.mark.parametrize("removed", [True, False, None])
+    def test_destroyed_says_whether_it_removed_something(self, removed: bool | None) -> None:
+        """``Destroyed.removed`` (what the sweep counts by) is a bool or ``None``: anything
+        else from a plugin is an error, never a success."""
+        assert check_destroy_result(Destroyed(removed=removed)) == Destroyed(removed=removed)
+
+    def test_anything_else_is_refused(self) -> None:
+        with pytest.raises(PluginError, match="'removed' is not a bool or None"):
+            check_destroy_result(Destroyed(removed="yes"))  # type: ignore[arg-type]

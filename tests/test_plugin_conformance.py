@@ -35,9 +35,14 @@ class TestLocal(ProvisionerConformance):
 
 
 class TestContainer(ProvisionerConformance):
+    """On each engine (``tests/containerkit.py``)."""
+
+    @pytest.fixture(params=containerkit.ENGINES)
+    def engine(self, request: pytest.FixtureRequest) -> containerkit.Engine:
+        return containerkit.engine(request.param)
+
     @pytest.fixture
-    async def subject(self, tmp_path: Path) -> AsyncIterator[Subject]:
-        engine = containerkit.engine()
+    async def subject(self, engine: containerkit.Engine, tmp_path: Path) -> AsyncIterator[Subject]:
         deployment = f"k{uuid.uuid4().hex[:10]}"
         from hubd.plugins import container
 

@@ -35,6 +35,7 @@ from hubd.plugins.protocol import (
     EnsureRequest,
     EnsureResult,
     Rejected,
+    checks_options,
 )
 
 __all__ = ["EchoProvisioner", "create"]
@@ -79,9 +80,8 @@ class EchoProvisioner:
         return Destroyed()
 
 
-def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> EchoProvisioner:
-    """The factory hubd calls with the ``[provisioners.options]`` table of this provisioner."""
-    del state_dir  # everything is in memory; a real plugin keeps its files under state_dir
+def parse_options(options: Mapping[str, Any]) -> tuple[str, int]:
+    """The region and capacity, or a PluginLoadError naming the bad option."""
     unknown = sorted(set(options) - {"region", "capacity"})
     if unknown:
         raise PluginLoadError(f"echo option {unknown[0]!r}: unknown option")
@@ -91,4 +91,17 @@ def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> EchoProvi
     capacity = options.get("capacity", 100)
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise PluginLoadError("echo option 'capacity': must be a positive integer")
+    return region, capacity
+
+
+def check_options(*, id: str, options: Mapping[str, Any]) -> None:
+    """What ``hubd check-config`` runs: the factory's own parser, building nothing."""
+    parse_options(options)
+
+
+@checks_options(check_options)
+def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> EchoProvisioner:
+    """The factory hubd calls with the ``[provisioners.options]`` table of this provisioner."""
+    del state_dir  # everything is in memory; a real plugin keeps its files under state_dir
+    region, capacity = parse_options(options)
     return EchoProvisioner(id=id, region=region, capacity=capacity)

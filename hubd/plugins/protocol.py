@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -17,6 +17,7 @@ from hubd.published import check_endpoint, check_metadata
 
 __all__ = [
     "Accepted",
+    "ChecksOptions",
     "DestroyRejected",
     "DestroyRequest",
     "DestroyResult",
@@ -25,11 +26,14 @@ __all__ = [
     "EnsureResult",
     "ListsSidecars",
     "Ownership",
+    "Probes",
     "Provisioner",
     "Rejected",
     "RunningSidecar",
     "check_destroy_result",
     "check_ensure_result",
+    "checks_options",
+    "former_fingerprints",
 ]
 
 MAX_EXTERNAL_REF = 500
@@ -127,7 +131,14 @@ class DestroyRequest:
 
 @attrs.frozen
 class Destroyed:
-    """The sidecar is gone (or never existed)."""
+    """The sidecar is gone (or never existed).
+
+    ``removed`` says whether this call removed something: ``False`` when nothing was left to
+    remove (already gone, never existed), ``None`` when the provisioner does not say. The orphan
+    sweep counts a destroy, and records it in the ledger, only when it is not ``False``: a
+    sweep that met nothing did nothing."""
+
+    removed: bool | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -143,7 +154,12 @@ DestroyResult = Destroyed | DestroyRejected
 @runtime_checkable
 class Provisioner(Protocol):
     """What a provisioner plugin provides. Both calls must be idempotent per ``sidecar_id``;
-    cancelling the call's task is how hubd aborts it."""
+    cancelling the call's task is how hubd aborts it.
+
+    Optionally also ``former_binding_fingerprints``, a collection of strings: what earlier
+    releases of the plugin computed as ``binding_fingerprint`` for the same place, so that a
+    plugin that narrows its fingerprint does not strand the allocations bound under the old
+    one (:func:`former_fingerprints` reads it)."""
 
     id: str
     api_version: str
@@ -171,6 +187,55 @@ class ListsSidecars(Protocol):
     hubd can destroy the ones that belong to no current generation (orphan collection)."""
 
     async def list_sidecars(self) -> Sequence[RunningSidecar]: ...
+
+
+@runtime_checkable
+class Probes(Protocol):
+    """Optional capability: check that this provisioner can make sidecars here and now (its
+    engine answers, its image or command is there), creating nothing. ``hubd check-config
+    --probe`` calls it, bounded in time, and shows what it returns: one line saying what was
+    found. A problem is raised as :class:`~hubd.errors.PluginError` whose message names it
+    (and the option to fix), never a secret."""
+
+    async def probe(self) -> str: ...
+
+
+@runtime_checkable
+class ChecksOptions(Protocol):
+    """Optional capability of a plugin's *factory*: ``check_options`` validates a
+    ``[provisioners.options]`` table as the factory would, building nothing and starting
+    nothing, and raises :class:`~hubd.errors.PluginLoadError` (or ``ValueError`` /
+    ``TypeError``) naming the option. ``hubd check-config`` calls it for every provisioner;
+    attach it with :func:`checks_options`, or give a class used as a factory a static or class
+    method of that name."""
+
+    def check_options(self, *, id: str, options: Mapping[str, Any]) -> object: ...
+
+
+_Factory = TypeVar("_Factory", bound=Callable[..., object])
+
+
+def checks_options(check: Callable[..., object]) -> Callable[[_Factory], _Factory]:
+    """Decorate a factory with its options check (:class:`ChecksOptions`)::
+
+    @checks_options(lambda *, id, options: parse_options(options))
+    def create(*, id, options, state_dir): ...
+    """
+
+    def attach(factory: _Factory) -> _Factory:
+        factory.check_options = check  # type: ignore[attr-defined]
+        return factory
+
+    return attach
+
+
+def former_fingerprints(provisioner: object) -> frozenset[str]:
+    """The provisioner's ``former_binding_fingerprints`` (empty when it declares none, or
+    declares something other than strings)."""
+    former = getattr(provisioner, "former_binding_fingerprints", ())
+    if isinstance(former, str) or not isinstance(former, Sequence | frozenset | set):
+        return frozenset()
+    return frozenset(value for value in former if isinstance(value, str) and value)
 
 
 def _check_rejection(value: Rejected | DestroyRejected, what: str) -> None:
@@ -207,6 +272,8 @@ def check_ensure_result(value: object) -> EnsureResult:
 def check_destroy_result(value: object) -> DestroyResult:
     """``value`` if it is a well-formed destroy result; :class:`PluginError` otherwise."""
     if isinstance(value, Destroyed):
+        if value.removed is not None and not isinstance(value.removed, bool):
+            raise PluginError("destroy result 'removed' is not a bool or None")
         return value
     if isinstance(value, DestroyRejected):
         _check_rejection(value, "destroy")

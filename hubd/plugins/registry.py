@@ -23,6 +23,11 @@ attributes ``id`` (equal to the id it was given), ``api_version`` and ``binding_
 :class:`~hubd.errors.PluginLoadError` (or ``ValueError`` / ``TypeError``) with a message that names
 the option. A factory must not start background work that outlives a failed start-up.
 
+A factory may also carry ``check_options`` (:class:`~hubd.plugins.protocol.ChecksOptions`):
+``factory.check_options(id=..., options=...)`` validates the table as the factory would, builds
+nothing, and raises as the factory does. ``hubd check-config`` calls it for every provisioner
+(:func:`check_options`), so a bad option fails the pre-flight as it would fail ``hubd run``.
+
 Every problem is one :class:`~hubd.errors.PluginLoadError` whose single-line message starts with
 the provisioner id, so an operator knows which ``[[provisioners]]`` entry to fix; the daemon turns
 it into exit code 2.
@@ -43,12 +48,13 @@ from typing import Any, Final
 
 from hubd.config import ProvisionerConfig
 from hubd.errors import PluginLoadError
-from hubd.plugins.protocol import Provisioner
+from hubd.plugins.protocol import ChecksOptions, Provisioner
 from hubd.redaction import scrub
 
 __all__ = [
     "BUILTIN_PLUGINS",
     "ENTRY_POINT_GROUP",
+    "check_options",
     "find_callable",
     "load_provisioners",
     "resolve_factories",
@@ -92,6 +98,31 @@ def resolve_factories(configs: Sequence[ProvisionerConfig]) -> dict[str, Factory
     of ``hubd check-config``, which must do no I/O a plugin's factory might. Raises
     :class:`PluginLoadError` naming the provisioner and the plugin."""
     return {config.id: _resolve(config) for config in configs}
+
+
+def check_options(configs: Sequence[ProvisionerConfig]) -> dict[str, bool]:
+    """Find every configured provisioner's factory and run its ``check_options`` hook on a
+    private copy of its options: id → whether the plugin has the hook (and so whether its
+    options were checked at all). Raises :class:`PluginLoadError` as :func:`load_provisioners`
+    would for the same problem."""
+    checked: dict[str, bool] = {}
+    for config in configs:
+        factory = _resolve(config)
+        if not isinstance(factory, ChecksOptions):
+            checked[config.id] = False
+            continue
+        where = f"provisioner {config.id!r}"
+        try:
+            factory.check_options(id=config.id, options=copy.deepcopy(config.options))
+        except PluginLoadError as exc:
+            raise PluginLoadError(f"{where}: {' '.join(str(exc).split())}") from exc
+        except Exception as exc:
+            # The plugin's own parser: whatever it raised means the options are refused.
+            raise PluginLoadError(
+                f"{where}: plugin {config.plugin!r} refused its options: {_detail(exc)}"
+            ) from exc
+        checked[config.id] = True
+    return checked
 
 
 def _detail(exc: BaseException) -> str:

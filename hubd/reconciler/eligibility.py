@@ -1,8 +1,9 @@
 """Whether a configured provisioner may serve an allocation: a pure rule, no loop, no database.
 
 An allocation records the provisioner's ``api_version`` and ``binding_fingerprint`` at its first
-bind; a daemon whose provisioner of that id is missing, or speaks another version, or would run
-sidecars elsewhere, must not touch it.
+bind; a daemon whose provisioner of that id is missing, or speaks another version, or keeps its
+sidecars elsewhere, must not touch it. A fingerprint the provisioner lists among its
+``former_binding_fingerprints`` (an earlier release's digest of the same place) still matches.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+from hubd.plugins.protocol import former_fingerprints
 from hubd.reconciler.decisions import backoff
 from hubd.reconciler.writes import FailNow, Retry
 from hubd.store.models import Allocation, Status
@@ -55,13 +57,18 @@ def provisioner_mismatch(
             f"allocation was bound with api_version {bound_api_version}; run the plugin version "
             "it was bound with to finish it"
         )
-    if bound_fingerprint not in (None, provisioner.binding_fingerprint):
+    if bound_fingerprint not in (
+        None,
+        provisioner.binding_fingerprint,
+        *former_fingerprints(provisioner),
+    ):
         assert bound_fingerprint is not None
         return (
             f"provisioner {provisioner_id} binding changed: this allocation was bound to "
             f"fingerprint {bound_fingerprint[:12]}, the configured one is "
-            f"{provisioner.binding_fingerprint[:12]} (its options that decide where sidecars "
-            "run differ, e.g. hubd dev and hubd run on one database); serve it from a daemon "
+            f"{provisioner.binding_fingerprint[:12]} (the options that say where its sidecars "
+            "live differ: a container provisioner's deployment, a local one's command, env or "
+            "workdir; e.g. hubd dev and hubd run on one database); serve it from a daemon "
             "configured as when it was bound, or restore those options"
         )
     return None

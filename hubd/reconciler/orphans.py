@@ -5,9 +5,10 @@ mid-``ensure`` that resumed after its lease, a plugin that ignored :meth:`Owners
 a destroy that reported success while something lingered. Provisioners that can list what they
 run (:class:`~hubd.plugins.protocol.ListsSidecars`) are swept: a sidecar that is not the current
 sidecar of an active allocation, seen so sweep after sweep for the grace period, is destroyed
-(or only reported, in dry-run mode). One replica sweeps a provisioner at a time (an advisory
-lock); a sidecar naming an allocation this database does not know is only reported unless the
-operator says otherwise, since it may belong to another deployment sharing the infrastructure.
+(or only reported, in dry-run mode). One replica sweeps a provisioner at a time (a row lock in
+``hubd_sweep_locks``); a sidecar naming an allocation this database does not know is only
+reported unless the operator says otherwise, since it may belong to another deployment sharing
+the infrastructure.
 
 :func:`judge` is the rule, a pure function; :class:`OrphanCollector` carries it out.
 """
@@ -78,6 +79,9 @@ class SweepReport:
     destroyed: int = 0
     reported: int = 0
     failed: int = 0
+    gone: int = 0
+    """Destroyed, but the provisioner removed nothing: already gone (another replica's sweep,
+    an operator). Neither counted destroyed nor recorded."""
     skipped: bool = False
     """Another replica held the provisioner's sweep lock."""
 
@@ -169,8 +173,11 @@ class OrphanCollector:
                         deadline=lambda: float("inf"),
                         deadline_utc=lambda: _FAR_FUTURE,
                     )
-                    if await self._destroy(provisioner, sidecar, ownership):
+                    outcome = await self._destroy(provisioner, sidecar, ownership)
+                    if outcome is _Outcome.REMOVED:
                         report.destroyed += 1
+                    elif outcome is _Outcome.GONE:
+                        report.gone += 1
                     else:
                         report.failed += 1
             for key in [k for k in self._first_seen if k[0] == provisioner.id]:
@@ -199,7 +206,7 @@ class OrphanCollector:
 
     async def _destroy(
         self, provisioner: Provisioner, sidecar: RunningSidecar, ownership: Ownership
-    ) -> bool:
+    ) -> _Outcome:
         request = DestroyRequest(
             allocation_id=sidecar.allocation_id or "",
             generation=sidecar.generation or 0,
@@ -219,6 +226,19 @@ class OrphanCollector:
         if result is not None and not isinstance(result, Destroyed):
             code, message = result.code, result.message
         ok = isinstance(result, Destroyed)
+        if isinstance(result, Destroyed) and result.removed is False:
+            # Nothing was removed. Were it counted, metered and recorded as destroyed, a
+            # sidecar the destroy cannot reach (listed by one handle, sought by another) would
+            # be "destroyed" again after every grace period while it kept running.
+            log.info(
+                "orphan_sidecar_already_gone",
+                provisioner=provisioner.id,
+                sidecar_id=sidecar.sidecar_id,
+                allocation_id=sidecar.allocation_id,
+                generation=sidecar.generation,
+            )
+            self._first_seen.pop((provisioner.id, sidecar.sidecar_id), None)
+            return _Outcome.GONE
         log.warning(
             "orphan_sidecar_destroyed" if ok else "orphan_sidecar_not_destroyed",
             provisioner=provisioner.id,
@@ -233,7 +253,7 @@ class OrphanCollector:
             await self._evidence(sidecar, "orphan_destroyed", phase, code, message)
         if ok:
             self._first_seen.pop((provisioner.id, sidecar.sidecar_id), None)
-        return ok
+        return _Outcome.REMOVED if ok else _Outcome.FAILED
 
     async def _evidence(
         self,
@@ -259,6 +279,13 @@ class OrphanCollector:
 
 
 _FAR_FUTURE = datetime.max.replace(tzinfo=UTC)
+
+
+class _Outcome(enum.Enum):
+    REMOVED = "removed"
+    """Destroyed, the provisioner removing something or not saying."""
+    GONE = "gone"
+    FAILED = "failed"
 
 
 def _check_listing(listed: list[RunningSidecar]) -> None:

@@ -12,6 +12,9 @@ Options (``[provisioners.options]``; docs/plugins.md has the table)::
     port = 8080                            # published; its host address is the endpoint
     memory = "512m"   cpus = 1.5   pids = 256   runtime = "runsc"   user = "1000:1000"
     pull = "if-missing"                    # or "never": a missing image fails the allocation
+    cap_drop = ["ALL"]   read_only = true   tmpfs = { "/tmp" = "size=64m" }
+    security_opt = ["apparmor=sidecar"]    # no-new-privileges too, unless an entry names it
+    log_max_size = "10m"   log_max_files = 3
 
 Identity and fencing. A sidecar's container is named ``hubd-<sidecar_id>`` and labelled with
 the deployment (``io.hubd.deployment``), the provisioner, the allocation, the generation and
@@ -22,6 +25,8 @@ allocation or generation is removed and replaced, and one without this deploymen
 never touched. The labels are the whole state: a restarted hubd finds, adopts and destroys
 what an earlier one created, and the orphan sweep lists containers by the deployment label.
 ``ownership.still_owned()`` is checked right before every create, start, stop and remove.
+The binding fingerprint is the deployment (:attr:`ContainerOptions.binding_fingerprint` says
+why): changing the image is a rolling upgrade, never a stranded allocation.
 
 The token goes into the container's environment only: never into a label, its command line, a
 log line, an error message or the ledger (engine messages and log tails are scrubbed of it).

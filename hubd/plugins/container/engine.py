@@ -142,7 +142,8 @@ class EngineSession:
             ) from None
 
     async def inspect(self, name: str) -> dict[str, Any] | None:
-        """The container's inspect document, or ``None`` if there is no such container."""
+        """The container's inspect document, or ``None`` if there is no such container.
+        ``name`` may be an id or an id's unique prefix, as for every call here that takes one."""
         container = self._docker.containers.container(name)
         try:
             return await self._call("inspect", container.show)
@@ -210,6 +211,36 @@ class EngineSession:
             {"Id": container.id, "Labels": container["Labels"] or {}, "State": container["State"]}
             for container in listed
         ]
+
+    async def version(self) -> dict[str, Any]:
+        """``GET /version``: what the engine is (its ``Components`` name Podman or Docker)."""
+        answer: dict[str, Any] = await self._call("version", self._docker.version)
+        return answer
+
+    async def info(self) -> dict[str, Any]:
+        """``GET /info``: the engine's host (``NCPU``), runtimes and default log driver."""
+        answer = await self._call("info", self._docker.system.info)
+        return dict(answer)
+
+    async def image_present(self, image: str) -> bool:
+        """Whether the engine has ``image`` (``GET /images/{name}/json``)."""
+        try:
+            await self._call("image inspect", lambda: self._docker.images.inspect(image))
+        except EngineFailed as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def network_present(self, name: str) -> bool:
+        """Whether the engine has a network of that name or id."""
+        try:
+            await self._call("network inspect", lambda: self._docker.networks.get(name))
+        except EngineFailed as exc:
+            if exc.status == 404 or (exc.status == 500 and "not found" in exc.message):
+                return False
+            raise
+        return True
 
 
 @contextlib.asynccontextmanager

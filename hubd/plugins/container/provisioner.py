@@ -18,7 +18,9 @@ from hubd.plugins.container.engine import (
     EngineUnavailable,
     open_session,
 )
-from hubd.plugins.container.options import ContainerOptions, parse_options
+from hubd.plugins.container.options import ContainerOptions, check_options, parse_options
+from hubd.plugins.container.probe import probe_engine
+from hubd.plugins.container.removal import ClaimLost, remove_sidecar
 from hubd.plugins.container.spec import (
     LABEL_DEPLOYMENT,
     SIDECAR_ID,
@@ -27,7 +29,6 @@ from hubd.plugins.container.spec import (
     create_body,
     endpoint_of,
     external_ref,
-    is_ours,
     kinship,
     running_sidecar,
 )
@@ -42,6 +43,7 @@ from hubd.plugins.protocol import (
     Ownership,
     Rejected,
     RunningSidecar,
+    checks_options,
 )
 
 __all__ = ["API_VERSION", "SETTLE", "ContainerProvisioner", "create"]
@@ -59,6 +61,7 @@ LATE_CREATE_WINDOW: Final = 1.0
 to remove it."""
 
 
+@checks_options(check_options)
 def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> ContainerProvisioner:
     """The plugin factory (see :mod:`hubd.plugins.registry`). Keeps nothing under
     ``state_dir``: the engine's labels are the provisioner's whole state."""
@@ -86,6 +89,7 @@ class ContainerProvisioner:
         self.id = id
         self.api_version = API_VERSION
         self.binding_fingerprint = options.binding_fingerprint
+        self.former_binding_fingerprints = options.former_binding_fingerprints
         self.options = options
         self._settle = settle
         self._host = socketlib.gethostname()
@@ -106,6 +110,11 @@ class ContainerProvisioner:
             ownership=ownership,
             secret=secret,
         )
+
+    async def probe(self) -> str:
+        """``hubd check-config --probe``: the engine answers, and what it has (the image, the
+        network, the runtime) is what the options need; nothing is created."""
+        return await probe_engine(self.options)
 
     # -- ensure ----------------------------------------------------------------------------------
 
@@ -144,7 +153,7 @@ class ContainerProvisioner:
                             retryable=True)  # fmt: skip
         body = create_body(self.options, self.id, request)
         try:
-            await self._create(engine, body, name)
+            created = await self._create(engine, body, name)
         except asyncio.CancelledError:
             # The create may be on its way to the engine, which finishes it whatever becomes
             # of this call: the destroy hubd runs next could come first and miss it. Remove
@@ -169,7 +178,7 @@ class ContainerProvisioner:
         # leaves a container that the destroy hubd runs next will find.
         if not request.ownership.still_owned():
             with contextlib.suppress(EngineFailed, EngineUnavailable, EngineTimeout):
-                await engine.remove(name)
+                await engine.remove(created)
             return Rejected(code="claim_lost", message=_not_owned("the container was removed"),
                             retryable=True)  # fmt: skip
         return await self._start(engine, request, name)
@@ -181,16 +190,18 @@ class ContainerProvisioner:
         until = loop.time() + LATE_CREATE_WINDOW
         with contextlib.suppress(EngineFailed, EngineUnavailable, EngineTimeout):
             while True:
-                if await engine.inspect(name) is not None:
-                    await engine.remove(name)
+                landed = await engine.inspect(name)
+                if landed is not None:
+                    await engine.remove(str(landed["Id"]))
                     return
                 if loop.time() >= until:
                     return
                 await asyncio.sleep(0.1)
 
-    async def _create(self, engine: EngineSession, body: Mapping[str, Any], name: str) -> None:
+    async def _create(self, engine: EngineSession, body: Mapping[str, Any], name: str) -> str:
+        """The new container's id."""
         try:
-            await engine.create(body, name)
+            return await engine.create(body, name)
         except EngineFailed as exc:
             if not exc.image_missing:
                 raise
@@ -206,7 +217,7 @@ class ContainerProvisioner:
                     f"image {self.options.image!r} is not on the engine at "
                     f"{self.options.socket.display} and could not be pulled: {pulled.message}"
                 ) from None
-            await engine.create(body, name)
+            return await engine.create(body, name)
 
     async def _adopt(
         self, engine: EngineSession, request: EnsureRequest, found: Mapping[str, Any]
@@ -229,7 +240,8 @@ class ContainerProvisioner:
                     return Rejected(code="claim_lost", message=_not_owned("nothing was removed"),
                                     retryable=True)  # fmt: skip
                 log.warning("stale_container_replaced", provisioner=self.id, container=name)
-                await engine.remove(name)
+                # By the id inspected: whatever took the name since is not what was judged.
+                await engine.remove(str(found["Id"]))
                 return None
             case Kinship.OURS:
                 pass
@@ -290,7 +302,7 @@ class ContainerProvisioner:
         if not request.ownership.still_owned():
             return Rejected(code="claim_lost", message=_not_owned("nothing was removed"),
                             retryable=True)  # fmt: skip
-        await engine.remove(name)
+        await engine.remove(str(found["Id"]))
         return Rejected(
             code="runtime_unsupported",
             message=f"the container engine at {self.options.socket.display} made container "
@@ -332,31 +344,24 @@ class ContainerProvisioner:
     # -- destroy ---------------------------------------------------------------------------------
 
     async def destroy(self, request: DestroyRequest) -> DestroyResult:
-        """Stop (SIGTERM, SIGKILL after ``stop_timeout``) and remove the sidecar's container;
-        ``Destroyed`` when there is none (anymore)."""
+        """Stop (SIGTERM, SIGKILL after ``stop_timeout``) and remove the sidecar's containers,
+        found by the recorded id and by name (:mod:`~hubd.plugins.container.removal`);
+        ``Destroyed`` when there is none (anymore), ``removed`` saying whether this call
+        removed one."""
         if not SIDECAR_ID.fullmatch(request.sidecar_id):
-            return Destroyed()  # no container can carry that name
-        name = container_name(request.sidecar_id)
+            return Destroyed(removed=False)  # no container can carry that name
         async with self._exclusive(request.sidecar_id):
             try:
                 async with self._session(request.ownership) as engine:
-                    found = await engine.inspect(name)
-                    if found is None:
-                        return Destroyed()
-                    labels = (found.get("Config") or {}).get("Labels")
-                    if not is_ours(labels, self.options.deployment, request.sidecar_id):
-                        log.warning("foreign_container_left_alone", provisioner=self.id,
-                                    container=name)  # fmt: skip
-                        return Destroyed()
-                    if not request.ownership.still_owned():
-                        return DestroyRejected(
-                            code="claim_lost",
-                            message=_not_owned("nothing was stopped"),
-                            retryable=True,
-                        )
-                    if str((found.get("State") or {}).get("Status", "")) in _RUNNING:
-                        await engine.stop(name, self.options.stop_timeout)
-                    await engine.remove(name)
+                    removed, foreign = await remove_sidecar(
+                        engine,
+                        request,
+                        deployment=self.options.deployment,
+                        stop_timeout=self.options.stop_timeout,
+                    )
+            except ClaimLost:
+                return DestroyRejected(code="claim_lost", message=_not_owned("nothing was stopped"),
+                                       retryable=True)  # fmt: skip
             except (EngineUnavailable, EngineTimeout) as exc:
                 return DestroyRejected(code="engine_unavailable", message=str(exc),
                                        retryable=True)  # fmt: skip
@@ -366,8 +371,12 @@ class ContainerProvisioner:
                     message=f"container engine answered {exc.status}: {exc.message}",
                     retryable=True,
                 )
-        log.info("sidecar_container_removed", provisioner=self.id, container=name)
-        return Destroyed()
+        if foreign:
+            log.warning("foreign_container_left_alone", provisioner=self.id, containers=foreign,
+                        sidecar_id=request.sidecar_id)  # fmt: skip
+        if removed:
+            log.info("sidecar_container_removed", provisioner=self.id, containers=removed)
+        return Destroyed(removed=bool(removed))
 
     # -- inventory -------------------------------------------------------------------------------
 

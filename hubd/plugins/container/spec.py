@@ -118,6 +118,7 @@ def create_body(
         ]
     if options.runtime is not None:
         host["Runtime"] = options.runtime
+    host.update(options.confinement.host_config())
     return body
 
 

@@ -15,7 +15,14 @@ import attrs
 from hubd.errors import PluginLoadError
 from hubd.units import parse_duration
 
-__all__ = ["DEFAULT_COMMAND", "DEFAULT_GRACE", "SIDECAR_ENV", "LocalOptions", "parse_options"]
+__all__ = [
+    "DEFAULT_COMMAND",
+    "DEFAULT_GRACE",
+    "SIDECAR_ENV",
+    "LocalOptions",
+    "check_options",
+    "parse_options",
+]
 
 DEFAULT_COMMAND: Final = ("hubd", "sidecar")
 DEFAULT_GRACE: Final = 5.0
@@ -113,3 +120,10 @@ def parse_options(options: Mapping[str, Any]) -> LocalOptions:
             raise _bad("workdir", f"{str(workdir)!r} is not a directory")
 
     return LocalOptions(command=argv, env=tuple(sorted(pairs)), grace=grace, workdir=workdir)
+
+
+def check_options(*, id: str, options: Mapping[str, Any]) -> None:
+    """The factory's ``check_options`` hook (``hubd check-config``): the options parsed as the
+    factory parses them, nothing started."""
+    del id
+    parse_options(options)

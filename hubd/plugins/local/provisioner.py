@@ -17,7 +17,7 @@ import attrs
 import structlog
 
 from hubd.errors import PluginLoadError
-from hubd.plugins.local.options import LocalOptions, parse_options
+from hubd.plugins.local.options import LocalOptions, check_options, parse_options
 from hubd.plugins.local.outcomes import (
     describe_exit,
     last_line,
@@ -26,6 +26,7 @@ from hubd.plugins.local.outcomes import (
     resolve_hubd,
     start_failure,
 )
+from hubd.plugins.local.probe import probe_command
 from hubd.plugins.local.record import (
     CorruptRecord,
     Leader,
@@ -49,6 +50,7 @@ from hubd.plugins.protocol import (
     EnsureResult,
     Rejected,
     RunningSidecar,
+    checks_options,
 )
 from hubd.units import format_duration
 
@@ -71,6 +73,7 @@ _INHERITED: Final = ("PATH", "HOME", "LANG", "TZ")
 _SIDECAR_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
+@checks_options(check_options)
 def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> LocalProvisioner:
     """The plugin factory (see :mod:`hubd.plugins.registry`)."""
     if not Path("/proc/self/stat").is_file():
@@ -99,6 +102,10 @@ class LocalProvisioner:
         return f"<LocalProvisioner id={self.id!r} command={list(self.options.command)!r}>"
 
     # -- the protocol ----------------------------------------------------------------------------
+
+    async def probe(self) -> str:
+        """``hubd check-config --probe``: the command is executable, the state writable."""
+        return probe_command(self.options, self.directory)
 
     async def ensure(self, request: EnsureRequest) -> EnsureResult:
         """Start the sidecar's process unless a live one, verifiably ours, already runs."""
