@@ -68,13 +68,25 @@ class TestReconnectWindowAtStart:
         assert await _seconds_left(db, later) > 3000
         assert await _seconds_left(db, claimed) < 0
 
-    async def test_a_live_peer_means_the_sidecars_had_a_hub_to_return_to(
+    async def test_a_peer_up_for_the_window_means_the_sidecars_had_a_hub_to_return_to(
         self, db: Database, store: AllocationStore
     ) -> None:
         lapsed = await _unconnected_past_deadline(db, store)
+        # A peer that started with this one (replicas restarted together) was no hub to return
+        # to either.
         await db.pool.execute(
             "INSERT INTO hubd_instances (id, hostname, pid, ws_url) "
             "VALUES ('peer', 'elsewhere', 1, 'ws://127.0.0.1:1')"
+        )
+        assert await store.open_reconnect_windows(instance_ttl=5, window=WINDOW) == 1
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET connect_deadline = now() - interval '1 second' "
+            "WHERE id = $1",
+            lapsed,
+        )
+        # One that has been up for the window was.
+        await db.pool.execute(
+            "UPDATE hubd_instances SET started_at = now() - interval '2 minutes' WHERE id = 'peer'"
         )
         assert await store.open_reconnect_windows(instance_ttl=5, window=WINDOW) == 0
         assert await _seconds_left(db, lapsed) < 0

@@ -165,12 +165,14 @@ ORDER BY created_at DESC, id
 LIMIT :limit;
 
 -- name: open_reconnect_windows
--- At a start that finds no other live instance (none heartbeated within :instance_ttl seconds):
--- no hub could take a sidecar back while this one was away, so each allocated row whose sidecar
--- holds no live record gets until :window seconds from now to reconnect, whenever its deadline
--- fell. A stop is not a failure: the deadline a clean stop wrote, or that start-up repair just
--- gave, ran while the sidecars knocked on a closed door. Rows a claim holds decide for
--- themselves; a row with a peer alive is left alone (its sidecars had a hub to return to).
+-- At a start that finds no other instance that is live (heartbeated within :instance_ttl
+-- seconds) and has been up for :window seconds: no hub could take a sidecar back while this one
+-- was away, so each allocated row whose sidecar holds no live record gets until :window seconds
+-- from now to reconnect, whenever its deadline fell. A stop is not a failure: the deadline a
+-- clean stop wrote, or that start-up repair just gave, ran while the sidecars knocked on a closed
+-- door. Rows a claim holds decide for themselves. A peer up for the window gave the sidecars a
+-- hub to return to, and their deadlines stand; a peer that started with this one (replicas
+-- restarted together) did not, and does not count.
 -- Returns the rows whose deadline moved.
 -- The claim that watched the old deadline is moved to the new one; one scheduled earlier for
 -- something else keeps its time.
@@ -189,5 +191,6 @@ WHERE a.status = 'allocated'
   AND NOT EXISTS (
       SELECT 1 FROM hubd_instances AS i
       WHERE i.id <> :instance_id
-        AND i.heartbeat_at > now() - make_interval(secs => :instance_ttl))
+        AND i.heartbeat_at > now() - make_interval(secs => :instance_ttl)
+        AND i.started_at <= now() - make_interval(secs => :window))
 RETURNING a.id;
