@@ -139,6 +139,31 @@ class TestTheStoreReadsTheLock:
             await eventually(lambda: _backend_gone(database_url, pid), what="the holder to end")
             assert await events.terminate_feed_lock_holder(pid) == Termination(Outcome.GONE)
 
+    async def test_a_holder_is_ended_only_while_a_commit_has_waited_the_limit_now(
+        self, database_url: str, db: Database
+    ) -> None:
+        """A daemon that paused acts on an old reading: the statement checks the wait again, so
+        a holder whose waiters have not waited the limit now is left alone."""
+        if not await may_signal_others(database_url):
+            pytest.skip("the test server's role may not end other roles' backends")
+        events = EventStore(db)
+        async with app_role(database_url) as dsn, holding(dsn) as holder:
+            pid = holder.get_server_pid()
+            # Held, nobody waiting: whatever an old reading said, nothing is ended.
+            assert await events.terminate_feed_lock_holder(pid, waited=0.0) == Termination(
+                Outcome.GONE
+            )
+            async with committing(dsn) as waiting:
+                await eventually(lambda: _waiters_with_a_start(events, 1), what="a waiter")
+                assert await events.terminate_feed_lock_holder(pid, waited=3600.0) == Termination(
+                    Outcome.GONE
+                )
+                assert await holder.fetchval("SELECT 1") == 1
+                assert await events.terminate_feed_lock_holder(pid, waited=0.0) == Termination(
+                    Outcome.TERMINATED
+                )
+                assert await asyncio.wait_for(waiting, 30)
+
     async def test_a_role_without_pg_signal_backend_is_refused_until_granted_it(
         self, database_url: str
     ) -> None:
@@ -399,6 +424,8 @@ class _Readings:
     async def feed_lock(self) -> FeedLock:
         return self.lock
 
-    async def terminate_feed_lock_holder(self, pid: int) -> Termination:
+    async def terminate_feed_lock_holder(
+        self, pid: int, *, waited: float | None = None
+    ) -> Termination:
         self.asked.append(pid)
         return self.answer

@@ -47,7 +47,9 @@ class FeedLockStore(Protocol):
 
     async def feed_lock(self) -> FeedLock: ...
 
-    async def terminate_feed_lock_holder(self, pid: int) -> Termination: ...
+    async def terminate_feed_lock_holder(
+        self, pid: int, *, waited: float | None = None
+    ) -> Termination: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -182,7 +184,8 @@ class FeedLockWatch:
         refused_at = self._refused.get(pid)
         if refused_at is not None and self._clock() - refused_at < REFUSAL_RETRY:
             return
-        done = await self._events.terminate_feed_lock_holder(pid)
+        # The statement checks the wait again: this reading may be from before a pause.
+        done = await self._events.terminate_feed_lock_holder(pid, waited=self._limit)
         role = None if lock.holder is None else lock.holder.role
         if done.outcome is Outcome.TERMINATED:
             self._metrics.feed_lock_terminations.inc()

@@ -116,13 +116,18 @@ class EventStore:
             own_role=row["own_role"],
         )
 
-    async def terminate_feed_lock_holder(self, pid: int) -> Termination:
-        """End backend ``pid`` if it still holds the feed's lock and is not of the daemon's
-        role."""
+    async def terminate_feed_lock_holder(
+        self, pid: int, *, waited: float | None = None
+    ) -> Termination:
+        """End backend ``pid`` if it still holds the feed's lock, is not of the daemon's role
+        and, with ``waited``, a commit has waited that many seconds for the lock by the
+        database's clock at that moment."""
         try:
             signalled = await self._db.fetchval(
                 "terminate the feed lock's holder",
-                SQL.terminate_feed_lock_holder(pid=int(pid)),
+                SQL.terminate_feed_lock_holder(
+                    pid=int(pid), waited=None if waited is None else float(waited)
+                ),
                 pool=Pool.LEASE,
             )
         except StoreError as exc:

@@ -45,8 +45,10 @@ FROM (SELECT 1) AS one
 LEFT JOIN holder ON true;
 
 -- name: terminate_feed_lock_holder
--- End the backend :pid if it still holds the feed's lock and is not of this connection's role
--- (nor this connection): true once signalled, no row when it no longer holds the lock. Raises
+-- End the backend :pid if it still holds the feed's lock, is not of this connection's role (nor
+-- this connection), and, when :waited is given, a commit has waited for the lock at least that
+-- many seconds now: a reading taken before the daemon paused cannot end a holder whose hold is
+-- a new, short one. True once signalled, no row when the holder no longer qualifies. Raises
 -- insufficient_privilege when this role may not signal it (it needs pg_signal_backend, or to be
 -- a superuser for a superuser's backend).
 SELECT pg_terminate_backend(l.pid)
@@ -59,4 +61,9 @@ WHERE l.locktype = 'relation'
   AND l.mode <> 'AccessShareLock'
   AND l.pid = :pid
   AND l.pid <> pg_backend_pid()
-  AND a.usename IS DISTINCT FROM current_user;
+  AND a.usename IS DISTINCT FROM current_user
+  AND (:waited::float8 IS NULL OR EXISTS (
+      SELECT 1 FROM pg_locks AS w
+      WHERE w.locktype = 'relation' AND w.database = l.database AND w.relation = l.relation
+        AND NOT w.granted
+        AND w.waitstart <= clock_timestamp() - make_interval(secs => :waited::float8)));
