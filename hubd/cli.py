@@ -72,6 +72,12 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+    return int(text)
+
+
 def _reason(text: str) -> str:
     from hubd.store.values import MAX_MESSAGE_LENGTH
 
@@ -227,6 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="a JSON array instead of a table")
     listing.add_argument(
         "--limit", type=int, default=1000, help="at most this many, newest first (1000)"
+    )
+
+    logs = alloc_commands.add_parser(
+        "logs",
+        help="what an allocation's sidecar wrote (the kept tail once it died)",
+        parents=[common],
+    )
+    logs.add_argument("id", help="the allocation id (al_…)")
+    logs.add_argument(
+        "--tail", type=_positive_int, default=None, help="only the last N lines (default: all)"
+    )
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="then follow what it writes until it stops"
     )
 
     show = alloc_commands.add_parser(

@@ -18,9 +18,9 @@ from typing import Any, Final
 
 from hubd.client import Client
 from hubd.config import Config
-from hubd.errors import (
-    InvalidRequest,
-)
+from hubd.errors import InvalidRequest, PluginError
+from hubd.plugins.protocol import SidecarOutput
+from hubd.plugins.registry import load_provisioners
 from hubd.presentation import allocation_json, next_step, rfc3339
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from hubd.store.connect import open_database
@@ -119,6 +119,8 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
             else:
                 _print_table(rows)
             return EXIT_OK
+        if command == "logs":
+            return await _logs(db, config, args.id, tail=args.tail, follow=args.follow)
         if command == "show":
             allocation = await store.get(args.id)
             history = await ledger.history(args.id)
@@ -155,6 +157,56 @@ async def _forget(store: AllocationStore, allocation_id: str, reason: str) -> in
         )
     print(f"hubd: forgot {allocation_id}; {left}", file=sys.stderr)
     return EXIT_OK
+
+
+async def _logs(
+    db: Database, config: Config, allocation_id: str, *, tail: int | None, follow: bool
+) -> int:
+    """What the allocation's sidecar wrote: from its provisioner while the sidecar is there
+    (the last ``tail`` lines, then with ``follow`` what it writes), else the tail kept in the
+    ledger when its provisioner reported it dead."""
+    allocation = await AllocationStore(db, instance_id=CLI_INSTANCE).get(allocation_id)
+    history = await LedgerStore(db, instance_id=CLI_INSTANCE).history(allocation_id)
+    kept = [entry for entry in history if entry.kind == "sidecar_exited"]
+    source = _output_source(config, allocation.provisioner_id)
+    problem = (
+        f"its provisioner {allocation.provisioner_id!r} does not keep sidecars' output"
+        if source is None
+        else None
+    )
+    if source is not None and allocation.sidecar_id is not None and allocation.active:
+        try:
+            async for chunk in source.sidecar_output(
+                allocation.sidecar_id, allocation.external_ref, tail=tail, follow=follow
+            ):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+            return EXIT_OK
+        except LookupError:
+            problem = f"its sidecar {allocation.sidecar_id} is gone"
+        except PluginError as exc:
+            problem = str(exc)
+    elif allocation.sidecar_id is None:
+        problem = "no sidecar was bound to it"
+    elif not allocation.active:
+        problem = f"it has ended ({allocation.status}) and its sidecar with it"
+    if kept:
+        print(f"hubd: {problem}; what its sidecars said as they died:", file=sys.stderr)
+        for entry in kept:
+            print(f"{rfc3339(entry.at)}  gen {entry.generation}  {entry.message}")
+        return EXIT_OK
+    print(f"hubd: no output of {allocation_id}: {problem}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _output_source(config: Config, provisioner_id: str) -> SidecarOutput | None:
+    """The configured provisioner ``provisioner_id``, built here, when it can show what its
+    sidecars write."""
+    configs = [p for p in config.provisioners if p.id == provisioner_id]
+    if not configs:
+        return None
+    built = load_provisioners(configs, state_dir=config.state_path)[provisioner_id]
+    return built if isinstance(built, SidecarOutput) else None
 
 
 async def _check_provisioner(db: Database, config: Config, provisioner_id: str) -> None:

@@ -42,6 +42,8 @@ def allocation_json(
         "next_attempt_at": rfc3339(allocation.next_attempt_at),
         "failure_code": allocation.failure_code,
         "failure_message": allocation.failure_message,
+        "sidecar_exit": allocation.exit_message,
+        "replacements": allocation.replacements,
         "spec": dict(allocation.spec),
         "created_at": rfc3339(allocation.created_at),
     }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import attrs
@@ -25,6 +25,7 @@ __all__ = [
     "MemoryRouter",
     "Router",
     "SidecarNotConnected",
+    "TagIndex",
     "Target",
     "not_connected",
 ]
@@ -62,19 +63,55 @@ class ConnectionEvents(Protocol):
         """The current connection of ``target`` closed (not superseded, fenced or retired)."""
 
 
+class TagIndex:
+    """Which allocation a notification's tag names, among the allocations something is held
+    for here (``hubd.store.channels``: the daemons' notifications name allocations by tags,
+    which any role may read). A tag is made once, when its allocation starts being held, so a
+    notification costs a dict look-up; a tag of an allocation not held names nothing."""
+
+    def __init__(self, tag_of: Callable[[str], str]) -> None:
+        self._tag_of = tag_of
+        self._tags: dict[str, str] = {}
+        self._allocations: dict[str, str] = {}
+
+    def track(self, allocation_id: str, *, held: bool) -> None:
+        """``allocation_id`` is (still) held here, or no longer is."""
+        if held:
+            if allocation_id not in self._tags:
+                tag = self._tag_of(allocation_id)
+                self._tags[allocation_id] = tag
+                self._allocations[tag] = allocation_id
+        elif allocation_id in self._tags:
+            del self._allocations[self._tags.pop(allocation_id)]
+
+    def allocation(self, tag: str) -> str | None:
+        """The held allocation ``tag`` names, if any."""
+        return self._allocations.get(tag)
+
+    def __len__(self) -> int:
+        return len(self._tags)
+
+
 class Arrivals:
     """Waiters for connect notifications, by target. A waiter is registered before anyone
     asks the database whether the sidecar is connected, so a connect that lands between the
-    question and the wait resolves it instead of being missed."""
+    question and the wait resolves it instead of being missed.
 
-    def __init__(self) -> None:
+    With ``tag_of`` (how the database tags an allocation), a notification's tag finds the
+    allocation waited for (:meth:`allocation`); without it, only :meth:`arrived` wakes waiters."""
+
+    def __init__(self, tag_of: Callable[[str], str] | None = None) -> None:
         self._waiters: dict[Target, set[asyncio.Future[None]]] = {}
+        # Waiters per allocation, whatever their generation: its tag is kept while any waits.
+        self._counts: dict[str, int] = {}
+        self._tags = TagIndex(tag_of) if tag_of is not None else None
 
     @contextlib.contextmanager
     def expect(self, target: Target) -> Iterator[asyncio.Future[None]]:
         """A future resolved by the next :meth:`arrived` of ``target``, for the block."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(target, set()).add(waiter)
+        self._count(target.allocation_id, 1)
         try:
             yield waiter
         finally:
@@ -83,11 +120,25 @@ class Arrivals:
                 waiters.discard(waiter)
                 if not waiters:
                     del self._waiters[target]
+            self._count(target.allocation_id, -1)
 
     def arrived(self, target: Target) -> None:
         for waiter in self._waiters.get(target, ()):
             if not waiter.done():
                 waiter.set_result(None)
+
+    def allocation(self, tag: str) -> str | None:
+        """The allocation waited for here that ``tag`` names, if any."""
+        return self._tags.allocation(tag) if self._tags is not None else None
+
+    def _count(self, allocation_id: str, step: int) -> None:
+        count = self._counts.get(allocation_id, 0) + step
+        if count > 0:
+            self._counts[allocation_id] = count
+        else:
+            self._counts.pop(allocation_id, None)
+        if self._tags is not None:
+            self._tags.track(allocation_id, held=count > 0)
 
     def __len__(self) -> int:
         return sum(len(waiters) for waiters in self._waiters.values())

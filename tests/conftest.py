@@ -23,6 +23,7 @@ import pytest
 import structlog
 
 from hubd.store import AllocationStore, Database, LedgerStore, connect_database
+from hubd.store.channels import NoticeKey, read_notice_key
 from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
 from hubd.store.migrate import apply_migrations
 from tests.wskit import Sidecar, sidecar_in
@@ -113,6 +114,12 @@ async def db(database_url: str) -> AsyncIterator[Database]:
         yield database
     finally:
         await database.close()
+
+
+@pytest.fixture
+async def notice_key(db: Database) -> NoticeKey:
+    """The test database's key for the allocation tags of the daemons' notifications."""
+    return await read_notice_key(db)
 
 
 @pytest.fixture

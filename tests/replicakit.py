@@ -19,7 +19,7 @@ from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server import SidecarServer, SocketRouter
 from hubd.store import Allocation, AllocationStore, Database, LedgerStore
-from hubd.store.channels import parse_connected_payload, parse_sockets_payload
+from hubd.store.channels import parse_connected_payload, parse_sockets_payload, read_notice_key
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from tests.reconcilerkit import ScriptedProvisioner
@@ -138,6 +138,7 @@ async def replica(
     connections = PausingConnections(db, instance_id=name)
     router = SocketRouter(
         connections,
+        notice_key=await read_notice_key(db),
         instance_ttl=settings.instance_ttl,
         connect_timeout=settings.connect_timeout,
         event_timeout=5,

@@ -254,14 +254,21 @@ class TestTheListenersAdmission:
         self, db: Database, store: AllocationStore, database_url: str
     ) -> None:
         """A newer generation announced while a handshake's admission runs: the socket is
-        opened and closed with 4002 at once, never welcomed, whatever its admission wrote."""
+        opened and closed with 4002 at once, never welcomed, whatever its admission wrote. The
+        notice finds the handshake by its allocation's tag; a retirement tagged for another
+        allocation closes nothing."""
         sidecar, _ = await sidecar_in(store, db)
+        other, _ = await sidecar_in(store, db)
         async with running_hub(db) as hub:
+            tag = hub.notice_key.tag
             async with table_locked(database_url, "hubd_sidecar_connections"):
                 dialing = asyncio.create_task(first_message_or_close(hub.url, sidecar))
                 await eventually(lambda: hub.server.admissions.batches == 1)
                 hub.router.repair.apply_control(
-                    SocketControl(sidecar.allocation_id, sidecar.generation + 1, retire=False)
+                    SocketControl(tag(other.allocation_id), sidecar.generation, retire=True)
+                )
+                hub.router.repair.apply_control(
+                    SocketControl(tag(sidecar.allocation_id), sidecar.generation + 1, retire=False)
                 )
             assert await dialing == (4002, None)
             assert hub.events.connected == []

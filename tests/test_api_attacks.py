@@ -1,7 +1,8 @@
 """The application API attacked as a hostile application would, through a login role that holds
 only ``hubd_app`` (docs/security.md, "The application API"): no code of the caller's runs as the
 functions' owner, no lock it can take stalls a commit, a spec costs little before it is refused,
-and a role walled into a tenant reads, requests and releases that tenant's allocations only.
+a role walled into a tenant reads, requests and releases that tenant's allocations only, and the
+daemons' notifications, which it may listen to, name no allocation.
 
 Each attack runs against two deployments: the embedded default, where hubd's functions belong
 to the server's superuser, and an external server as docs/operations.md sets one up, the
@@ -16,6 +17,7 @@ import itertools
 import json
 import os
 from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import asyncpg
@@ -24,11 +26,21 @@ import pytest
 
 from hubd.client import Client
 from hubd.errors import AllocationNotFound
-from hubd.store import AllocationStore, connect_database
+from hubd.store import AllocationStore, LedgerStore, Status, connect_database
+from hubd.store.channels import (
+    CONNECTED_CHANNEL,
+    SOCKETS_CHANNEL,
+    WAKE_CHANNEL,
+    parse_connected_payload,
+    parse_sockets_payload,
+    read_notice_key,
+)
 from hubd.store.migrate import apply_migrations
 from tests.apikit import SecretDsn, dsn_as
 from tests.externalpg import OWNER, ExternalServer, external_server
 from tests.polling import eventually, scaled
+from tests.replicakit import ReplicaRig, sidecar_of
+from tests.wskit import close_code_of
 
 _names = itertools.count()
 
@@ -551,3 +563,84 @@ class TestTenantsAreWalledOff:
             finally:
                 await listener.close()
         assert all(set(json.loads(n)) == {"position"} for n in notes), notes[:3]
+
+
+class TestNotificationsNameNoAllocation:
+    async def test_a_listening_role_hears_tags_not_ids_tenants_or_sessions(
+        self, deployment: Deployment
+    ) -> None:
+        """A walled role listens on the daemons' channels while its allocation is requested,
+        connected to one replica, taken over on the other, released and destroyed. It hears
+        every step (the takeover and the release reach the replica holding the socket by
+        notification alone), and no payload holds the allocation's id, its tenant, its session
+        or its sidecar's id: only the provisioner, tags, generations, numbers and connection
+        ids. The key the tags are made with, and the function that makes them, are out of its
+        reach."""
+        schema = await _schema(deployment.owner)
+        heard: list[tuple[str, str]] = []
+        async with deployment.role("acme") as dsn:
+            spy = await asyncpg.connect(dsn)
+            app = await asyncpg.connect(dsn)
+            db = await connect_database(deployment.owner)
+            try:
+                for channel in (WAKE_CHANNEL, CONNECTED_CHANNEL, SOCKETS_CHANNEL):
+                    await spy.add_listener(channel, lambda *args: heard.append(args[2:4]))
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await spy.fetch(f"SELECT * FROM {schema}.hubd_notice_key")  # noqa: S608
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await spy.fetchval(f"SELECT {schema}.hubd_notice_tag('al_x')")
+                key = await read_notice_key(db)
+                store = AllocationStore(db, instance_id="in_attacked")
+                async with AsyncExitStack() as exits:
+                    rig = ReplicaRig(
+                        db=db,
+                        database_url=deployment.owner,
+                        store=store,
+                        ledger=LedgerStore(db, instance_id="in_attacked"),
+                        exits=exits,
+                    )
+                    async with rig.pair() as (a, b):
+                        made = await app.fetchrow(
+                            "SELECT * FROM hubd_v1.request('fake', session => 'confidential-s')"
+                        )
+                        assert made["tenant"] == "acme"
+                        assert await a.reconciler.reconcile_next()
+                        sidecar = sidecar_of(a.provisioner.ensure_calls[-1])
+                        on_b = await rig.open_socket(b, sidecar)
+                        assert await a.reconciler.reconcile_next()
+                        assert (await store.get(made["id"])).ready
+                        # Recorded on A: B hears of it by notification only.
+                        on_a = await rig.open_socket(a, sidecar)
+                        assert await close_code_of(on_b) == 4000
+                        # Released by the application: A hears of it by notification only.
+                        await app.fetchrow("SELECT * FROM hubd_v1.release($1)", made["id"])
+                        assert await close_code_of(on_a) == 4002
+                        assert await a.reconciler.reconcile_next()
+                        assert (await store.get(made["id"])).status is Status.RELEASED
+                        await eventually(
+                            lambda: any(p.endswith(":retire") for _, p in heard),
+                            within=scaled(10),
+                            what="the retirement",
+                        )
+            finally:
+                for conn in (spy, app):
+                    await conn.close()
+                await db.close()
+        tag = key.tag(made["id"])
+        connected = [parse_connected_payload(p) for c, p in heard if c == CONNECTED_CHANNEL]
+        controls = [parse_sockets_payload(p) for c, p in heard if c == SOCKETS_CHANNEL]
+        assert len(connected) >= 2
+        assert {(n.tag, n.generation) for n in connected if n is not None} == {(tag, 1)}
+        assert [(c.tag, c.generation, c.retire) for c in controls if c is not None] == [
+            (tag, 2, False),
+            (tag, 2, True),
+        ]
+        assert {p for c, p in heard if c == WAKE_CHANNEL} == {"fake"}
+        hidden = (
+            made["id"],
+            made["id"].removeprefix("al_"),
+            "acme",
+            "confidential-s",
+            sidecar.sidecar_id,
+        )
+        assert [p for _, p in heard if any(secret in p for secret in hidden)] == []

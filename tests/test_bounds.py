@@ -26,6 +26,7 @@ from hubd.server.limits import ListenerLimits
 from hubd.server.slots import OVER_SHARE, SLOW
 from hubd.server.sockets import SocketEntry
 from hubd.store import AllocationStore, Database
+from hubd.store.channels import NoticeKey
 from tests.polling import eventually
 from tests.test_daemon import metric_total
 from tests.wskit import (
@@ -312,12 +313,16 @@ class TestHandshakeBounds:
             await eventually(lambda: hub.server.gate.sockets == 0)
             await legit_welcome(hub, second)
 
-    async def test_daemon_listener_takes_configured_cap(self, db: Database) -> None:
+    async def test_daemon_listener_takes_configured_cap(
+        self, db: Database, notice_key: NoticeKey
+    ) -> None:
         """``hubd run`` builds its listener with ``server.max_connections`` as the socket cap
         (the open-file limit, raised to the hard limit at start, is far above these)."""
         for cap in (1, 300):
             config = Config(server=ServerConfig(max_connections=cap))
-            parts = Listening.build(config, db, "", "in_test", ready_on_connect=True)
+            parts = Listening.build(
+                config, db, "", "in_test", notice_key=notice_key, ready_on_connect=True
+            )
             assert parts.server.gate.max_connections == cap
 
     async def test_failing_source_refused(self, db: Database, store: AllocationStore) -> None:

@@ -23,6 +23,7 @@ from hubd.store.address import embedded_dsn
 from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import available_migrations
+from hubd.store.models import SidecarDeath
 from tests.clikit import Result, hubd_env, run_hubd, run_hubd_async
 from tests.conftest import PostgresServer, drop_database, fresh_database
 from tests.daemonkit import running, write_config
@@ -254,6 +255,8 @@ class TestAllocCommands:
             "next_attempt_at",
             "failure_code",
             "failure_message",
+            "sidecar_exit",
+            "replacements",
             "spec",
             "created_at",
             "next",
@@ -261,6 +264,8 @@ class TestAllocCommands:
         }
         assert data["status"] == "pending"
         assert data["ready"] is False
+        assert data["sidecar_exit"] is None
+        assert data["replacements"] == 0
         assert data["next_attempt_at"].endswith("Z")
         assert data["created_at"].endswith("Z")
         assert data["spec"] == {"a": 1}
@@ -330,6 +335,42 @@ class TestAllocCommands:
         assert 'metadata:         {"pid": 4242, "note": "\\u001b[31m"}' in human
         assert "ready_when:       declared" in human
         assert "idempotency_key:  order-17" in human
+
+    async def test_logs_show_what_a_dead_sidecar_said(self, external_db: str) -> None:
+        """Once its provisioner reported the sidecar dead, ``alloc logs`` prints the kept tail
+        (the provisioner here keeps no output of its own); with nothing kept it exits 1."""
+        env = {"HUBD_DATABASE_URL": external_db}
+        assert (await run_hubd_async("migrate", env=env)).code == 0
+        ids = []
+        for _ in range(2):
+            requested = await run_hubd_async("alloc", "request", "--provisioner", "local", env=env)
+            assert requested.code == 0, requested.err
+            ids.append(requested.out.strip())
+        died, silent = ids
+        db = await connect_database(external_db)
+        try:
+            async with db.pool.acquire() as conn:
+                await conn.execute(
+                    "UPDATE hubd_allocations SET status = 'allocated', sidecar_id = 'sc_dead', "
+                    "token_hash = sha256('t'), next_attempt_at = NULL WHERE id = $1",
+                    died,
+                )
+            written = await AllocationStore(db, instance_id="test").report_exits(
+                [SidecarDeath(died, 1, "sc_dead", "the sidecar exited with exit code 2: no")]
+            )
+            assert len(written) == 1
+        finally:
+            await db.close()
+        shown = await run_hubd_async("alloc", "logs", died, env=env)
+        assert shown.code == 0, shown.err
+        assert shown.out.rstrip().endswith("gen 1  the sidecar exited with exit code 2: no")
+        assert "does not keep sidecars' output" in shown.err
+        nothing = await run_hubd_async("alloc", "logs", silent, env=env)
+        assert nothing.code == 1
+        assert f"no output of {silent}: no sidecar was bound to it" in nothing.err
+        bad = await run_hubd_async("alloc", "logs", died, "--tail", "0", env=env)
+        assert bad.code == 2
+        assert "--tail" in bad.err
 
     def test_idempotency_key(self, external_db: str) -> None:
         """A request repeated with its key returns the same allocation; the key reused for a

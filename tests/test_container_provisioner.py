@@ -21,6 +21,7 @@ import pytest
 from hubd.client import Client
 from hubd.plugins.container import ContainerProvisioner, create
 from hubd.plugins.container.engine import EngineFailed
+from hubd.plugins.container.failures import misconfigured
 from hubd.plugins.protocol import Accepted, Destroyed, DestroyRequest, EnsureRequest, Rejected
 from hubd.store import AllocationStore, LedgerStore, Status, connect_database
 from tests import containerkit
@@ -278,7 +279,32 @@ class TestProvisioner:
         made = provisioner(engine, deployment, runtime="runsc", command=["sleep", "300"])
         result = await made.ensure(ensure_request())
         assert isinstance(result, Rejected), result
+        assert (result.code, result.retryable) == ("engine_rejected", False)
         assert "Unknown runtime specified runsc" in result.message, result
+        assert await containerkit.containers(engine, deployment) == []
+
+    @pytest.mark.parametrize(
+        ("option", "value", "named"),
+        [
+            ("command", ["/nonexistent"], "/nonexistent"),
+            ("user", "nosuchuser", "nosuchuser"),
+            ("network", "hubd-no-such-network", "hubd-no-such-network"),
+        ],
+    )
+    async def test_misconfiguration_is_not_retryable_and_leaves_nothing(
+        self, engine: containerkit.Engine, deployment: str, option: str, value: Any, named: str
+    ) -> None:
+        """A command that is not in the image, a user it does not know, a network the engine
+        does not have: the engine refuses the container at its create or its start, and the
+        ensure is a non-retryable sidecar_misconfigured quoting the engine, with no container
+        left (a failed start leaves one created, which every retry would adopt and fail)."""
+        made = provisioner(engine, deployment, **{option: value})
+        request = ensure_request()
+        result = await made.ensure(request)
+        assert isinstance(result, Rejected), result
+        assert (result.code, result.retryable) == ("sidecar_misconfigured", False), result
+        assert named in result.message
+        assert request.token not in result.message
         assert await containerkit.containers(engine, deployment) == []
 
     async def test_engine_down_is_retryable_naming_the_socket(
@@ -332,6 +358,38 @@ class TestProvisioner:
         self, status: int, message: str, gone: bool
     ) -> None:
         assert EngineFailed(status, message).not_found is gone
+
+    @pytest.mark.parametrize(
+        ("status", "message", "code"),
+        [
+            # What dockerd 20.10 and Podman 4.3 answered, at the create or the start.
+            (400, 'failed to create shim task: OCI runtime create failed: runc create failed: '
+             'unable to start container process: exec: "/nonexistent": stat /nonexistent: no '
+             "such file or directory: unknown", "sidecar_misconfigured"),
+            (400, 'failed to create shim task: OCI runtime create failed: runc create failed: '
+             'unable to start container process: exec: "hubd": executable file not found in '
+             "$PATH: unknown", "sidecar_misconfigured"),
+            (500, 'runc: runc create failed: unable to start container process: exec: '
+             '"/nonexistent": stat /nonexistent: no such file or directory: OCI runtime '
+             "attempted to invoke a command that was not found", "sidecar_misconfigured"),
+            (500, "unable to find user nosuchuser: no matching entries in passwd file",
+             "sidecar_misconfigured"),
+            (404, "network nosuchnet not found", "sidecar_misconfigured"),
+            (500, "container create: unable to find network with name or ID nosuchnet: network "
+             "not found", "sidecar_misconfigured"),
+            (500, "Cannot mkdir: /bin/sh is not a directory", "sidecar_misconfigured"),
+            (400, "Unknown runtime specified nosuchruntime", "engine_rejected"),
+            (500, "container state improper", None),
+            (404, "no such container", None),
+            (409, "Conflict. The container name is already in use", None),
+        ],
+    )  # fmt: skip
+    def test_engine_errors_no_retry_changes(
+        self, status: int, message: str, code: str | None
+    ) -> None:
+        refused = misconfigured(EngineFailed(status, message))
+        assert (None if refused is None else refused.code) == code
+        assert refused is None or refused.retryable is False
 
 
 class TestThroughDaemon:

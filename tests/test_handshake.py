@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from websockets.datastructures import Headers
 
-from hubd.routing import Target
 from hubd.server.handshake import (
     CONNECT_PATH,
     SUBPROTOCOL,
@@ -34,6 +33,7 @@ from hubd.tokens import hash_token, new_reconnect_secret, new_token
 
 TOKEN = new_token()
 ALLOCATION = "al_" + "a" * 32
+TAG = "0123456789abcdef" * 2
 SIDECAR = "sc_" + "b" * 32
 
 
@@ -359,35 +359,50 @@ class TestSmallDecisions:
         assert budget.take(0.5) is False
 
     @pytest.mark.parametrize(
-        ("payload", "target"),
+        ("payload", "notice"),
         [
-            (f"{ALLOCATION}:3:7:cn_1", ConnectedNotice(Target(ALLOCATION, 3), 7, "cn_1")),
-            (f"{ALLOCATION}:3:7", None),
-            (f"{ALLOCATION}:3:7:", None),
-            (f"{ALLOCATION}:3", None),
-            (f"{ALLOCATION}:0:1:cn_1", None),
-            (f"{ALLOCATION}::1:cn_1", None),
-            (ALLOCATION, None),
+            (f"{TAG}:3:7:cn_1", ConnectedNotice(TAG, 3, 7, "cn_1")),
+            (f"{TAG}:3:7", None),
+            (f"{TAG}:3:7:", None),
+            (f"{TAG}:3", None),
+            (f"{TAG}:0:1:cn_1", None),
+            (f"{TAG}::1:cn_1", None),
+            (TAG, None),
             (":3:1:cn_1", None),
-            (f"{ALLOCATION}:x:1:cn_1", None),
-            (f"{ALLOCATION}:3:x:cn_1", None),
+            (f"{TAG}:x:1:cn_1", None),
+            (f"{TAG}:3:x:cn_1", None),
+            (f"{TAG}:3:7:cn:1", None),
+            # An allocation id is no tag, nor is anything but 32 lowercase hex digits.
+            (f"{ALLOCATION}:3:7:cn_1", None),
+            (f"{TAG.upper()}:3:7:cn_1", None),
+            (f"{TAG[:-1]}:3:7:cn_1", None),
+            (f"{TAG}0:3:7:cn_1", None),
+            # Digits int() refuses, or too many of them: anyone may NOTIFY on the channel.
+            (f"{TAG}:\u00b2:7:cn_1", None),
+            (f"{TAG}:3:{'9' * 5000}:cn_1", None),
+            ("after-heal", None),
         ],
     )
-    def test_connected_payload(self, payload: str, target: ConnectedNotice | None) -> None:
-        """A hubd_connected payload names one target and its record's number, or nothing when
-        malformed."""
-        assert parse_connected_payload(payload) == target
+    def test_connected_payload(self, payload: str, notice: ConnectedNotice | None) -> None:
+        """A hubd_connected payload names one allocation's tag, a generation and its record's
+        number, or nothing when malformed."""
+        assert parse_connected_payload(payload) == notice
 
     @pytest.mark.parametrize(
         ("payload", "control"),
         [
-            (f"{ALLOCATION}:2:fence", SocketControl(ALLOCATION, 2, retire=False)),
-            (f"{ALLOCATION}:2:retire", SocketControl(ALLOCATION, 2, retire=True)),
-            (f"{ALLOCATION}:2:close", None),
-            (f"{ALLOCATION}:0:fence", None),
-            (f"{ALLOCATION}:fence", None),
+            (f"{TAG}:2:fence", SocketControl(TAG, 2, retire=False)),
+            (f"{TAG}:2:retire", SocketControl(TAG, 2, retire=True)),
+            (f"{TAG}:2:close", None),
+            (f"{TAG}:0:fence", None),
+            (f"{TAG}:fence", None),
+            (f"{ALLOCATION}:2:fence", None),
+            (f"{TAG.upper()}:2:retire", None),
+            (f"{TAG}:\u00b2:retire", None),
+            (f"{TAG}:{'9' * 5000}:fence", None),
         ],
     )
     def test_sockets_payload(self, payload: str, control: SocketControl | None) -> None:
-        """A hubd_sockets payload says fence or retire for one generation, or nothing."""
+        """A hubd_sockets payload says fence or retire for one allocation's tag and one
+        generation, or nothing."""
         assert parse_sockets_payload(payload) == control

@@ -7,6 +7,7 @@ import traceback
 from datetime import datetime, timedelta
 from typing import Any
 
+import attrs
 import pytest
 import structlog.testing
 
@@ -27,6 +28,7 @@ from hubd.store import (
     connect_database,
 )
 from hubd.store.connections import ConnectionStore
+from hubd.store.values import NO_REPLACEMENT_LIMIT
 from hubd.tokens import hash_token
 from tests.pgtime import age_row, expire_lease
 from tests.polling import scaled
@@ -920,13 +922,17 @@ class TestStalledSteps:
 class TestReplacementBackoff:
     async def test_backoff_grows_across_generations_to_the_cap(self, rig: ReconcilerRig) -> None:
         """An ensure that raises every time is replaced with a delay that doubles from one
-        generation to the next up to the 30 s cap, never restarting at the first delay."""
+        generation to the next up to the 30 s cap, never restarting at the first delay (with
+        no replacement limit: the default gives up after five)."""
+        reconciler = rig.make(
+            settings=attrs.evolve(SETTINGS, replacement_limit=NO_REPLACEMENT_LIMIT)
+        )
         rig.provisioner.default_ensure = fail(RuntimeError("plugin bug"))
         allocation = await rig.store.request(provisioner_id="fake")
         delays = []
         for _ in range(7):
             await age_row(rig.db, allocation.id, 60)
-            assert await rig.reconciler.reconcile_next()
+            assert await reconciler.reconcile_next()
             async with rig.db.pool.acquire() as conn:
                 row = await conn.fetchrow(
                     "SELECT status, extract(epoch FROM next_attempt_at - updated_at) AS delay "

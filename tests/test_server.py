@@ -38,6 +38,7 @@ from hubd.server.sockets import new_connection_id
 from hubd.sidecar.client import SidecarClient
 from hubd.sidecar.settings import SidecarConfigError, SidecarSettings
 from hubd.store import AllocationStore, Database, Failure, Status, connect_database
+from hubd.store.channels import NoticeKey
 from hubd.store.connection_values import RecordOutcome
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
@@ -642,7 +643,7 @@ class TestWaitReady:
         assert hub.router.waiter_count == 0
 
     async def test_other_replica_notification(
-        self, db: Database, sidecar: Sidecar, database_url: str
+        self, db: Database, sidecar: Sidecar, database_url: str, notice_key: NoticeKey
     ) -> None:
         """A connect recorded by another replica reaches wait_ready here through the daemon's
         own wake-up listener: the hubd_connected NOTIFY written by the same statement as the
@@ -651,7 +652,7 @@ class TestWaitReady:
         instances = InstanceStore(db)
         await instances.register(INSTANCE_ID, "here", 1, None)
         await instances.register("in_peer", "there", 2, None)
-        router = SocketRouter(ConnectionStore(db, instance_id=INSTANCE_ID))
+        router = SocketRouter(ConnectionStore(db, instance_id=INSTANCE_ID), notice_key=notice_key)
         peer = ConnectionStore(db, instance_id="in_peer")
         wakes: list[None] = []
         listener = wake_listener(
@@ -685,7 +686,7 @@ class TestWaitReady:
         assert not listener.healthy
 
     async def test_a_connect_made_ready_wakes_no_claim(
-        self, db: Database, store: AllocationStore, database_url: str
+        self, db: Database, store: AllocationStore, database_url: str, notice_key: NoticeKey
     ) -> None:
         """A connect whose record made the allocation ready reaches the listener as a
         connect, not as a wake-up: no claim runs for it. Notifications arrive in the order
@@ -699,7 +700,7 @@ class TestWaitReady:
                 sidecar.allocation_id,
             )
         await InstanceStore(db).register(INSTANCE_ID, "here", 1, None)
-        router = SocketRouter(ConnectionStore(db, instance_id=INSTANCE_ID))
+        router = SocketRouter(ConnectionStore(db, instance_id=INSTANCE_ID), notice_key=notice_key)
         wakes: list[int] = []
         connected: list[None] = []
         listener = wake_listener(
@@ -749,9 +750,13 @@ class TestWaitReady:
             await waiting
         assert hub.router.waiter_count == 0
 
-    async def test_unknown_is_not_absent(self, spare_db: Database, sidecar: Sidecar) -> None:
+    async def test_unknown_is_not_absent(
+        self, spare_db: Database, sidecar: Sidecar, notice_key: NoticeKey
+    ) -> None:
         """is_ready and wait_ready raise DatabaseUnavailable when the database cannot answer."""
-        router = SocketRouter(ConnectionStore(spare_db, instance_id=INSTANCE_ID))
+        router = SocketRouter(
+            ConnectionStore(spare_db, instance_id=INSTANCE_ID), notice_key=notice_key
+        )
         await take_away(spare_db)
         with pytest.raises(DatabaseUnavailable):
             await router.is_ready(sidecar.target)
@@ -918,7 +923,9 @@ class TestInstanceStore:
 
 
 class TestListener:
-    async def test_tls(self, db: Database, sidecar: Sidecar, tmp_path: Path) -> None:
+    async def test_tls(
+        self, db: Database, sidecar: Sidecar, tmp_path: Path, notice_key: NoticeKey
+    ) -> None:
         """With a certificate and key configured, the listener speaks wss://."""
         cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
         openssl = await asyncio.create_subprocess_exec(
@@ -934,7 +941,7 @@ class TestListener:
         connections = ConnectionStore(db, instance_id=INSTANCE_ID)
         config = ServerConfig(listen="127.0.0.1:0", tls_cert=str(cert), tls_key=str(key))
         server = SidecarServer.from_config(
-            config, router=SocketRouter(connections), connections=connections
+            config, router=SocketRouter(connections, notice_key=notice_key), connections=connections
         )
         client_context = ssl.create_default_context(cafile=str(cert))
         async with server:
@@ -943,11 +950,11 @@ class TestListener:
             async with dial(url, sidecar.headers(), ssl=client_context) as ws:
                 assert (await welcome_of(ws))["type"] == "welcome"
 
-    async def test_plain_non_loopback_warns(self, db: Database) -> None:
+    async def test_plain_non_loopback_warns(self, db: Database, notice_key: NoticeKey) -> None:
         """A plain ws:// listener on a non-loopback address logs a warning at start."""
         connections = ConnectionStore(db, instance_id=INSTANCE_ID)
         server = SidecarServer(
-            router=SocketRouter(connections),
+            router=SocketRouter(connections, notice_key=notice_key),
             connections=connections,
             host="0.0.0.0",  # noqa: S104 -- the case under test
         )

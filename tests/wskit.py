@@ -19,6 +19,7 @@ from hubd.routing import Target
 from hubd.server import CONNECT_PATH, SUBPROTOCOL, SidecarServer, SocketRouter
 from hubd.server.wire import WireLogger
 from hubd.store import AllocationStore, Database, Fence, Status
+from hubd.store.channels import NoticeKey, read_notice_key
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from hubd.store.sessions import init_connection
@@ -122,6 +123,7 @@ class Hub:
     router: SocketRouter
     connections: ConnectionStore
     events: RecordingEvents
+    notice_key: NoticeKey
 
     @property
     def url(self) -> str:
@@ -150,7 +152,10 @@ async def running_hub(
         records_db or db, instance_id=instance_id, ready_on_connect=ready_on_connect
     )
     events = RecordingEvents()
-    router = SocketRouter(connections, events=events, **(router_options or {}))
+    notice_key = await read_notice_key(db)
+    router = SocketRouter(
+        connections, notice_key=notice_key, events=events, **(router_options or {})
+    )
     lookups = ConnectionStore(
         lookup_db or db, instance_id=instance_id, ready_on_connect=ready_on_connect
     )
@@ -158,7 +163,13 @@ async def running_hub(
         router=router, connections=lookups, host="127.0.0.1", port=port, **server_options
     )
     async with server:
-        yield Hub(server=server, router=router, connections=connections, events=events)
+        yield Hub(
+            server=server,
+            router=router,
+            connections=connections,
+            events=events,
+            notice_key=notice_key,
+        )
 
 
 def dial(url: str, headers: Mapping[str, str], **options: Any) -> Any:

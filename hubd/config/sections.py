@@ -297,6 +297,11 @@ class ReconcilerConfig:
     repair_interval: float = _duration("30s")
     shutdown_grace: float = _duration("20s")
     automatic_replacement_recovery: bool = _flag(False)
+    replacement_limit: int = _integer(5)
+    """How many sidecars of one allocation may fail (be abandoned for a new one) within
+    ``replacement_window`` of the first before the allocation is given up and ends ``failed``
+    with the last failure; 0: replace forever."""
+    replacement_window: float = _duration("10m")
     on_ready: str = _text("")
     """The hook run after a sidecar connects and before its allocation is ready:
     ``"package.module:attr"`` or an entry point in group ``hubd.on_ready``; empty: none
@@ -304,6 +309,11 @@ class ReconcilerConfig:
 
     def __attrs_post_init__(self) -> None:
         check_fields("reconciler", self)
+        if self.replacement_limit < 0:
+            raise problem(
+                "reconciler.replacement_limit",
+                f"must be 0 (no limit) or more, not {self.replacement_limit}",
+            )
         broken = claim_rules_problem(
             lease_duration=self.lease_duration,
             operation_timeout=self.operation_timeout,

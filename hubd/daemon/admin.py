@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import structlog
@@ -40,12 +40,16 @@ class AdminServer:
         port: int,
         readiness: Callable[[], str | None],
         metrics: Callable[[], Coroutine[Any, Any, bytes]],
+        detail: Callable[[], Sequence[str]] = lambda: (),
     ) -> None:
         """``readiness`` is called on the admin thread: ``None`` when ready, else what is
-        missing. ``metrics`` is awaited on the loop that called :meth:`start`."""
+        missing; ``detail`` too: lines ``/readyz`` adds whatever the answer (what works only
+        in part, such as a provisioner that cannot reach its engine). ``metrics`` is awaited
+        on the loop that called :meth:`start`."""
         self._host = host
         self._port = port
         self._readiness = readiness
+        self._detail = detail
         self._metrics = metrics
         self._owner: asyncio.AbstractEventLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -141,9 +145,10 @@ class AdminServer:
             return 200, "text/plain", b"ok\n"
         if path == "/readyz":
             problem = self._readiness()
+            detail = "".join(f"{line}\n" for line in self._detail())
             if problem is None:
-                return 200, "text/plain", b"ready\n"
-            return 503, "text/plain", f"not ready: {problem}\n".encode()
+                return 200, "text/plain", f"ready\n{detail}".encode()
+            return 503, "text/plain", f"not ready: {problem}\n{detail}".encode()
         if path == "/metrics":
             body = await self._render()
             if body is None:

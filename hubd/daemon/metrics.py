@@ -152,6 +152,24 @@ class Metrics:
             "past events.lock_hold_limit",
             registry=r,
         )
+        self.watch_up = Gauge(
+            "hubd_provisioner_watch_up",
+            "1 while this daemon follows the provisioner's reports of dead sidecars",
+            ["provisioner"],
+            registry=r,
+        )
+        self.watch_failures = Counter(
+            "hubd_provisioner_watch_failures",
+            "Times the provisioner's watch of its sidecars failed or ended, by failure code",
+            ["provisioner", "code"],
+            registry=r,
+        )
+        self.sidecar_exits = Counter(
+            "hubd_sidecar_exits",
+            "Sidecars reported dead by their provisioner and acted on (the current generation's)",
+            ["provisioner", "reason"],
+            registry=r,
+        )
         self.loop_errors = Counter(
             "hubd_claim_loop_errors",
             "Errors the claim dispatcher recovered from",

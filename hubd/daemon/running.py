@@ -11,7 +11,7 @@ import errno
 import functools
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import attrs
 import structlog
@@ -19,11 +19,12 @@ import structlog
 from hubd.config import Config
 from hubd.daemon.admin import AdminServer
 from hubd.daemon.counting import AllocationCounts
+from hubd.daemon.exits import ExitWatch
 from hubd.daemon.fdlimit import plan_descriptors, raise_open_file_limit
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.wakeups import NotificationListener
 from hubd.errors import ConfigError
-from hubd.plugins.protocol import Provisioner
+from hubd.plugins.protocol import Provisioner, WatchesSidecars
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.routing import ConnectionEvents
@@ -31,12 +32,13 @@ from hubd.server.limits import ListenerLimits
 from hubd.server.listener import SidecarServer
 from hubd.server.router import SocketRouter
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
-from hubd.store.channels import parse_connected_payload, parse_sockets_payload
+from hubd.store.channels import NoticeKey, parse_connected_payload, parse_sockets_payload
 from hubd.store.connections import ConnectionStore
 from hubd.store.counts import status_counts
 from hubd.store.database import connections_opened
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
+from hubd.store.values import ReplacementLimit
 
 __all__ = [
     "Listening",
@@ -106,10 +108,13 @@ class Listening:
         dsn: str,
         instance_id: str,
         *,
+        notice_key: NoticeKey,
         ready_on_connect: bool,
         events: ConnectionEvents | None = None,
     ) -> Listening:
-        """``ready_on_connect``: no on-ready hook runs, so a connect may make its parked
+        """``notice_key``: the database's key for the allocation tags of its notifications
+        (read once at start, :func:`~hubd.store.channels.read_notice_key`).
+        ``ready_on_connect``: no on-ready hook runs, so a connect may make its parked
         allocation ready itself (see the ``record`` statement). ``events`` hears of each
         socket's welcome and loss (the daemon's metrics)."""
         rc = config.reconciler
@@ -118,6 +123,7 @@ class Listening:
         )
         router = SocketRouter(
             connections,
+            notice_key=notice_key,
             instance_ttl=config.instance.ttl,
             connect_timeout=rc.connect_timeout,
             event_timeout=rc.operation_timeout,
@@ -182,7 +188,9 @@ def wake_listener(
     poll_interval: float,
 ) -> NotificationListener:
     """The LISTEN connection, wired to ``router``'s repair: a sidecar connected on a peer
-    resolves the waits here; a fence or a retirement closes the sockets it names."""
+    resolves the waits here; a fence or a retirement closes the sockets it names. Both name
+    the allocation by its tag, which the router turns back into an id only for what it
+    holds."""
     repair = router.repair
 
     def on_connected(payload: str) -> None:
@@ -223,6 +231,8 @@ class Running:
     reconciler: Reconciler
     listener: NotificationListener
     admin: AdminServer
+    exits: tuple[ExitWatch, ...] = ()
+    """A loop for each provisioner that reports its dead sidecars."""
 
     @property
     def db(self) -> Database:
@@ -245,6 +255,7 @@ class Running:
         on_wake: Callable[[], None],
         on_reconnected: Callable[[], None],
         readiness: Callable[[], str | None],
+        readiness_detail: Callable[[], Sequence[str]] = lambda: (),
         on_notified: Callable[[], None] | None = None,
     ) -> Running:
         rc, db, router = config.reconciler, parts.db, parts.router
@@ -264,6 +275,7 @@ class Running:
                 operation_timeout=rc.operation_timeout,
                 max_concurrent_claims=rc.max_concurrent_claims,
                 automatic_replacement_recovery=rc.automatic_replacement_recovery,
+                replacement_limit=ReplacementLimit(rc.replacement_limit, rc.replacement_window),
                 instance_ttl=config.instance.ttl,
                 ready_when={p.id: p.ready_when for p in config.provisioners},
             ),
@@ -308,6 +320,11 @@ class Running:
             metrics.listener_up.set(1 if listener.healthy else 0)
             return metrics.render()
 
+        exits = tuple(
+            ExitWatch(id, provisioner, store, metrics, timeout=rc.operation_timeout)
+            for id, provisioner in sorted(provisioners.items())
+            if isinstance(provisioner, WatchesSidecars)
+        )
         return cls(
             parts=parts,
             hub_ws_url=hub_ws_url,
@@ -320,6 +337,8 @@ class Running:
                 host=config.admin.host,
                 port=config.admin.port,
                 readiness=readiness,
+                detail=readiness_detail,
                 metrics=render_metrics,
             ),
+            exits=exits,
         )

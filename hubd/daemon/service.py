@@ -48,6 +48,7 @@ from hubd.plugins.protocol import Provisioner
 from hubd.plugins.registry import load_provisioners
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook
+from hubd.store.channels import read_notice_key
 from hubd.store.connect import resolve_dsn
 from hubd.store.events import EventStore
 
@@ -128,6 +129,8 @@ class Daemon:
                 db,
                 dsn,
                 self.instance_id,
+                # Read once: the key never changes (migration 0018).
+                notice_key=await read_notice_key(db),
                 ready_on_connect=self._on_ready is None,
                 events=self.metrics,
             )
@@ -145,6 +148,7 @@ class Daemon:
                 on_notified=self._waker.notify,
                 on_reconnected=self._verify_soon.set,
                 readiness=self._readiness,
+                readiness_detail=self._readiness_detail,
             )
             # The reconciler's own work settles after the sockets close (closing them hands it
             # connection events) and before the pools close (its last writes need them).
@@ -273,6 +277,16 @@ class Daemon:
         if self._feed_lock is not None and self._feed_lock.problem is not None:
             return self._feed_lock.problem
         return None
+
+    def _readiness_detail(self) -> list[str]:
+        """What works only in part, for ``/readyz`` whatever its answer: each provisioner whose
+        reports of dead sidecars this daemon does not follow. Read on the admin thread, from
+        states replaced whole."""
+        running = self._running
+        if running is None:
+            return []
+        lines = (watch.state.describe(watch.provisioner_id) for watch in running.exits)
+        return [line for line in lines if line is not None]
 
 
 async def _initialize(reconciler: Reconciler) -> None:

@@ -68,6 +68,8 @@ class Supervisor:
                 start("socket-check", self.sweeps.socket_check())
                 if self.sweeps.config.orphans.mode != "off":
                     start("orphans", self.sweeps.orphans())
+                for watch in self.sweeps.running.exits:
+                    start(f"exit-watch-{watch.provisioner_id}", watch.run())
                 start("watchdog", watchdog())
                 start("shutdown", self._stop_when_asked(dispatcher, reconciler))
         except* _Stop:

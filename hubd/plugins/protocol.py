@@ -6,9 +6,9 @@ and every string a plugin hands back is bounded before it reaches the database o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -30,13 +30,19 @@ __all__ = [
     "Provisioner",
     "Rejected",
     "RunningSidecar",
+    "SidecarExit",
+    "SidecarOutput",
+    "WatchesSidecars",
     "check_destroy_result",
     "check_ensure_result",
+    "check_sidecar_exit",
     "checks_options",
     "former_fingerprints",
 ]
 
 MAX_EXTERNAL_REF = 500
+MAX_EXIT_OUTPUT = 2000
+"""Characters of a dead sidecar's output kept (its tail), in the ledger and on the row."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -189,6 +195,68 @@ class ListsSidecars(Protocol):
     async def list_sidecars(self) -> Sequence[RunningSidecar]: ...
 
 
+_HOW_IT_DIED: Final = {
+    "exited": "exited",
+    "killed": "was killed",
+    "oom_killed": "was killed for want of memory",
+    "removed": "was removed",
+}
+
+
+@attrs.frozen(kw_only=True)
+class SidecarExit:
+    """A sidecar stopped running without hubd asking: its process exited or was killed, or
+    whatever held it was removed. ``allocation_id`` and ``generation`` are what the provisioner
+    recorded for it (a sidecar it cannot place is not reported). ``exit_code`` is ``None`` when
+    unknown (removed before anyone saw it exit); ``output`` is the tail of what it wrote, ``""``
+    when none is known; ``reason`` a short word (``exited``, ``killed``, ``oom_killed``,
+    ``removed``)."""
+
+    sidecar_id: str
+    allocation_id: str
+    generation: int
+    exit_code: int | None
+    output: str = ""
+    reason: str = "exited"
+
+    def describe(self) -> str:
+        """One line for the ledger and ``alloc show``: what happened, then the output's tail."""
+        what = _HOW_IT_DIED.get(self.reason, f"stopped ({self.reason})")
+        code = "" if self.exit_code is None else f" with exit code {self.exit_code}"
+        head = f"the sidecar {what}{code}"
+        return f"{head}: {self.output}" if self.output else f"{head} (no output)"
+
+
+@runtime_checkable
+class WatchesSidecars(Protocol):
+    """Optional capability: tell hubd at once when a sidecar dies, rather than leave it to the
+    sidecar's missing connection (``connect_timeout``). ``watch_sidecars`` yields a
+    :class:`SidecarExit` for each sidecar that stops running without a ``destroy`` of hubd's
+    (reporting one hubd destroyed, or one twice, is harmless: the report is fenced on the
+    generation), and ``None`` once it follows the system it watches (and whenever else it
+    likes, as a sign of life): until the first ``None`` or exit, hubd does not count the
+    system as reachable. It runs for the daemon's lifetime; when the system cannot be reached
+    it raises :class:`~hubd.errors.PluginError` (with a ``code`` attribute naming the failure,
+    when it can), and hubd calls it again after a backoff. On each call it starts following,
+    then reports the sidecars that died while nobody watched (it may report again what an
+    earlier call reported)."""
+
+    def watch_sidecars(self) -> AsyncIterator[SidecarExit | None]: ...
+
+
+@runtime_checkable
+class SidecarOutput(Protocol):
+    """Optional capability: what a sidecar wrote (stdout and stderr, in order), for ``hubd
+    alloc logs``. ``sidecar_output`` yields chunks of text: the last ``tail`` lines (all when
+    ``None``), then, with ``follow``, what it writes until it stops or the caller stops reading.
+    A sidecar with nothing kept (gone) raises :class:`LookupError`; a system that cannot be
+    reached raises :class:`~hubd.errors.PluginError`."""
+
+    def sidecar_output(
+        self, sidecar_id: str, external_ref: str | None, *, tail: int | None, follow: bool
+    ) -> AsyncIterator[str]: ...
+
+
 @runtime_checkable
 class Probes(Protocol):
     """Optional capability: check that this provisioner can make sidecars here and now (its
@@ -279,3 +347,34 @@ def check_destroy_result(value: object) -> DestroyResult:
         _check_rejection(value, "destroy")
         return value
     raise PluginError(f"destroy returned {type(value).__name__}, not Destroyed or DestroyRejected")
+
+
+def check_sidecar_exit(value: object) -> SidecarExit:
+    """``value`` if it is a well-formed exit report, its output's tail cut to
+    :data:`MAX_EXIT_OUTPUT` characters; :class:`PluginError` otherwise."""
+    if not isinstance(value, SidecarExit):
+        raise PluginError(f"watch_sidecars yielded {type(value).__name__}, not SidecarExit")
+    if not (
+        isinstance(value.sidecar_id, str)
+        and value.sidecar_id
+        and isinstance(value.allocation_id, str)
+        and value.allocation_id
+    ):
+        raise PluginError("watch_sidecars yielded an exit with no sidecar or allocation id")
+    if (
+        not isinstance(value.generation, int)
+        or isinstance(value.generation, bool)
+        or (value.generation < 1)
+    ):
+        raise PluginError("watch_sidecars yielded an exit whose generation is not a positive int")
+    if value.exit_code is not None and (
+        not isinstance(value.exit_code, int) or isinstance(value.exit_code, bool)
+    ):
+        raise PluginError("watch_sidecars yielded an exit whose exit_code is not an int")
+    if not isinstance(value.output, str) or not isinstance(value.reason, str):
+        raise PluginError("watch_sidecars yielded an exit whose output or reason is not a string")
+    output = value.output[-MAX_EXIT_OUTPUT:]
+    reason = value.reason[:40] or "exited"
+    if output == value.output and reason == value.reason:
+        return value
+    return attrs.evolve(value, output=output, reason=reason)

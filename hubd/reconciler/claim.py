@@ -43,6 +43,7 @@ from hubd.store.allocations import AllocationStore
 from hubd.store.connections import ConnectionStore
 from hubd.store.ledger import LedgerStore, new_effect_id
 from hubd.store.models import Allocation, EffectRow, Fence, Phase, Status
+from hubd.store.values import ReplacementLimit
 
 __all__ = ["ClaimRun", "ClaimServices"]
 
@@ -72,6 +73,10 @@ class ClaimServices:
     create_token: Callable[[], str]
     faults: FaultHook | None = None
     """Tests only: lands faults at the claim's step boundaries (:mod:`hubd.reconciler.faults`)."""
+
+    @property
+    def replacement_limit(self) -> ReplacementLimit:
+        return self.settings.replacement_limit
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -366,6 +366,14 @@ def after_connect_window(
     (``missed`` says how the wait ended). Before the deadline, give the slot back and park;
     at it, abandon the sidecar, fenced on the connection number seen, so one that connected
     anywhere since is not abandoned for not connecting."""
+    if seen.exit_message is not None:
+        # Its provisioner said it died: no wait can bring it back.
+        return abandon(
+            allocation,
+            Failure("sidecar_exited", seen.exit_message),
+            automatic_recovery=automatic_recovery,
+            connection_seq=seen.connection_seq,
+        )
     if remaining > window:
         return await_connection(seen.connection_seq)
     return abandon(

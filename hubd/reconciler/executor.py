@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypedDict
 
+import attrs
 from structlog.typing import FilteringBoundLogger
 
 from hubd.errors import LeaseLost
@@ -46,6 +47,7 @@ from hubd.routing import Router
 from hubd.store.allocations import AllocationStore
 from hubd.store.models import Allocation, Fence
 from hubd.store.transitions import Effects
+from hubd.store.values import ReplacementLimit
 
 __all__ = ["Claim", "WriteServices", "apply", "statement"]
 
@@ -63,6 +65,11 @@ class WriteServices(Protocol):
 
     @property
     def observer(self) -> ReconcilerObserver: ...
+
+    @property
+    def replacement_limit(self) -> ReplacementLimit:
+        """How often an allocation's sidecars may fail before it is given up."""
+        ...
 
 
 class Claim(Protocol):
@@ -175,6 +182,7 @@ def statement(
                 expected_status=write.expected,
                 delay=write.delay,
                 failure=write.failure,
+                limit=write.limit,
                 effects=effects,
                 **_abandon_guard(write),
             )
@@ -297,6 +305,7 @@ def _report_final(
 
 async def _abandon(claim: Claim, write: Abandon, effects: Effects) -> None:
     s, fence, status = claim.services, claim.fence, claim.allocation.status
+    write = attrs.evolve(write, limit=s.replacement_limit)
     guard_failed = False
 
     async def step() -> None:
@@ -308,6 +317,8 @@ async def _abandon(claim: Claim, write: Abandon, effects: Effects) -> None:
             guard_failed = True
             return
         s.observer.transition(str(status), str(updated.status))
+        if updated.give_up:
+            claim.log.warning("giving_up", code=write.failure.code, message=updated.failure_message)
         # Advance the fence before this step settles and the allocation becomes claimable
         # again, so the abandoned sidecar cannot linger connected.
         s.router.fence(updated.id, updated.generation)

@@ -9,6 +9,7 @@ import attrs
 
 from hubd.claimrules import claim_rules_problem
 from hubd.store.models import Allocation
+from hubd.store.values import DEFAULT_REPLACEMENT_LIMIT, ReplacementLimit
 from hubd.units import positive
 
 __all__ = ["Hook", "HookContext", "ReconcilerSettings", "claim_rules_problem", "hook_call"]
@@ -33,6 +34,8 @@ class ReconcilerSettings:
     operation_timeout: float = 30.0
     max_concurrent_claims: int = 16
     automatic_replacement_recovery: bool = False
+    replacement_limit: ReplacementLimit = DEFAULT_REPLACEMENT_LIMIT
+    """How often an allocation's sidecars may fail within a window before it is given up."""
     instance_ttl: float = 20.0
     """A connection record counts only while its instance heartbeated within this time."""
     restart_window: float = 60.0

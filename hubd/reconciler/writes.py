@@ -14,7 +14,7 @@ import attrs
 
 from hubd.store.models import Status
 from hubd.store.transitions import AttemptKind, ParkMode
-from hubd.store.values import Failure
+from hubd.store.values import NO_REPLACEMENT_LIMIT, Failure, ReplacementLimit
 
 __all__ = [
     "Abandon",
@@ -131,6 +131,9 @@ class Abandon:
     otherwise: Retry | None = None
     """What to write instead when a guard (initialization marker, connection number) keeps the
     abandon from matching: the guarded fact changed since the claim looked."""
+    limit: ReplacementLimit = NO_REPLACEMENT_LIMIT
+    """How often the allocation's sidecars may fail before a replacement becomes a give-up (the
+    statement decides, on the row's count): the executor sets the configured one."""
 
 
 @attrs.frozen(kw_only=True)

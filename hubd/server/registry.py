@@ -4,6 +4,9 @@ hub's closes of them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from hubd.routing import TagIndex
 from hubd.server.handshake import CloseCode
 from hubd.server.sockets import SocketEntry, TrackedTasks
 
@@ -12,18 +15,21 @@ __all__ = ["SocketRegistry"]
 
 class SocketRegistry:
     """The open sockets and pending handshakes of this instance, by allocation and connection
-    id. Closes run on ``tasks``."""
+    id, and the tags (``tag_of``: how the database tags an allocation in its notifications) of
+    the allocations they belong to. Closes run on ``tasks``."""
 
-    def __init__(self, tasks: TrackedTasks) -> None:
+    def __init__(self, tasks: TrackedTasks, *, tag_of: Callable[[str], str]) -> None:
         self._tasks = tasks
         self._sockets: dict[str, dict[str, SocketEntry]] = {}
         self._pending: dict[str, dict[str, SocketEntry]] = {}
+        self._tags = TagIndex(tag_of)
 
     # -- what it holds --------------------------------------------------------------------------
 
     def expect(self, entry: SocketEntry) -> None:
         """Hold a handshake whose admission is about to be asked for."""
         self._pending.setdefault(entry.target.allocation_id, {})[entry.connection_id] = entry
+        self._track(entry.target.allocation_id)
 
     def forget_pending(self, entry: SocketEntry) -> None:
         pending = self._pending.get(entry.target.allocation_id)
@@ -31,10 +37,12 @@ class SocketRegistry:
             pending.pop(entry.connection_id, None)
             if not pending:
                 del self._pending[entry.target.allocation_id]
+        self._track(entry.target.allocation_id)
 
     def add(self, entry: SocketEntry) -> None:
         """Hold an admitted socket."""
         self._sockets.setdefault(entry.target.allocation_id, {})[entry.connection_id] = entry
+        self._track(entry.target.allocation_id)
 
     def remove(self, entry: SocketEntry) -> None:
         peers = self._sockets.get(entry.target.allocation_id)
@@ -42,6 +50,15 @@ class SocketRegistry:
             peers.pop(entry.connection_id, None)
             if not peers:
                 del self._sockets[entry.target.allocation_id]
+        self._track(entry.target.allocation_id)
+
+    def allocation(self, tag: str) -> str | None:
+        """The allocation ``tag`` names, if a socket or a handshake of it is held here."""
+        return self._tags.allocation(tag)
+
+    def _track(self, allocation_id: str) -> None:
+        held = allocation_id in self._sockets or allocation_id in self._pending
+        self._tags.track(allocation_id, held=held)
 
     def sockets(self, allocation_id: str) -> list[SocketEntry]:
         """The admitted sockets of an allocation that the hub has not started closing."""

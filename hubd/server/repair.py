@@ -16,7 +16,7 @@ import asyncio
 
 from hubd.errors import StoreError
 from hubd.redaction import describe_error
-from hubd.routing import Arrivals
+from hubd.routing import Arrivals, Target
 from hubd.server.handshake import CloseCode
 from hubd.server.registry import SocketRegistry
 from hubd.server.sockets import KeyedFifo, SocketEntry
@@ -53,14 +53,21 @@ class SocketRepair:
 
     def notice_connected(self, notice: ConnectedNotice) -> None:
         """A ``hubd_connected`` notification arrived (from any replica, this one included):
-        wake waiters, and close local sockets that the new record superseded or fenced."""
-        self._arrivals.arrived(notice.target)
-        for entry in self._registry.marked(notice.target.allocation_id):
-            if entry.target.generation < notice.target.generation:
+        wake waiters, and close local sockets that the new record superseded or fenced. Its tag
+        names an allocation only if a waiter, a socket or a handshake of it is held here; any
+        other notice concerns nothing here."""
+        waited = self._arrivals.allocation(notice.tag)
+        if waited is not None:
+            self._arrivals.arrived(Target(waited, notice.generation))
+        allocation_id = self._registry.allocation(notice.tag)
+        if allocation_id is None:
+            return
+        for entry in self._registry.marked(allocation_id):
+            if entry.target.generation < notice.generation:
                 self.remote_closes += 1
                 self._registry.close(entry, CloseCode.FENCED)
             elif (
-                entry.target.generation == notice.target.generation
+                entry.target.generation == notice.generation
                 and entry.connection_id != notice.connection_id
             ):
                 if entry.seq is None:
@@ -82,11 +89,15 @@ class SocketRepair:
 
     def apply_control(self, control: SocketControl) -> None:
         """A ``hubd_sockets`` notification: the allocation moved to a newer generation, or
-        became terminal, on some replica."""
+        became terminal, on some replica. A tag that names no allocation held here closes
+        nothing."""
+        allocation_id = self._registry.allocation(control.tag)
+        if allocation_id is None:
+            return
         if control.retire:
-            self.remote_closes += self._registry.retire(control.allocation_id)
+            self.remote_closes += self._registry.retire(allocation_id)
         else:
-            self.remote_closes += self._registry.fence(control.allocation_id, control.generation)
+            self.remote_closes += self._registry.fence(allocation_id, control.generation)
 
     async def verify(self) -> tuple[int, int]:
         """Compare every recorded socket held here with the database: close what no longer

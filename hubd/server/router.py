@@ -61,6 +61,7 @@ from hubd.server.sockets import (
     clear_record,
     new_connection_id,
 )
+from hubd.store.channels import NoticeKey
 from hubd.store.connection_values import Disconnect, PublishOutcome, Record, RecordOutcome
 from hubd.store.connections import ConnectionStore
 from hubd.store.secrets import Acknowledgement
@@ -77,12 +78,17 @@ _NOTHING_TO_CLEAR = frozenset(
 
 
 class SocketRouter:
-    """Live sockets of this instance, their durable records, and readiness waits."""
+    """Live sockets of this instance, their durable records, and readiness waits.
+
+    ``notice_key`` is the database's key for the allocation tags its notifications carry
+    (:func:`hubd.store.channels.read_notice_key`): the sockets, handshakes and waiters held
+    here are found by their tags."""
 
     def __init__(
         self,
         connections: ConnectionStore,
         *,
+        notice_key: NoticeKey,
         events: ConnectionEvents | None = None,
         instance_ttl: float = 20.0,
         connect_timeout: float = 120.0,
@@ -106,8 +112,8 @@ class SocketRouter:
         # Clears a record and marks the sidecar lost, retrying within the clear budget.
         self._clear = functools.partial(clear_record, self._clears, budget=clear_budget)
         self._tasks = TrackedTasks()
-        self._registry = SocketRegistry(self._tasks)
-        self._arrivals = Arrivals()
+        self._registry = SocketRegistry(self._tasks, tag_of=notice_key.tag)
+        self._arrivals = Arrivals(tag_of=notice_key.tag)
         self._serial = KeyedFifo()
         # A reconnect storm acknowledges a welcome per socket: those that arrive while one
         # statement runs go in the next. The cap bounds memory only (see acknowledge_secret).

@@ -1,24 +1,25 @@
 """AllocationStore: the statements on ``hubd_allocations``, for one hub instance.
 
-Requests and releases from applications, an operator's forget, reads, the wake-up of a connect
-and the repair sweep are here; a claim's statements are in :mod:`hubd.store.claims` (claims and
-leases) and :mod:`hubd.store.transitions` (its fenced transitions), orphan collection's in
-:mod:`hubd.store.sweeps`. One class, so that a claim and everything it writes share one store
-and one set of pipelines.
+Requests and releases from applications, an operator's forget, reads, the wake-up of a connect,
+a provisioner's report of dead sidecars and the repair sweep are here; a claim's statements are
+in :mod:`hubd.store.claims` (claims and leases) and :mod:`hubd.store.transitions` (its fenced
+transitions), orphan collection's in :mod:`hubd.store.sweeps`. One class, so that a claim and
+everything it writes share one store and one set of pipelines.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import asyncpg
 
 from hubd.errors import AllocationNotFound
+from hubd.routing import Target
 from hubd.store.claims import ClaimQueries
 from hubd.store.database import Database
-from hubd.store.models import Allocation, Status
+from hubd.store.models import Allocation, SidecarDeath, Status
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound, load_queries
 from hubd.store.sweeps import SweepQueries
@@ -159,6 +160,25 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
             "wake", SQL.wake(allocation_id=allocation_id, generation=generation)
         )
         return woken
+
+    async def report_exits(self, exits: Sequence[SidecarDeath]) -> list[Target]:
+        """Record that these sidecars died (their provisioner said so): each current one reads
+        not connected from now on, with its deadline passed, due at once, and its death in
+        the ledger. Returns the generations written; a report of a sidecar no longer current
+        (hubd destroyed it, or already heard) writes nothing."""
+        if not exits:
+            return []
+        rows = await self._db.fetch(
+            "report sidecar exits",
+            SQL.report_exits(
+                allocation_ids=[e.allocation_id for e in exits],
+                generations=[e.generation for e in exits],
+                sidecar_ids=[e.sidecar_id for e in exits],
+                messages=[e.message for e in exits],
+                instance_id=self.instance_id,
+            ),
+        )
+        return [Target(row["id"], row["generation"]) for row in rows]
 
     async def mark_unconnected(self, *, instance_ttl: float, connect_timeout: float) -> int:
         """Repair allocated rows that read ready, or are scheduled for nothing, although no

@@ -1,18 +1,29 @@
-"""The NOTIFY channels hubd's statements and triggers announce on, each named once, and what the
-payloads of the two the daemon parses say.
+"""The NOTIFY channels hubd's statements and triggers announce on, each named once, what the
+payloads of the two the daemon parses say, and the key their allocation tags are made with.
 
 The ``.sql`` files spell the channel in SQL; :mod:`tests.test_channels` holds every
 ``pg_notify('…')`` there to one of these names. The daemon's wake-up listener subscribes to them
 by these names.
+
+Any role of the server may LISTEN on any channel, so ``hubd_connected`` and ``hubd_sockets`` name
+an allocation by its *tag*, never by its id: the first 32 hex digits of sha256(key || the id's
+UTF-8), with a random key of the database's (``hubd_notice_key``) that only the daemon's role may
+read. The database makes tags with ``hubd_notice_tag``; a daemon makes the same ones with
+:class:`NoticeKey`, only for the allocations it holds sockets or waiters of, and turns a tag back
+into an id by looking it up among those (:class:`hubd.routing.TagIndex`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Final
 
 import attrs
 
-from hubd.routing import Target
+from hubd.errors import SchemaMissing
+from hubd.store.database import Database
+from hubd.store.queries import load_queries
 
 __all__ = [
     "CHANNELS",
@@ -20,12 +31,27 @@ __all__ = [
     "EVENTS_CHANNEL",
     "SELFCHECK_CHANNEL",
     "SOCKETS_CHANNEL",
+    "TAG_LENGTH",
     "WAKE_CHANNEL",
     "ConnectedNotice",
+    "NoticeKey",
     "SocketControl",
     "parse_connected_payload",
     "parse_sockets_payload",
+    "read_notice_key",
 ]
+
+SQL = load_queries("notice_key.sql")
+
+TAG_LENGTH: Final = 32
+"""Hex digits of an allocation's tag: 128 bits, so two held allocations never share one."""
+
+# ASCII digits only, and few of them: ``str.isdigit`` takes digits ``int`` refuses ("²"), and
+# ``int`` refuses more than 4,300 digits. Any role may NOTIFY on these channels too.
+_CONNECTED: Final = re.compile(
+    rf"([0-9a-f]{{{TAG_LENGTH}}}):([0-9]{{1,18}}):([0-9]{{1,18}}):([^:]+)"
+)
+_SOCKETS: Final = re.compile(rf"([0-9a-f]{{{TAG_LENGTH}}}):([0-9]{{1,18}}):(fence|retire)")
 
 WAKE_CHANNEL: Final = "hubd_wake"
 """Something became due (a request, a release, a sidecar connected); payload: the provisioner id
@@ -34,11 +60,12 @@ transaction (a batch of requests, a batch of connection records)."""
 
 CONNECTED_CHANNEL: Final = "hubd_connected"
 """The NOTIFY channel a connection record announces itself on; payload
-``<allocation>:<generation>:<seq>:<connection>``."""
+``<tag>:<generation>:<seq>:<connection>`` (the allocation's tag)."""
 
 SOCKETS_CHANNEL: Final = "hubd_sockets"
 """The NOTIFY channel on which every move to a newer generation or to a terminal status is
-announced (a trigger on ``hubd_allocations``); payload ``<allocation>:<gen>:fence|retire``."""
+announced (a trigger on ``hubd_allocations``); payload ``<tag>:<gen>:fence|retire`` (the
+allocation's tag)."""
 
 SELFCHECK_CHANNEL: Final = "hubd_selfcheck"
 """A listener's own probe, sent through the ordinary pool; payload: a nonce."""
@@ -53,57 +80,57 @@ a daemon."""
 
 
 @attrs.frozen
-class ConnectedNotice:
-    """A ``hubd_connected`` notification: connection ``connection_id``'s record of ``target``
-    was written with number ``seq``."""
+class NoticeKey:
+    """The database's key for allocation tags (``hubd_notice_key``), read once at start."""
 
-    target: Target
+    secret: bytes = attrs.field(repr=False)
+
+    def tag(self, allocation_id: str) -> str:
+        """The allocation's tag, as ``hubd_notice_tag`` makes it in the database."""
+        digest = hashlib.sha256(self.secret + allocation_id.encode("utf-8")).hexdigest()
+        return digest[:TAG_LENGTH]
+
+
+async def read_notice_key(db: Database) -> NoticeKey:
+    """The database's key; :class:`~hubd.errors.SchemaMissing` if it has none."""
+    secret = await db.fetchval("read the notice key", SQL.notice_key())
+    if secret is None:
+        raise SchemaMissing("the database has no notice key (hubd_notice_key): migrate it")
+    return NoticeKey(bytes(secret))
+
+
+@attrs.frozen
+class ConnectedNotice:
+    """A ``hubd_connected`` notification: connection ``connection_id``'s record of generation
+    ``generation`` of the allocation tagged ``tag`` was written with number ``seq``."""
+
+    tag: str
+    generation: int
     seq: int
     connection_id: str
 
 
 @attrs.frozen
 class SocketControl:
-    """A ``hubd_sockets`` notification: sockets of older generations must go (``fence``), or
-    every socket of the allocation (``retire``)."""
+    """A ``hubd_sockets`` notification: sockets of the allocation tagged ``tag`` older than
+    ``generation`` must go (``fence``), or every socket of it (``retire``)."""
 
-    allocation_id: str
+    tag: str
     generation: int
     retire: bool
 
 
 def parse_connected_payload(payload: str) -> ConnectedNotice | None:
     """What a ``hubd_connected`` notification says, or ``None`` if it is malformed."""
-    parts = payload.split(":")
-    if (
-        len(parts) != 4
-        or not parts[0]
-        or not parts[1].isdigit()
-        or not parts[2].isdigit()
-        or not parts[3]
-    ):
+    match = _CONNECTED.fullmatch(payload)
+    if match is None or int(match[2]) < 1:
         return None
-    generation, seq = int(parts[1]), int(parts[2])
-    if generation < 1:
-        return None
-    return ConnectedNotice(Target(parts[0], generation), seq, parts[3])
+    return ConnectedNotice(match[1], int(match[2]), int(match[3]), match[4])
 
 
 def parse_sockets_payload(payload: str) -> SocketControl | None:
     """What a ``hubd_sockets`` notification says, or ``None`` if it is malformed."""
-    parts = payload.split(":")
-    if (
-        len(parts) != 3
-        or not parts[0]
-        or not parts[1].isdigit()
-        or parts[2]
-        not in (
-            "fence",
-            "retire",
-        )
-    ):
+    match = _SOCKETS.fullmatch(payload)
+    if match is None or int(match[2]) < 1:
         return None
-    generation = int(parts[1])
-    if generation < 1:
-        return None
-    return SocketControl(parts[0], generation, retire=parts[2] == "retire")
+    return SocketControl(match[1], int(match[2]), retire=match[3] == "retire")

@@ -75,6 +75,9 @@ class Readiness:
     deadline_in: float | None = None
     """Seconds from the look to the row's connect deadline as it then stood (``None``: the
     row had none, as a connected one has not)."""
+    exit_message: str | None = None
+    """How the generation's sidecar died, when its provisioner reported it dead (then it is
+    not connected and its deadline has passed)."""
 
 
 @attrs.frozen(kw_only=True)

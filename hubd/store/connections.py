@@ -302,6 +302,7 @@ class ConnectionStore:
             connected=bool(row["connected"]),
             connection_seq=row["connection_seq"],
             deadline_in=row["deadline_in"],
+            exit_message=row["exit_message"],
         )
 
     async def is_connected(self, target: Target, ttl: float) -> bool:

@@ -21,6 +21,7 @@ __all__ = [
     "InitialBinds",
     "LedgerEntry",
     "Phase",
+    "SidecarDeath",
     "Status",
     "effects_json",
 ]
@@ -91,6 +92,16 @@ class Allocation:
     endpoint: str | None = None
     """Where the current generation's sidecar serves, as its provisioner or sidecar published."""
     metadata: Mapping[str, Any] | None = None
+    exit_message: str | None = None
+    """How the current generation's sidecar died, as its provisioner reported; ``None`` while
+    none was reported."""
+    exited_at: datetime | None = None
+    replacements: int = 0
+    """Sidecars abandoned since ``replacements_since`` (the streak the replacement limit
+    counts)."""
+    replacements_since: datetime | None = None
+    give_up: bool = False
+    """The release under way ends ``failed``: too many sidecars failed within the window."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Allocation:
@@ -250,3 +261,14 @@ class InitialBinds:
     ready_when: Mapping[str, str] = attrs.field(factory=dict)
     """Provisioner id → the default a bound row gets unless it asked how it becomes ready
     (``"connected"`` for one not named)."""
+
+
+@attrs.frozen
+class SidecarDeath:
+    """A provisioner's report that sidecar ``sidecar_id`` of generation ``generation`` of
+    ``allocation_id`` died; ``message`` says how (exit code, the tail of its output)."""
+
+    allocation_id: str
+    generation: int
+    sidecar_id: str
+    message: str

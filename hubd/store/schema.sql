@@ -74,6 +74,16 @@ CREATE TABLE hubd_allocations (
     -- (hubd_clear_published).
     endpoint                        hubd_endpoint,
     metadata                        hubd_metadata,
+    -- The current generation's sidecar died, as its provisioner reported (what it said, when);
+    -- a bind of a new sidecar clears both.
+    exit_message                    text,
+    exited_at                       timestamptz,
+    -- Sidecars abandoned since replacements_since (a [reconciler] replacement_window); give_up:
+    -- the count passed replacement_limit, and the release under way ends 'failed'.
+    replacements                    integer NOT NULL DEFAULT 0,
+    replacements_since              timestamptz,
+    give_up                         boolean NOT NULL DEFAULT false,
+    CONSTRAINT hubd_allocations_exit_message_check CHECK (octet_length(exit_message) <= 8192),
     -- A lease is an id and an expiry together, never one without the other.
     CONSTRAINT hubd_allocations_lease_check CHECK ((lease_id IS NULL) = (lease_expires_at IS NULL)),
     -- A sidecar identity is bound with its token hash; the raw token is never stored.
@@ -265,7 +275,9 @@ CREATE INDEX hubd_sidecar_connections_instance_idx ON hubd_sidecar_connections (
 -- planner may instead, on a table it believes small, read every record once and hash them, and
 -- keep that generic plan while the burst fills the table: 4,000 pages a park at 2,000 records in
 -- the test. A function with a setting is never inlined, so this reads the allocation's own
--- record, by key. STABLE: it sees the calling statement's snapshot, as the inline look did.
+-- record, by key. STABLE: it sees the calling statement's snapshot, as the inline look did. A
+-- generation whose sidecar was reported dead (exited_at) is never live, whatever record its
+-- socket left.
 CREATE FUNCTION hubd_sidecar_live(
     allocation text, wanted_generation integer, ttl double precision, instance text)
 RETURNS boolean
@@ -277,6 +289,10 @@ AS $$
         LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
         WHERE c.allocation_id = allocation AND c.generation = wanted_generation
           AND (i.heartbeat_at > now() - make_interval(secs => ttl) OR c.instance_id = instance))
+    AND NOT EXISTS (
+        SELECT 1 FROM hubd_allocations AS a
+        WHERE a.id = allocation AND a.generation = wanted_generation
+          AND a.exited_at IS NOT NULL)
 $$;
 
 -- A sidecar whose connection record went is lost: the one rule of every statement that clears
@@ -287,8 +303,10 @@ $$;
 -- away, is scheduled for it unless a claim holds the row (the claim's connection-fenced write
 -- sees the bumped number and decides again; its lease is never touched), and gets a committed
 -- ledger row of ledger_kind with lost_messages[i] (a shorter or NULL array: no message), written
--- by instance. Returns how many ledger rows were written. The caller has locked the allocation
--- rows, in id order, before it cleared their records: the lock order of connections.sql.
+-- by instance. Returns how many ledger rows were written. A sidecar reported dead (exited_at)
+-- keeps its passed deadline and, unless a claim holds it, is due at once. The caller has locked
+-- the allocation rows, in id order, before it cleared their records: the lock order of
+-- connections.sql.
 -- The rows are found by key, through a map of the arrays made once per call, whatever the
 -- statistics the plan was made from. PL/pgSQL, not SQL: it keeps its plans for the session,
 -- where before PostgreSQL 18 a SQL function's are made again at every call.
@@ -308,13 +326,17 @@ BEGIN
         UPDATE hubd_allocations AS a SET
             connection_seq = a.connection_seq + 1,
             connection_ready = false,
-            connect_deadline = CASE WHEN a.status = 'allocated'
+            connect_deadline = CASE WHEN a.exited_at IS NOT NULL
+                                    THEN least(a.connect_deadline, now())
+                                    WHEN a.status = 'allocated'
                                     THEN now() + make_interval(secs => connect_timeout)
                                     ELSE a.connect_deadline END,
             next_attempt_at = CASE WHEN a.status = 'allocated'
                                         AND (a.lease_expires_at IS NULL
                                              OR a.lease_expires_at <= clock_timestamp())
-                                   THEN now() + make_interval(secs => connect_timeout)
+                                   THEN CASE WHEN a.exited_at IS NOT NULL THEN now()
+                                             ELSE now() + make_interval(secs => connect_timeout)
+                                        END
                                    ELSE a.next_attempt_at END,
             updated_at = now()
         WHERE a.id = ANY (lost_ids)
@@ -355,9 +377,30 @@ CREATE TABLE hubd_sidecar_secrets (
 -- Serves the sweep of dead instances' records and their own deletion.
 CREATE INDEX hubd_instances_heartbeat_idx ON hubd_instances (heartbeat_at);
 
+-- The key the daemons' internal notifications ('hubd_sockets', 'hubd_connected') are tagged
+-- with: any role of the server may LISTEN on any channel, so they name an allocation by a tag,
+-- never by its id. Random, made once by the migration, never shown to an application role (it has
+-- no privilege on the table) and never changed (a daemon reads it once, at its start).
+CREATE TABLE hubd_notice_key (
+    singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    key       hubd_sha256 NOT NULL
+);
+-- gen_random_uuid() draws on the server's strong random source (122 random bits each).
+INSERT INTO hubd_notice_key (key)
+VALUES (sha256(convert_to(gen_random_uuid()::text || gen_random_uuid()::text, 'UTF8')));
+
+-- An allocation's tag in the daemons' notifications: the first 32 hex digits of
+-- sha256(key || the id's UTF-8). A daemon computes the same tag (hubd.store.channels.NoticeKey)
+-- for the allocations it holds sockets or waiters of; without the key a tag names nothing.
+CREATE FUNCTION hubd_notice_tag(allocation text) RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT left(encode(sha256(k.key || convert_to(allocation, 'UTF8')), 'hex'), 32)
+    FROM hubd_notice_key AS k
+$$;
+
 -- Whenever an allocation moves to a newer generation or becomes terminal, every replica hears
--- it on 'hubd_sockets' ('<allocation>:<generation>:fence|retire') and closes the sockets it holds
--- that no longer belong: the replica that wrote the transition is rarely the one holding them.
+-- it on 'hubd_sockets' ('<tag>:<generation>:fence|retire', the tag hubd_notice_tag's) and
+-- closes the sockets it holds that no longer belong: the replica that wrote the transition is
+-- rarely the one holding them.
 -- The same transaction removes the connection record those sockets leave behind, so a closing
 -- socket has nothing to clear.
 -- A trigger, so that no transition (the reconciler's, a user's release, a future one) can forget.
@@ -369,7 +412,7 @@ BEGIN
     -- current again (a record is written only for the current generation).
     DELETE FROM hubd_sidecar_connections
     WHERE allocation_id = NEW.id AND (terminal OR generation < NEW.generation);
-    PERFORM pg_notify('hubd_sockets', NEW.id || ':' || NEW.generation || ':' ||
+    PERFORM pg_notify('hubd_sockets', hubd_notice_tag(NEW.id) || ':' || NEW.generation || ':' ||
         CASE WHEN terminal THEN 'retire' ELSE 'fence' END);
     RETURN NULL;
 END;

@@ -19,7 +19,7 @@ from hubd.store.database import Database
 from hubd.store.models import Allocation, EffectRow, Fence, Status, effects_json
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Statement, load_queries
-from hubd.store.values import Failure
+from hubd.store.values import NO_REPLACEMENT_LIMIT, Failure, ReplacementLimit
 
 __all__ = ["AttemptKind", "Effects", "ParkMode", "TransitionQueries"]
 
@@ -203,8 +203,11 @@ class TransitionQueries:
         only_if_initialization_incomplete: bool = False,
         expected_initialization_lease_id: str | None = None,
         expected_connection_seq: int | None = None,
+        limit: ReplacementLimit = NO_REPLACEMENT_LIMIT,
         effects: Effects = (),
     ) -> Allocation | None:
+        """Abandon the sidecar for a new one, unless ``limit`` says the allocation has failed
+        too often: then it is released, to end ``failed`` (the row's ``give_up``)."""
         return await self._fenced(
             "begin replacement",
             SQL.begin_replacement,
@@ -212,6 +215,8 @@ class TransitionQueries:
             effects,
             expected_status=str(expected_status),
             delay=float(delay),
+            replacement_limit=int(limit.limit),
+            replacement_window=float(limit.window),
             failure_code=failure.code,
             failure_message=failure.message,
             only_if_initialization_incomplete=only_if_initialization_incomplete,

@@ -14,11 +14,14 @@ from hubd.errors import InvalidRequest
 from hubd.redaction import scrub
 
 __all__ = [
+    "DEFAULT_REPLACEMENT_LIMIT",
     "MAX_CODE_LENGTH",
     "MAX_MESSAGE_LENGTH",
     "MAX_SPEC_BYTES",
     "MAX_SPEC_DEPTH",
+    "NO_REPLACEMENT_LIMIT",
     "Failure",
+    "ReplacementLimit",
     "bounded_code",
     "bounded_message",
     "new_allocation_id",
@@ -146,6 +149,21 @@ class Failure:
 
     code: str = attrs.field(converter=bounded_code)
     message: str = attrs.field(converter=bounded_message)
+
+
+@attrs.frozen
+class ReplacementLimit:
+    """How many sidecars of one allocation may be abandoned within ``window`` seconds of the
+    first of a streak before it is given up (ends ``failed``); a limit of 0: never."""
+
+    limit: int = 0
+    window: float = 600.0
+
+
+NO_REPLACEMENT_LIMIT: Final = ReplacementLimit()
+"""Replace for ever."""
+DEFAULT_REPLACEMENT_LIMIT: Final = ReplacementLimit(5, 600.0)
+"""``[reconciler] replacement_limit`` and ``replacement_window`` as shipped."""
 
 
 def _preview(value: object) -> str:

@@ -28,6 +28,12 @@ what an earlier one created, and the orphan sweep lists containers by the deploy
 The binding fingerprint is the deployment (:attr:`ContainerOptions.binding_fingerprint` says
 why): changing the image is a rolling upgrade, never a stranded allocation.
 
+Besides ``ensure`` and ``destroy``: ``list_sidecars`` (the orphan sweep's listing),
+``watch_sidecars`` (deaths, from the engine's events: :mod:`~hubd.plugins.container.watch`),
+``sidecar_output`` (a container's logs: :mod:`~hubd.plugins.container.output`) and ``probe``
+(``hubd check-config --probe``). A container that cannot run as configured is a final rejection
+(:mod:`~hubd.plugins.container.failures`), with nothing left on the engine.
+
 The token goes into the container's environment only: never into a label, its command line, a
 log line, an error message or the ledger (engine messages and log tails are scrubbed of it).
 """

@@ -1,6 +1,7 @@
 """The container engine's API (dockerd's, or Podman's Docker-compatible one) as the provisioner
 uses it: a client per operation, every call bounded in time, every failure translated into one
-of three errors whose messages name the socket and carry no secret.
+of three errors whose messages name the socket and carry no secret. Long answers (the events
+stream, a container's logs) are read through :class:`EngineStream`, in bounded pieces.
 
 A client per operation, not one for the process: the factory runs before any event loop, a
 provisioner has no close hook, and an engine restarted between two calls leaves a pooled
@@ -13,11 +14,12 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import aiodocker
 import aiohttp
+from aiohttp.http_exceptions import LineTooLong
 
 from hubd.errors import PluginError
 from hubd.plugins.container.options import EngineSocket
@@ -28,6 +30,7 @@ __all__ = [
     "API_VERSION",
     "EngineFailed",
     "EngineSession",
+    "EngineStream",
     "EngineTimeout",
     "EngineUnavailable",
     "clean",
@@ -51,19 +54,40 @@ _NO_IMAGE: Final = re.compile(r"no such image|image not known|not found", re.IGN
 # call was looking at it (a destroy racing another replica's, or the orphan sweep).
 _NO_CONTAINER: Final = re.compile(r"no such container", re.IGNORECASE)
 
+# What makes a container impossible to start as configured, in the words of either engine
+# (runc's, relayed by both; dockerd's and Podman's own): a command or entrypoint that is not
+# there or not executable, a user or group the image does not know, a network the engine does
+# not have, a working directory that is a file. Retrying meets the same answer for ever.
+_MISCONFIGURED: Final = re.compile(
+    r"executable file not found"
+    r'|exec: "[^"]*": (?:stat [^:]*: )?(?:no such file or directory|permission denied)'
+    r"|attempted to invoke a command that was not found"
+    r"|unable to find (?:user|group) |no matching entries in (?:passwd|group) file"
+    r"|network \S+ not found|unable to find network"
+    r"|is not a directory",
+    re.IGNORECASE,
+)
+
 T = TypeVar("T")
 
 
 class EngineUnavailable(PluginError):
     """The engine's socket refused, is missing, or dropped the connection: retried later."""
 
+    code = "engine_unavailable"
+
 
 class EngineTimeout(PluginError):
     """The engine did not answer a call within its budget: retried later."""
 
+    code = "engine_timeout"
+
 
 class EngineFailed(PluginError):
-    """The engine answered with an error status."""
+    """The engine answered with an error status (``status`` 0: it answered with something
+    that is not its API's, such as an event that is not JSON)."""
+
+    code = "engine_error"
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -83,6 +107,13 @@ class EngineFailed(PluginError):
     @property
     def image_missing(self) -> bool:
         return self.status == 404 and bool(_NO_IMAGE.search(self.message))
+
+    @property
+    def misconfigured(self) -> bool:
+        """Whether the engine says the container cannot run as configured (the command, the
+        user, the network, the working directory), whatever status it answered it with:
+        dockerd says so with 400, 404 or 500, Podman with 500."""
+        return bool(_MISCONFIGURED.search(self.message))
 
 
 def clean(text: str, secret: str | None = None, *, limit: int = _MAX_MESSAGE) -> str:
@@ -118,13 +149,19 @@ class EngineSession:
     async def _call(self, what: str, call: Callable[[], Awaitable[T]], *, waits: float = 0) -> T:
         remaining = self._ownership.deadline() - time.monotonic()
         budget = max(min(self._api_timeout + waits, remaining), 0.0)
-        try:
+        with self._translated(what, f"within {budget:.3g}s"):
             async with asyncio.timeout(budget):
                 return await call()
+
+    @contextlib.contextmanager
+    def _translated(self, what: str, within: str) -> Iterator[None]:
+        """The client's failures as the provisioner's three errors (``within`` says, for a
+        timeout, what the budget was)."""
+        try:
+            yield
         except TimeoutError:
             raise EngineTimeout(
-                f"container engine at {self.socket.display} did not answer {what} within "
-                f"{budget:.3g}s"
+                f"container engine at {self.socket.display} did not answer {what} {within}"
             ) from None
         except aiodocker.DockerError as exc:
             if exc.status == 900:  # aiodocker's code for "could not connect"
@@ -185,18 +222,29 @@ class EngineSession:
             raise
         return True
 
-    async def logs_tail(self, name: str) -> str:
-        """The last few lines the container wrote, cleaned for a message; empty if unreadable."""
+    async def logs_tail(
+        self,
+        name: str,
+        *,
+        lines: int = _LOG_TAIL_LINES,
+        limit: int = _LOG_TAIL_CHARS,
+        secret: str | None = None,
+    ) -> str:
+        """The last ``lines`` lines the container wrote, joined and cleaned for a message (at
+        most ``limit`` characters, their end; ``secret`` hidden, besides the session's own);
+        empty if unreadable."""
         container = self._docker.containers.container(name)
         try:
-            lines: Sequence[str] = await self._call(
+            written: Sequence[str] = await self._call(
                 "logs",
-                lambda: container.log(stdout=True, stderr=True, tail=_LOG_TAIL_LINES),
+                lambda: container.log(stdout=True, stderr=True, tail=lines),
             )
         except PluginError:
             return ""
-        text = " | ".join(line.strip() for line in lines if line.strip())
-        return clean(text, self._secret, limit=_LOG_TAIL_CHARS)
+        text = " | ".join(line.strip() for line in written if line.strip())
+        if secret and len(secret) >= _MIN_SECRET:
+            text = text.replace(secret, REDACTED)
+        return clean(text, self._secret, limit=limit)
 
     async def pull(self, image: str) -> None:
         await self._call("pull", lambda: self._docker.images.pull(image))
@@ -241,6 +289,76 @@ class EngineSession:
                 return False
             raise
         return True
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self, what: str, path: str, params: Mapping[str, str], *, read_timeout: float | None
+    ) -> AsyncIterator[EngineStream]:
+        """``GET path`` whose answer is read as it comes: the answer's start is awaited within
+        ``api_timeout``, each later read within ``read_timeout`` (``None``: as long as it
+        takes, for a stream that waits on events). The response is closed on exit, however
+        the reader stops.
+
+        aiodocker's request call, not its helpers: its events helper pumps into an unbounded
+        queue from a task of its own and takes a dropped connection for a clean end, and its
+        logs helper reads everything into one list."""
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self._api_timeout, sock_read=read_timeout
+        )
+        response = await self._call(
+            what,
+            lambda: self._docker._do_query(path, "GET", params=dict(params), timeout=timeout),
+        )
+        try:
+            yield EngineStream(self, what, response.content)
+        finally:
+            # close(), not release(): the rest of an endless answer is never read.
+            response.close()
+
+
+class EngineStream:
+    """A long answer of the engine, read in bounded pieces; every failure is one of the
+    provisioner's three errors."""
+
+    def __init__(self, session: EngineSession, what: str, content: aiohttp.StreamReader) -> None:
+        self._session = session
+        self._what = what
+        self._content = content
+
+    def _translated(self) -> contextlib.AbstractContextManager[None]:
+        # The session's translation: one place says what each client failure means.
+        return self._session._translated(self._what, "in time")
+
+    async def line(self, limit: int) -> bytes:
+        """The next line, its newline included; what is left without one at the end; ``b""``
+        at the end. :class:`EngineFailed` for a line longer than ``limit`` bytes."""
+        with self._translated():
+            try:
+                return await self._content.readuntil(b"\n", max_size=limit)
+            except LineTooLong:
+                raise EngineFailed(
+                    0,
+                    f"container engine at {self._session.socket.display} sent a line of more "
+                    f"than {limit} bytes in {self._what}",
+                ) from None
+
+    async def chunk(self, size: int) -> bytes:
+        """Up to ``size`` bytes, as soon as there are any; ``b""`` at the end."""
+        with self._translated():
+            return await self._content.read(size)
+
+    async def exactly(self, size: int) -> bytes | None:
+        """Exactly ``size`` bytes; ``None`` at the end; :class:`EngineUnavailable` when the
+        answer ends within them."""
+        with self._translated():
+            try:
+                return await self._content.readexactly(size)
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    return None
+                raise EngineUnavailable(
+                    f"container engine at {self._session.socket.display} cut {self._what} short"
+                ) from None
 
 
 @contextlib.asynccontextmanager

@@ -18,7 +18,15 @@ from hubd.plugins.container.engine import (
     EngineUnavailable,
     open_session,
 )
+from hubd.plugins.container.failures import (
+    discard,
+    exited,
+    misconfigured,
+    not_owned,
+    runtime_refused,
+)
 from hubd.plugins.container.options import ContainerOptions, check_options, parse_options
+from hubd.plugins.container.output import container_output, find_container
 from hubd.plugins.container.probe import probe_engine
 from hubd.plugins.container.removal import ClaimLost, remove_sidecar
 from hubd.plugins.container.spec import (
@@ -32,6 +40,7 @@ from hubd.plugins.container.spec import (
     kinship,
     running_sidecar,
 )
+from hubd.plugins.container.watch import Recent, watch_exits
 from hubd.plugins.protocol import (
     Accepted,
     Destroyed,
@@ -43,6 +52,7 @@ from hubd.plugins.protocol import (
     Ownership,
     Rejected,
     RunningSidecar,
+    SidecarExit,
     checks_options,
 )
 
@@ -59,6 +69,9 @@ _NOT_STARTED: Final = frozenset({"created", "configured"})  # "configured": Podm
 LATE_CREATE_WINDOW: Final = 1.0
 """How long an ensure cancelled during its create waits for that create to land at the engine,
 to remove it."""
+_DESTROYED_KEPT: Final = 1024
+"""How many sidecar ids ``destroy`` was called for are remembered, so that ``watch_sidecars``
+spends no inspect and no logs call on the deaths hubd caused itself."""
 
 
 @checks_options(check_options)
@@ -77,10 +90,6 @@ def create(*, id: str, options: Mapping[str, Any], state_dir: Path) -> Container
     return ContainerProvisioner(id=id, options=parsed)
 
 
-def _not_owned(what: str) -> str:
-    return f"the claim no longer owns the allocation; {what}"
-
-
 class ContainerProvisioner:
     """Runs each sidecar as a container named after its sidecar id; see :mod:`hubd.plugins.
     container` for the guarantees."""
@@ -94,6 +103,7 @@ class ContainerProvisioner:
         self._settle = settle
         self._host = socketlib.gethostname()
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self._destroyed = Recent(_DESTROYED_KEPT)
 
     def __repr__(self) -> str:
         return (
@@ -129,7 +139,18 @@ class ContainerProvisioner:
         async with self._exclusive(request.sidecar_id):
             try:
                 async with self._session(request.ownership, request.token) as engine:
-                    return await self._ensure(engine, request)
+                    try:
+                        return await self._ensure(engine, request)
+                    except EngineFailed as exc:
+                        refused = misconfigured(exc)
+                        if refused is None:
+                            raise
+                        # A failure to remove is answered as such (retryable): the retry
+                        # adopts the container, fails alike, and removes it.
+                        await discard(engine, self.options.deployment, request)
+                        log.warning("sidecar_misconfigured", provisioner=self.id,
+                                    code=refused.code, message=refused.message)  # fmt: skip
+                        return refused
             except EngineUnavailable as exc:
                 return Rejected(code="engine_unavailable", message=str(exc), retryable=True)
             except EngineTimeout as exc:
@@ -149,7 +170,7 @@ class ContainerProvisioner:
             if adopted is not None:
                 return adopted
         if not request.ownership.still_owned():
-            return Rejected(code="claim_lost", message=_not_owned("nothing was created"),
+            return Rejected(code="claim_lost", message=not_owned("nothing was created"),
                             retryable=True)  # fmt: skip
         body = create_body(self.options, self.id, request)
         try:
@@ -179,7 +200,7 @@ class ContainerProvisioner:
         if not request.ownership.still_owned():
             with contextlib.suppress(EngineFailed, EngineUnavailable, EngineTimeout):
                 await engine.remove(created)
-            return Rejected(code="claim_lost", message=_not_owned("the container was removed"),
+            return Rejected(code="claim_lost", message=not_owned("the container was removed"),
                             retryable=True)  # fmt: skip
         return await self._start(engine, request, name)
 
@@ -237,7 +258,7 @@ class ContainerProvisioner:
                 )
             case Kinship.STALE:
                 if not request.ownership.still_owned():
-                    return Rejected(code="claim_lost", message=_not_owned("nothing was removed"),
+                    return Rejected(code="claim_lost", message=not_owned("nothing was removed"),
                                     retryable=True)  # fmt: skip
                 log.warning("stale_container_replaced", provisioner=self.id, container=name)
                 # By the id inspected: whatever took the name since is not what was judged.
@@ -252,16 +273,16 @@ class ContainerProvisioner:
         if status in _NOT_STARTED:
             # An ensure that was interrupted between create and start.
             if not request.ownership.still_owned():
-                return Rejected(code="claim_lost", message=_not_owned("nothing was started"),
+                return Rejected(code="claim_lost", message=not_owned("nothing was started"),
                                 retryable=True)  # fmt: skip
             return await self._start(engine, request, name)
-        return await self._exited(engine, name, found)
+        return await exited(engine, name, found)
 
     async def _start(
         self, engine: EngineSession, request: EnsureRequest, name: str
     ) -> EnsureResult:
         if self.options.runtime is not None:
-            refused = await self._runtime_refused(engine, request, name)
+            refused = await runtime_refused(engine, request, name, self.options.runtime)
             if refused is not None:
                 return refused
         await engine.start(name)
@@ -275,7 +296,7 @@ class ContainerProvisioner:
                 retryable=True,
             )
         if str((found.get("State") or {}).get("Status", "")) not in _RUNNING:
-            return await self._exited(engine, name, found)
+            return await exited(engine, name, found)
         log.info(
             "sidecar_container_started",
             provisioner=self.id,
@@ -284,48 +305,6 @@ class ContainerProvisioner:
             generation=request.generation,
         )
         return self._accepted(found)
-
-    async def _runtime_refused(
-        self, engine: EngineSession, request: EnsureRequest, name: str
-    ) -> Rejected | None:
-        """A rejection when the engine did not take the ``runtime`` option, before anything
-        runs: Podman's Docker-compatible API ignores a container's runtime (and reports
-        ``oci``), and a sidecar meant for a sandboxing runtime must not start under the
-        default one instead. Not retryable (the container is removed first): every retry
-        would meet the same engine."""
-        found = await engine.inspect(name)
-        if found is None:
-            return None  # removed meanwhile: the start says so
-        reported = (found.get("HostConfig") or {}).get("Runtime")
-        if reported == self.options.runtime:
-            return None
-        if not request.ownership.still_owned():
-            return Rejected(code="claim_lost", message=_not_owned("nothing was removed"),
-                            retryable=True)  # fmt: skip
-        await engine.remove(str(found["Id"]))
-        return Rejected(
-            code="runtime_unsupported",
-            message=f"the container engine at {self.options.socket.display} made container "
-            f"{name} with runtime {reported!r}, not {self.options.runtime!r}, and it was "
-            "removed; Podman's Docker-compatible API ignores a container's runtime: make it "
-            "the service's default (containers.conf) and leave the option unset",
-            retryable=False,
-        )
-
-    async def _exited(self, engine: EngineSession, name: str, found: Mapping[str, Any]) -> Rejected:
-        """A container of this sidecar that is not running: the sidecar failed. Retryable:
-        hubd destroys it (the container stays until then, logs and all) and replaces it."""
-        state = found.get("State") or {}
-        tail = await engine.logs_tail(name)
-        return Rejected(
-            code="sidecar_exited",
-            message=(
-                f"container {name} is {state.get('Status', 'not running')} "
-                f"(exit code {state.get('ExitCode', '?')})"
-                + (f": {tail}" if tail else " (no output)")
-            ),
-            retryable=True,
-        )
 
     def _accepted(self, found: Mapping[str, Any]) -> Accepted:
         container_id = str(found.get("Id", ""))
@@ -350,6 +329,8 @@ class ContainerProvisioner:
         removed one."""
         if not SIDECAR_ID.fullmatch(request.sidecar_id):
             return Destroyed(removed=False)  # no container can carry that name
+        # Before the stop: the watch may see the death before this call returns.
+        self._destroyed.add(request.sidecar_id)
         async with self._exclusive(request.sidecar_id):
             try:
                 async with self._session(request.ownership) as engine:
@@ -360,7 +341,8 @@ class ContainerProvisioner:
                         stop_timeout=self.options.stop_timeout,
                     )
             except ClaimLost:
-                return DestroyRejected(code="claim_lost", message=_not_owned("nothing was stopped"),
+                self._destroyed.discard(request.sidecar_id)  # left running: still watched
+                return DestroyRejected(code="claim_lost", message=not_owned("nothing was stopped"),
                                        retryable=True)  # fmt: skip
             except (EngineUnavailable, EngineTimeout) as exc:
                 return DestroyRejected(code="engine_unavailable", message=str(exc),
@@ -387,6 +369,40 @@ class ContainerProvisioner:
             listed = await engine.list_labelled(LABEL_DEPLOYMENT, self.options.deployment)
         found = (running_sidecar(container) for container in listed)
         return [sidecar for sidecar in found if sidecar is not None]
+
+    async def watch_sidecars(self) -> AsyncIterator[SidecarExit | None]:
+        """``None`` once the engine's events are followed, then the sidecars whose containers
+        are dead now, then each one whose container dies or is removed, from the engine's
+        events (:mod:`~hubd.plugins.container.watch`), but those ``destroy`` was called for.
+        Raises the engine's errors, each with its ``code``."""
+        async with (
+            self._session(Ownership.unbounded()) as engine,
+            contextlib.aclosing(
+                watch_exits(engine, self.options.deployment, skip=self._destroyed.__contains__)
+            ) as exits,
+        ):
+            async for report in exits:
+                yield report
+
+    async def sidecar_output(
+        self, sidecar_id: str, external_ref: str | None, *, tail: int | None, follow: bool
+    ) -> AsyncIterator[str]:
+        """What the sidecar's container wrote (:mod:`~hubd.plugins.container.output`);
+        :class:`LookupError` when the engine has no container of this sidecar."""
+        async with self._session(Ownership.unbounded()) as engine:
+            found = None
+            if SIDECAR_ID.fullmatch(sidecar_id):
+                found = await find_container(
+                    engine, self.options.deployment, sidecar_id, external_ref
+                )
+            if found is None:
+                raise LookupError(f"the engine has no container of sidecar {sidecar_id}")
+            written = container_output(
+                engine, found, tail=tail, follow=follow, read_timeout=self.options.api_timeout
+            )
+            async with contextlib.aclosing(written) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     @contextlib.asynccontextmanager
     async def _exclusive(self, sidecar_id: str) -> AsyncIterator[None]:

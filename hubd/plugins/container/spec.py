@@ -27,6 +27,7 @@ __all__ = [
     "external_ref",
     "kinship",
     "running_sidecar",
+    "token_of",
 ]
 
 LABEL_ALLOCATION: Final = "io.hubd.allocation-id"
@@ -37,6 +38,7 @@ LABEL_PROVISIONER: Final = "io.hubd.provisioner"
 # Sidecar ids become container names: [a-zA-Z0-9][a-zA-Z0-9_.-]* is what both engines accept.
 SIDECAR_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _PREFIX: Final = "hubd-"
+_TOKEN_VARIABLE: Final = "HUBD_TOKEN"  # noqa: S105 -- its name, as create_body sets it
 _ANY_ADDRESS: Final = ("0.0.0.0", "::", "[::]")  # noqa: S104 -- compared with, never bound
 
 
@@ -168,6 +170,15 @@ def running_sidecar(listed: Mapping[str, Any]) -> RunningSidecar | None:
         generation=generation,
         external_ref=external_ref(container_id) if isinstance(container_id, str) else None,
     )
+
+
+def token_of(inspected: Mapping[str, Any]) -> str | None:
+    """The sidecar's token, from an inspected container's environment: what its output is
+    scrubbed of. Never logged, never put in a message."""
+    for item in (inspected.get("Config") or {}).get("Env") or ():
+        if isinstance(item, str) and item.startswith(f"{_TOKEN_VARIABLE}="):
+            return item.removeprefix(f"{_TOKEN_VARIABLE}=") or None
+    return None
 
 
 def endpoint_of(options: ContainerOptions, inspected: Mapping[str, Any]) -> str | None:

@@ -1,6 +1,6 @@
 -- Statements on hubd_allocations that no claim owns: requests and releases (through the
--- functions applications call too), an operator's forget, reads, the wake-up of a connect, the repair sweep and orphan
--- collection. The table's claims and leases are in allocations_claims.sql, a claim's fenced
+-- functions applications call too), an operator's forget, reads, the wake-up of a connect, a
+-- provisioner's report of dead sidecars, the repair sweep and orphan collection. The table's claims and leases are in allocations_claims.sql, a claim's fenced
 -- transitions in allocations_transitions.sql.
 
 -- name: insert_allocation
@@ -70,6 +70,59 @@ WITH updated AS (
     SELECT pg_notify('hubd_wake', provisioner_id) FROM updated
 )
 SELECT count(*) > 0 FROM updated, woken;
+
+-- name: report_exits
+-- The sidecars :sidecar_ids[i] of generation :generations[i] of :allocation_ids[i] died, as their
+-- provisioner reported (:messages[i] says how, with the tail of their output). Each row is
+-- written only while that generation and sidecar are current, provisioning or allocated, and
+-- not yet reported: the report of a sidecar hubd itself destroyed (the generation moved on, or
+-- the row is releasing) matches nothing. A matched row keeps the message (exit_message), reads
+-- not connected from now on (hubd_sidecar_live), has its connect deadline passed and its
+-- connection number bumped (a claim that looked before decides again), is due at once unless a
+-- claim holds it, and gets a committed ledger row 'sidecar_exited' by :instance_id. The rows
+-- are locked one by one in allocation id order before any is written, as every multi-row
+-- statement takes them. Returns the rows written (id, generation).
+WITH input AS (
+    SELECT *
+    FROM unnest(:allocation_ids::text[], :generations::integer[], :sidecar_ids::text[],
+                :messages::text[]) AS i (allocation_id, generation, sidecar_id, message)
+    ORDER BY allocation_id
+), locked AS (
+    SELECT a.id, i.message
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT id FROM hubd_allocations
+        WHERE id = i.allocation_id AND generation = i.generation AND sidecar_id = i.sidecar_id
+          AND status IN ('provisioning', 'allocated') AND exited_at IS NULL
+        LIMIT 1
+        FOR NO KEY UPDATE
+    ) AS a
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        exit_message = l.message,
+        exited_at = now(),
+        connection_seq = a.connection_seq + 1,
+        connection_ready = false,
+        connect_deadline = now(),
+        next_attempt_at = CASE WHEN a.lease_expires_at IS NULL
+                                    OR a.lease_expires_at <= clock_timestamp()
+                               THEN now() ELSE a.next_attempt_at END,
+        updated_at = now()
+    FROM locked AS l
+    WHERE a.id = l.id AND a.id = ANY (:allocation_ids::text[])
+    RETURNING a.id, a.generation, a.status, a.provisioner_id, l.message
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, error_code,
+         message)
+    SELECT id, generation, :instance_id, 'sidecar_exited', status, status, 'committed',
+           'sidecar_exited', message
+    FROM updated
+), notified AS (
+    SELECT pg_notify('hubd_wake', d.provisioner_id)
+    FROM (SELECT DISTINCT provisioner_id FROM updated) AS d
+)
+SELECT u.id, u.generation, (SELECT count(*) FROM notified) AS notified FROM updated AS u;
 
 -- name: mark_unconnected
 -- Start-up repair and the repair sweep: allocated rows that read ready, or that nothing will ever
@@ -187,6 +240,7 @@ WHERE a.status = 'allocated'
   AND a.connect_deadline IS NOT NULL
   AND a.connect_deadline < now() + make_interval(secs => :window)
   AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= now())
+  AND a.exited_at IS NULL
   AND NOT hubd_sidecar_live(a.id, a.generation, :instance_ttl, :instance_id)
   AND NOT EXISTS (
       SELECT 1 FROM hubd_instances AS i

@@ -26,6 +26,8 @@ WITH updated AS (
         sidecar_id = :sidecar_id,
         token_hash = :token_hash,
         external_ref = NULL,
+        exit_message = NULL,
+        exited_at = NULL,
         connect_deadline = now() + make_interval(secs => :connect_timeout),
         connection_ready = false,
         ready_when = COALESCE(ready_when, :ready_when::text),
@@ -50,6 +52,8 @@ WITH updated AS (
         sidecar_id = :sidecar_id,
         token_hash = :token_hash,
         external_ref = NULL,
+        exit_message = NULL,
+        exited_at = NULL,
         connect_deadline = now() + make_interval(secs => :connect_timeout),
         connection_ready = false,
         updated_at = now()
@@ -294,14 +298,36 @@ SELECT * FROM updated;
 -- initialization is still recorded (and, given :expected_initialization_lease_id, by that lease).
 -- Given :expected_connection_seq, only while the connection number is still that: a sidecar that
 -- connected (anywhere) since the claim saw it absent is never abandoned for not connecting.
+-- The sidecars abandoned within :replacement_window seconds of the first of a streak are counted;
+-- past :replacement_limit (0: no limit) the allocation is given up instead: → releasing
+-- at once with give_up set (mark_released then ends it 'failed'), the failure message saying so.
 WITH updated AS (
-    UPDATE hubd_allocations SET
-        status = 'replacing',
+    UPDATE hubd_allocations AS a SET
+        (status, replacements, replacements_since, give_up, next_attempt_at, failure_message) = (
+            SELECT CASE WHEN d.give_up THEN 'releasing' ELSE 'replacing' END::hubd_status,
+                   d.streak, d.since, d.give_up,
+                   CASE WHEN d.give_up THEN now()
+                        ELSE now() + make_interval(secs => :delay) END,
+                   CASE WHEN d.give_up
+                        THEN format('gave up: %s sidecars failed within %s s '
+                                    '(replacement_limit %s); the last: %s', d.streak,
+                                    :replacement_window::float8, :replacement_limit::integer,
+                                    :failure_message::text)
+                        ELSE :failure_message END
+            FROM (
+                SELECT s.streak, s.since,
+                       :replacement_limit::integer > 0
+                           AND s.streak > :replacement_limit::integer AS give_up
+                FROM (SELECT CASE WHEN a.replacements_since > now() - make_interval(
+                                           secs => :replacement_window::float8)
+                                  THEN a.replacements + 1 ELSE 1 END AS streak,
+                             CASE WHEN a.replacements_since > now() - make_interval(
+                                           secs => :replacement_window::float8)
+                                  THEN a.replacements_since ELSE now() END AS since) AS s
+            ) AS d),
         generation = generation + 1,
         ensure_attempts = ensure_attempts + 1,
-        next_attempt_at = now() + make_interval(secs => :delay),
         failure_code = :failure_code,
-        failure_message = :failure_message,
         connection_ready = false,
         initialization_lease_id = NULL,
         lease_id = NULL,
@@ -319,8 +345,9 @@ WITH updated AS (
     INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
         from_status, to_status, phase, error_code, message, effect_id, duration_ms)
     SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
-        hubd_ledger_rows(:effects::text::jsonb, 'begin_replacement', :expected_status, status,
-            :failure_code, :failure_message) AS r
+        hubd_ledger_rows(:effects::text::jsonb,
+            CASE WHEN give_up THEN 'give_up' ELSE 'begin_replacement' END, :expected_status,
+            status, :failure_code, failure_message) AS r
 )
 SELECT * FROM updated;
 
@@ -418,7 +445,8 @@ WITH prior AS (
 SELECT updated.* FROM updated;
 
 -- name: mark_released
--- releasing → released once the sidecar is destroyed. In set form (hubd.store.pipeline): each
+-- releasing → released once the sidecar is destroyed; → failed when the release is a give-up
+-- (begin_replacement set give_up). In set form (hubd.store.pipeline): each
 -- parameter is an array, element i for row i, at most one row per allocation; each row is
 -- fenced, written and logged on its own. The rows are locked one by one in allocation id order
 -- before any is written (LIMIT 1 keeps each look-up on its key), as every multi-row statement
@@ -442,7 +470,7 @@ WITH input AS (
     ) AS a
 ), updated AS (
     UPDATE hubd_allocations AS a SET
-        status = 'released',
+        status = CASE WHEN a.give_up THEN 'failed' ELSE 'released' END::hubd_status,
         connection_ready = false,
         next_attempt_at = NULL,
         lease_id = NULL,

@@ -51,9 +51,10 @@ WHERE a.id = ANY (:allocation_ids::text[]);
 -- most one per allocation may be given.
 -- A record is written only while the allocation still accepts exactly that sidecar (current
 -- generation and identity, provisioning or allocated). In the same statement: the connection
--- number is bumped, and 'hubd_connected' carries '<allocation>:<generation>:<seq>:<connection>'
--- to every replica: waiters wake, and a replica holding an older socket of the same generation
--- closes it as superseded. Then one of two things:
+-- number is bumped, and 'hubd_connected' carries '<tag>:<generation>:<seq>:<connection>' (the
+-- allocation's tag, hubd_notice_tag: any role may listen) to every replica: waiters wake, and a
+-- replica holding an older socket of the same generation closes it as superseded.
+-- Then one of two things:
 -- * With :ready_on_connect (no on-ready hook to run) and the allocation parked waiting for this connect
 --   (allocated, not ready, no initialization marker, no live lease, ready_when not 'declared':
 --   such a sidecar is ready once it says so, see declare_ready), it becomes ready here, with
@@ -222,8 +223,8 @@ WITH given AS (
     RETURNING allocation_id, generation, seq, connection_id
 ), notified AS (
     SELECT pg_notify('hubd_connected',
-                     w.allocation_id || ':' || w.generation || ':' || w.seq || ':'
-                     || w.connection_id),
+                     hubd_notice_tag(w.allocation_id) || ':' || w.generation || ':' || w.seq
+                     || ':' || w.connection_id),
            CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', alloc.provisioner_id) END
     FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
@@ -277,8 +278,8 @@ WITH alloc AS (
     RETURNING allocation_id, generation, seq, connection_id
 ), notified AS (
     SELECT pg_notify('hubd_connected',
-                     w.allocation_id || ':' || w.generation || ':' || w.seq || ':'
-                     || w.connection_id),
+                     hubd_notice_tag(w.allocation_id) || ':' || w.generation || ':' || w.seq
+                     || ':' || w.connection_id),
            pg_notify('hubd_wake', alloc.provisioner_id)
     FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
@@ -397,9 +398,13 @@ SELECT allocation_id, generation, (SELECT logged FROM lost) AS logged FROM clear
 -- (ready_when 'declared'), whether that record's sidecar said so; and the connection number that
 -- answer belongs to (no row: no allocation; a declaration bumps it too). Also the seconds from
 -- now to the row's connect deadline as it stands with that answer (NULL: none): a disconnect
--- since the claim read its row gave a fresh one.
+-- since the claim read its row gave a fresh one; for a sidecar reported dead, the deadline is
+-- passed, and exit_message says how it died.
 SELECT a.connection_seq,
-       extract(epoch FROM a.connect_deadline - now())::float8 AS deadline_in,
+       CASE WHEN a.exited_at IS NOT NULL AND a.generation = :generation
+            THEN least(extract(epoch FROM a.connect_deadline - now())::float8, 0)
+            ELSE extract(epoch FROM a.connect_deadline - now())::float8 END AS deadline_in,
+       CASE WHEN a.generation = :generation THEN a.exit_message END AS exit_message,
        hubd_sidecar_live(a.id, :generation, :ttl, :instance_id)
        AND (a.ready_when IS DISTINCT FROM 'declared' OR coalesce((
            -- By key (LIMIT 1 keeps the look-up off a scan of every record).
@@ -515,8 +520,8 @@ WITH current AS (
     RETURNING c.seq
 ), notified AS (
     SELECT pg_notify('hubd_connected',
-                     alloc.id || ':' || alloc.generation || ':' || alloc.connection_seq || ':'
-                     || :connection_id),
+                     hubd_notice_tag(alloc.id) || ':' || alloc.generation || ':'
+                     || alloc.connection_seq || ':' || :connection_id),
            CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', alloc.provisioner_id) END
     FROM alloc
 )
