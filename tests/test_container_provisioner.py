@@ -7,6 +7,7 @@ once per engine. An engine that cannot be had skips its tests with the reason; o
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import uuid
@@ -556,6 +557,96 @@ class TestThroughDaemon:
             assert all(row.generation == 1 for row in rows)
             after = sorted(c["Id"] for c in await hub.containers())
             assert after == before
+
+
+def with_reconciler(path: Path, **settings: str) -> Path:
+    """The config at ``path`` with ``settings`` added to (or replacing) its ``[reconciler]``
+    keys, the values written as TOML literals."""
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.split(" = ")[0] not in settings]
+    start = kept.index("[reconciler]") + 1
+    added = [f"{key} = {value}" for key, value in settings.items()]
+    path.write_text("\n".join([*kept[:start], *added, *kept[start:]]) + "\n")
+    return path
+
+
+class TestDeaths:
+    """``hubd run`` hears from the engine that a container died: at once, whatever
+    ``connect_timeout`` is, with the exit code and the output kept."""
+
+    @pytest.mark.usefixtures("cleanup")
+    async def test_a_killed_container_ends_its_allocation_at_once(self, hub: Hub) -> None:
+        """While it runs, ``alloc logs`` shows the sidecar's output. Killed behind hubd's back
+        (connect_timeout is ten minutes, so only the engine's word can end it within the
+        poll's deadline), the allocation is released (automatic recovery is off) as
+        ``sidecar_exited`` with the exit code, its container removed, and ``alloc logs``
+        then prints the kept tail."""
+        path = with_reconciler(hub.config(), connect_timeout='"600s"')
+        env = {**hub.env, "HUBD_CONFIG": str(path)}
+        async with running(path) as daemon:
+            allocation_id = await hub.request()
+            (container,) = await hub.containers()
+            shown = await run_hubd_async("alloc", "logs", allocation_id, "--tail", "50", env=env)
+            assert shown.code == 0, shown.err
+            assert "welcome" in shown.out or "connected" in shown.out, shown.out
+            await asyncio.to_thread(hub.engine.cli, "kill", container["Id"])
+
+            async def ended() -> bool:
+                return (await hub.observer.get(allocation_id)).status is Status.RELEASED
+
+            await poll_until(ended, within=60, every=0.2)
+            row = await hub.observer.get(allocation_id)
+            assert row.failure_code == "sidecar_exited"
+            assert row.failure_message is not None
+            assert "the sidecar was killed with exit code 137" in row.failure_message
+            assert await hub.containers() == []
+            died = await daemon.wait_for_log("sidecar_died", within=10)
+            assert died["allocation_id"] == allocation_id
+        kept = await run_hubd_async("alloc", "logs", allocation_id, env=env)
+        assert kept.code == 0, kept.err
+        assert "gen 1  the sidecar was killed with exit code 137" in kept.out
+
+    @pytest.mark.usefixtures("cleanup")
+    async def test_a_sidecar_that_keeps_crashing_is_given_up(self, hub: Hub) -> None:
+        """A container that exits a second after it starts is replaced, each death reported
+        with its exit code and output, until replacement_limit: then the allocation ends
+        failed saying so, and nothing is left on the engine."""
+        path = with_reconciler(
+            hub.config(command=["sh", "-c", "echo boom >&2; sleep 1; exit 3"]),
+            connect_timeout='"600s"',
+            automatic_replacement_recovery="true",
+            replacement_limit="2",
+        )
+        async with running(path):
+            requested = await run_hubd_async(
+                "alloc", "request", "--provisioner", "container", env=hub.env
+            )
+            assert requested.code == 0, requested.err
+            allocation_id = requested.out.strip()
+
+            async def failed() -> bool:
+                return (await hub.observer.get(allocation_id)).status is Status.FAILED
+
+            await poll_until(failed, within=120, every=0.3)
+            row = await hub.observer.get(allocation_id)
+            assert row.give_up
+            assert row.failure_code == "sidecar_exited"
+            assert row.failure_message is not None
+            assert row.failure_message.startswith(
+                "gave up: 3 sidecars failed within 600 s (replacement_limit 2); the last: "
+                "the sidecar exited with exit code 3: "
+            ), row.failure_message
+            assert "boom" in row.failure_message
+            shown = await run_hubd_async("alloc", "show", allocation_id, "--json", env=hub.env)
+            history = json.loads(shown.out)["history"]
+            deaths = [e["message"] for e in history if e["kind"] == "sidecar_exited"]
+            assert len(deaths) == 3
+            assert all("exit code 3" in message for message in deaths)
+
+            async def nothing_left() -> bool:
+                return await hub.containers() == []
+
+            await poll_until(nothing_left, within=60, every=0.3)
 
 
 async def _released(store: AllocationStore, allocation_id: str) -> bool:

@@ -652,17 +652,32 @@ class TestOptions:
         assert fragment in str(caught.value)
 
     def test_fingerprint(self, tmp_path: Path) -> None:
-        """The binding fingerprint follows command, env and workdir, but not grace."""
-        base = parse_options({"command": ["a"]}).binding_fingerprint
-        assert len(base) == 64
-        assert parse_options({"command": ["a"], "grace": 9}).binding_fingerprint == base
-        assert parse_options({"command": ["a"], "env": {}}).binding_fingerprint == base
+        """The binding fingerprint names the plugin only: changing the command, env, workdir
+        or grace is a rolling upgrade, not a new place. The former fingerprint (what earlier
+        releases computed) follows command, env and workdir, so rows bound under it stay
+        servable by the same options."""
+        base = parse_options({"command": ["a"]})
+        assert len(base.binding_fingerprint) == 64
+        for changed in (
+            {"command": ["b"]},
+            {"command": ["a"], "grace": 9},
+            {"command": ["a"], "env": {"X": "1"}},
+            {"command": ["a"], "workdir": str(tmp_path)},
+        ):
+            assert parse_options(changed).binding_fingerprint == base.binding_fingerprint
+        # Pinned: the digest hubd computed before the fingerprint was narrowed.
+        assert base.former_binding_fingerprints == (
+            "68dc3bcd9633764f4d816a2dde1ad9d9ed9f1943c790901fee40f67d5f6bd968",
+        )
+        assert parse_options({"command": ["a"], "env": {}}).former_binding_fingerprints == (
+            base.former_binding_fingerprints
+        )
         others = {
-            parse_options({"command": ["b"]}).binding_fingerprint,
-            parse_options({"command": ["a"], "env": {"X": "1"}}).binding_fingerprint,
-            parse_options({"command": ["a"], "workdir": str(tmp_path)}).binding_fingerprint,
+            parse_options({"command": ["b"]}).former_binding_fingerprints,
+            parse_options({"command": ["a"], "env": {"X": "1"}}).former_binding_fingerprints,
+            parse_options({"command": ["a"], "workdir": str(tmp_path)}).former_binding_fingerprints,
         }
-        assert base not in others
+        assert base.former_binding_fingerprints not in others
         assert len(others) == 3
 
 

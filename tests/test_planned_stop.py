@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import asyncpg
+import pytest
 
 from hubd.store import AllocationStore, Database, Status
 from tests.daemonkit import DaemonProcess, free_port, sidecar_pids, write_config
@@ -99,12 +100,20 @@ class TestReconnectWindowAtStart:
 
 
 class TestPlannedStop:
+    @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
     async def test_a_stop_longer_than_connect_timeout_keeps_every_sidecar(
-        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+        self,
+        database_url: str,
+        observer: AllocationStore,
+        marker: str,
+        state_dir: Path,
+        stop: signal.Signals,
     ) -> None:
-        """Two ready allocations; a clean stop (SIGTERM) that lasts past connect_timeout (3 s)
-        by the database's clock; the next start takes the same sidecar processes back at the
-        same generation, and no allocation was replaced."""
+        """Two ready allocations; a clean stop (SIGTERM), or a crash (SIGKILL), that lasts past
+        connect_timeout (3 s) by the database's clock; the next start takes the same sidecar
+        processes back at the same generation, and no allocation was replaced. The sidecars
+        meanwhile back off to dials seconds apart, longer than connect_timeout: the restart
+        window, not connect_timeout, is what they get."""
         config = write_config(
             state_dir / "hubd.toml",
             database_url=database_url,
@@ -121,12 +130,20 @@ class TestPlannedStop:
             before = {i: (await observer.get(i)).generation for i in ids}
             pids = sidecar_pids(marker)
             assert len(pids) == 2
-            await first.signal(signal.SIGTERM)
-            assert await first.wait() == 0
+            await first.signal(stop)
+            assert await first.wait() == (0 if stop is signal.SIGTERM else -signal.SIGKILL)
         finally:
             await first.kill()
 
         async def every_deadline_passed() -> bool:
+            if stop is signal.SIGKILL:
+                # A crash writes no deadline: the stop has outlasted connect_timeout once the
+                # dead daemon's last heartbeat is older than that and its instance TTL.
+                passed = await admin.fetchval(
+                    "SELECT bool_and(heartbeat_at < now() - interval '10 seconds') "
+                    "FROM hubd_instances"
+                )
+                return passed is True
             passed = await admin.fetchval(
                 "SELECT bool_and(connect_deadline < now()) FROM hubd_allocations "
                 "WHERE id = ANY($1::text[])",

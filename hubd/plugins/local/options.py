@@ -50,18 +50,36 @@ class LocalOptions:
 
     @property
     def binding_fingerprint(self) -> str:
-        """SHA-256 of the canonical JSON of the options that decide what runs and where.
+        """SHA-256 of the canonical JSON of what identifies where this provisioner's sidecars
+        live: the plugin alone. Its sidecars are processes of this host, found again by the
+        records in its state directory, whatever command started them.
 
-        ``grace`` is left out: changing it alters no running sidecar, and a changed fingerprint
-        fails every pending allocation bound to the old one.
+        Nothing a sidecar is made of is in it (command, env, workdir, grace): a changed
+        fingerprint leaves every allocation bound to the old one unservable, releases stuck
+        in ``releasing``. With the command changed, new sidecars run the new command and the
+        old processes live on and are destroyed by their records: a rolling upgrade.
         """
-        binding = {
-            "command": list(self.command),
-            "env": dict(self.env),
-            "workdir": None if self.workdir is None else str(self.workdir),
-        }
-        canonical = json.dumps(binding, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return _digest({"plugin": "local"})
+
+    @property
+    def former_binding_fingerprints(self) -> tuple[str, ...]:
+        """What earlier releases of this plugin computed for these very options (over the
+        command, env and workdir): allocations bound before the fingerprint was narrowed stay
+        servable across the upgrade of hubd itself."""
+        return (
+            _digest(
+                {
+                    "command": list(self.command),
+                    "env": dict(self.env),
+                    "workdir": None if self.workdir is None else str(self.workdir),
+                }
+            ),
+        )
+
+
+def _digest(binding: Mapping[str, Any]) -> str:
+    canonical = json.dumps(binding, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _bad(option: str, problem: str) -> PluginLoadError:

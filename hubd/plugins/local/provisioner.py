@@ -90,6 +90,7 @@ class LocalProvisioner:
         self.id = id
         self.api_version = API_VERSION
         self.binding_fingerprint = options.binding_fingerprint
+        self.former_binding_fingerprints = options.former_binding_fingerprints
         self.options = options
         self.directory = state_dir / "local"
         self._settle = settle
