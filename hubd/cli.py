@@ -16,7 +16,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hubd.commands import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, cmd_alloc, cmd_migrate
+from hubd.commands import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    add_alloc_commands,
+    cmd_alloc,
+    cmd_migrate,
+)
 from hubd.config import Config, load_config, render_toml
 from hubd.errors import (
     AllocationNotFound,
@@ -70,12 +78,6 @@ def _positive_seconds(text: str) -> float:
         return parse_duration(text if not text.replace(".", "", 1).isdigit() else f"{text}s")
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
-    return int(text)
 
 
 def _reason(text: str) -> str:
@@ -185,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ready once the sidecar connects, or once it declares itself ready "
         "(default: the provisioner's setting)",
     )
+    request.add_argument(
+        "--lifetime",
+        type=_positive_seconds,
+        help="release it this long after the request, e.g. 30m (default: the provisioner's "
+        "max_lifetime, if any; never longer)",
+    )
     request.add_argument("--wait", action="store_true", help="wait until ready or terminal")
     request.add_argument(
         "--timeout",
@@ -235,18 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=int, default=1000, help="at most this many, newest first (1000)"
     )
 
-    logs = alloc_commands.add_parser(
-        "logs",
-        help="what an allocation's sidecar wrote (the kept tail once it died)",
-        parents=[common],
-    )
-    logs.add_argument("id", help="the allocation id (al_…)")
-    logs.add_argument(
-        "--tail", type=_positive_int, default=None, help="only the last N lines (default: all)"
-    )
-    logs.add_argument(
-        "-f", "--follow", action="store_true", help="then follow what it writes until it stops"
-    )
+    add_alloc_commands(alloc_commands, common, seconds=_positive_seconds)
 
     show = alloc_commands.add_parser(
         "show", help="an allocation, its history and next step", parents=[common]

@@ -33,6 +33,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_UNREACHABLE",
     "EXIT_USAGE",
+    "add_alloc_commands",
     "cmd_alloc",
     "cmd_migrate",
 ]
@@ -66,6 +67,39 @@ async def cmd_migrate(config: Config, _args: argparse.Namespace) -> int:
     return await _with_database(config, work)
 
 
+def add_alloc_commands(
+    alloc_commands: Any, common: argparse.ArgumentParser, *, seconds: Callable[[str], float]
+) -> None:
+    """``hubd alloc extend`` and ``hubd alloc logs``; ``seconds`` parses a duration."""
+    extend = alloc_commands.add_parser(
+        "extend",
+        help="make a live allocation end later, within its provisioner's max_lifetime",
+        parents=[common],
+    )
+    extend.add_argument("id", help="the allocation id (al_…)")
+    extend.add_argument(
+        "--lifetime", type=seconds, required=True, help="it ends this long from now, e.g. 1h"
+    )
+    logs = alloc_commands.add_parser(
+        "logs",
+        help="what an allocation's sidecar wrote (the kept tail once it died)",
+        parents=[common],
+    )
+    logs.add_argument("id", help="the allocation id (al_…)")
+    logs.add_argument(
+        "--tail", type=_positive_int, default=None, help="only the last N lines (default: all)"
+    )
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="then follow what it writes until it stops"
+    )
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+    return int(text)
+
+
 async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
     if args.alloc_command == "forget" and not args.confirm:
         # Before the database: nothing is read or changed until the operator has read this.
@@ -91,6 +125,7 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
                 spec=args.spec,
                 idempotency_key=args.idempotency_key,
                 ready_when=args.ready_when,
+                lifetime=args.lifetime,
             )
             if not args.json:
                 print(allocation.id, flush=True)
@@ -108,6 +143,11 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
         if command == "release":
             released = await store.release(args.id, reason="released from the command line")
             print(f"{released.id} {released.status}")
+            return EXIT_OK
+        if command == "extend":
+            extended = await store.extend(args.id, args.lifetime)
+            ends = rfc3339(extended.expires_at) or "never"
+            print(f"{extended.id} {extended.status} ends {ends}")
             return EXIT_OK
         if command == "forget":
             return await _forget(store, args.id, args.reason)

@@ -10,7 +10,10 @@
      │    │    └── DatabaseReadOnly                   only a read-only server answered
      │    ├── AllocationNotFound (LookupError)        no allocation with that id
      │    ├── SchemaMissing                           the database was never migrated
+     │    ├── EventCursorExpired                      a cursor older than the feed keeps
+     │    ├── QuotaExceeded                           the tenant's quota refused a request
      │    └── InvalidRequest (ValueError)             bad input to the store
+     │         └── IdempotencyConflict                the key names another request
      ├── LeaseLost                        a claim no longer owns its allocation
      ├── SidecarNotConnected              no sidecar connect came within a wait
      ├── OperationTimeout (TimeoutError)  an external operation outlived operation_timeout
@@ -23,6 +26,8 @@ Messages never carry secrets (tokens, passwords): callers redact before raising.
 """
 
 from __future__ import annotations
+
+import re
 
 __all__ = [
     "API_SQLSTATES",
@@ -41,6 +46,7 @@ __all__ = [
     "OperationTimeout",
     "PluginError",
     "PluginLoadError",
+    "QuotaExceeded",
     "SchemaMissing",
     "SidecarNotConnected",
     "StoreError",
@@ -91,6 +97,17 @@ class IdempotencyConflict(InvalidRequest):
     """The idempotency key already names an allocation requested differently."""
 
 
+class QuotaExceeded(StoreError):
+    """The tenant's quota refused the request (docs/api.md, ``HU429``): the message names the
+    limit (``max_active``, ``max_pending`` or the request rate), the tenant, and when to retry;
+    ``retry_after`` is that wait in seconds when the rate refused it, else ``None``."""
+
+    @property
+    def retry_after(self) -> float | None:
+        found = re.search(r"retry in ([0-9.]+) s", str(self))
+        return float(found.group(1)) if found else None
+
+
 class EventCursorExpired(StoreError):
     """The event cursor is older than the feed keeps: read the state again, then follow on."""
 
@@ -128,5 +145,6 @@ API_SQLSTATES: dict[str, type[StoreError]] = {
     "P0002": AllocationNotFound,  # no_data_found: no allocation has that id
     "HU409": IdempotencyConflict,
     "HU410": EventCursorExpired,
+    "HU429": QuotaExceeded,
 }
 """The SQLSTATEs the application API (``hubd_v1``, docs/api.md) raises, by the error each is."""

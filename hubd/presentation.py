@@ -43,6 +43,8 @@ def allocation_json(
         "failure_code": allocation.failure_code,
         "failure_message": allocation.failure_message,
         "sidecar_exit": allocation.exit_message,
+        "expires_at": rfc3339(allocation.expires_at),
+        "end_reason": allocation.end_reason,
         "replacements": allocation.replacements,
         "spec": dict(allocation.spec),
         "created_at": rfc3339(allocation.created_at),

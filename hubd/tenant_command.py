@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from hubd import quota_command
 from hubd.commands import EXIT_OK
 from hubd.config import Config
 from hubd.presentation import rfc3339
@@ -87,6 +88,7 @@ def add_arguments(
         parents=[common],
     )
     listing.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    quota_command.add_arguments(commands, common, parser_class)
 
 
 async def cmd_tenant(config: Config, args: argparse.Namespace) -> int:
@@ -95,6 +97,10 @@ async def cmd_tenant(config: Config, args: argparse.Namespace) -> int:
     ) as db:
         walls = TenantWalls(db)
         command = args.tenant_command
+        if command == "quota":
+            return await quota_command.cmd_quota(db, args)
+        if command == "usage":
+            return await quota_command.cmd_usage(db, args)
         if command == "grant":
             granted = await walls.grant(
                 args.role, tenant_id=None if args.every_tenant else args.tenant

@@ -13,13 +13,15 @@ from typing import Any
 import attrs
 from websockets.asyncio.client import ClientConnection
 
+from hubd.daemon.metrics import Metrics
+from hubd.daemon.running import wake_listener
 from hubd.daemon.wakeups import NotificationListener
 from hubd.plugins.protocol import EnsureRequest
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server import SidecarServer, SocketRouter
 from hubd.store import Allocation, AllocationStore, Database, LedgerStore
-from hubd.store.channels import parse_connected_payload, parse_sockets_payload, read_notice_key
+from hubd.store.channels import read_notice_key
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from tests.reconcilerkit import ScriptedProvisioner
@@ -107,6 +109,8 @@ class Replica:
     reconciler: Reconciler
     provisioner: ScriptedProvisioner
     listener: NotificationListener
+    metrics: Metrics
+    """What the replica's wake-up listener counts (remote closes, forged notices)."""
 
     @property
     def url(self) -> str:
@@ -158,22 +162,16 @@ async def replica(
             on_ready=on_ready,
         )
 
-        def on_connected(payload: str) -> None:
-            notice = parse_connected_payload(payload)
-            if notice is not None:
-                router.repair.notice_connected(notice)
-
-        def on_sockets(payload: str) -> None:
-            control = parse_sockets_payload(payload)
-            if control is not None:
-                router.repair.apply_control(control)
-
-        listener = NotificationListener(
+        # Wired to the router as a daemon wires it; no wake-ups: the tests drive the claims.
+        metrics = Metrics()
+        listener = wake_listener(
             dsn=database_url,
             db=db,
+            router=router,
+            metrics=metrics,
             on_wake=lambda: None,
-            on_connected=on_connected,
-            on_sockets=on_sockets,
+            on_reconnected=lambda: None,
+            poll_interval=5.0,
         )
         listening = asyncio.create_task(listener.run(), name=f"listener {name}")
         try:
@@ -187,6 +185,7 @@ async def replica(
                 reconciler=reconciler,
                 provisioner=provisioner,
                 listener=listener,
+                metrics=metrics,
             )
         finally:
             listening.cancel()

@@ -39,6 +39,8 @@ VIEW_COLUMNS = {
     "created_at",
     "updated_at",
     "finished_at",
+    "expires_at",
+    "end_reason",
 }
 
 
@@ -201,6 +203,7 @@ class TestSqlApi:
             assert {r["proname"] for r in granted} == {
                 "request",
                 "release",
+                "extend",
                 "event_cursor",
                 "events_after",
             }

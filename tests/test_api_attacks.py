@@ -39,7 +39,7 @@ from hubd.store.migrate import apply_migrations
 from tests.apikit import SecretDsn, dsn_as
 from tests.externalpg import OWNER, ExternalServer, external_server
 from tests.polling import eventually, scaled
-from tests.replicakit import ReplicaRig, sidecar_of
+from tests.replicakit import Replica, ReplicaRig, sidecar_of
 from tests.wskit import close_code_of
 
 _names = itertools.count()
@@ -574,7 +574,7 @@ class TestNotificationsNameNoAllocation:
         every step (the takeover and the release reach the replica holding the socket by
         notification alone), and no payload holds the allocation's id, its tenant, its session
         or its sidecar's id: only the provisioner, tags, generations, numbers and connection
-        ids. The key the tags are made with, and the function that makes them, are out of its
+        ids. The key the tags are made with, and the functions that make them, are out of its
         reach."""
         schema = await _schema(deployment.owner)
         heard: list[tuple[str, str]] = []
@@ -589,6 +589,8 @@ class TestNotificationsNameNoAllocation:
                     await spy.fetch(f"SELECT * FROM {schema}.hubd_notice_key")  # noqa: S608
                 with pytest.raises(asyncpg.InsufficientPrivilegeError):
                     await spy.fetchval(f"SELECT {schema}.hubd_notice_tag('al_x')")
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await spy.fetchval(f"SELECT {schema}.hubd_notice('al_x', '1:retire')")
                 key = await read_notice_key(db)
                 store = AllocationStore(db, instance_id="in_attacked")
                 async with AsyncExitStack() as exits:
@@ -618,7 +620,7 @@ class TestNotificationsNameNoAllocation:
                         assert await a.reconciler.reconcile_next()
                         assert (await store.get(made["id"])).status is Status.RELEASED
                         await eventually(
-                            lambda: any(p.endswith(":retire") for _, p in heard),
+                            lambda: any(":retire:" in p for _, p in heard),
                             within=scaled(10),
                             what="the retirement",
                         )
@@ -627,9 +629,11 @@ class TestNotificationsNameNoAllocation:
                     await conn.close()
                 await db.close()
         tag = key.tag(made["id"])
-        connected = [parse_connected_payload(p) for c, p in heard if c == CONNECTED_CHANNEL]
-        controls = [parse_sockets_payload(p) for c, p in heard if c == SOCKETS_CHANNEL]
+        connected = [parse_connected_payload(p, key) for c, p in heard if c == CONNECTED_CHANNEL]
+        controls = [parse_sockets_payload(p, key) for c, p in heard if c == SOCKETS_CHANNEL]
         assert len(connected) >= 2
+        assert None not in connected
+        assert None not in controls
         assert {(n.tag, n.generation) for n in connected if n is not None} == {(tag, 1)}
         assert [(c.tag, c.generation, c.retire) for c in controls if c is not None] == [
             (tag, 2, False),
@@ -644,3 +648,133 @@ class TestNotificationsNameNoAllocation:
             sidecar.sidecar_id,
         )
         assert [p for _, p in heard if any(secret in p for secret in hidden)] == []
+
+
+def _forged(replica: Replica, channel: str) -> float:
+    """The payloads on ``channel`` the replica dropped as not authenticated."""
+    labels = {"channel": channel}
+    return replica.metrics.registry.get_sample_value("hubd_notices_forged_total", labels) or 0.0
+
+
+def _closed_for_peers(replica: Replica) -> float:
+    value = replica.metrics.registry.get_sample_value("hubd_sockets_closed_for_peers_total")
+    return value or 0.0
+
+
+class TestForgedNotices:
+    async def test_forged_notices_close_nothing_and_replayed_ones_change_nothing(
+        self, deployment: Deployment
+    ) -> None:
+        """A role walled into one tenant hears its own allocation connected and released (a
+        fence and a retirement) and another tenant's sidecar connected to one replica, then
+        taken over by the other. For that sidecar's tag it then sends what would have ended it:
+        a retirement and fences of newer generations, unsigned or with a mac it heard on
+        another notice, and records with a huge number or a newer generation. It also sends
+        again every genuine notice it heard. Every replica drops each forged payload and counts
+        it (``hubd_notices_forged``); the replays change nothing: the sidecar's socket stays
+        open, nothing is closed for a peer, and the allocation stays ready. The other tenant's
+        own release still closes the socket with 4002."""
+        heard: list[tuple[str, str]] = []
+        async with deployment.role("acme") as acme_dsn, deployment.role("globex") as globex_dsn:
+            spy = await asyncpg.connect(acme_dsn)
+            tenant = await asyncpg.connect(globex_dsn)
+            db = await connect_database(deployment.owner)
+            try:
+                for channel in (CONNECTED_CHANNEL, SOCKETS_CHANNEL):
+                    await spy.add_listener(channel, lambda *args: heard.append(args[2:4]))
+                key = await read_notice_key(db)
+                store = AllocationStore(db, instance_id="in_attacked")
+                async with AsyncExitStack() as exits:
+                    rig = ReplicaRig(
+                        db=db,
+                        database_url=deployment.owner,
+                        store=store,
+                        ledger=LedgerStore(db, instance_id="in_attacked"),
+                        exits=exits,
+                    )
+                    async with rig.pair() as (a, b):
+                        # The spy's own allocation, connected and released: it hears a genuine
+                        # fence and a genuine retirement.
+                        mine = await spy.fetchrow("SELECT * FROM hubd_v1.request('fake')")
+                        assert await a.reconciler.reconcile_next()
+                        own = await rig.open_socket(b, sidecar_of(a.provisioner.ensure_calls[-1]))
+                        assert await a.reconciler.reconcile_next()
+                        await spy.fetchrow("SELECT * FROM hubd_v1.release($1)", mine["id"])
+                        assert await close_code_of(own) == 4002
+                        assert await a.reconciler.reconcile_next()
+                        # The other tenant's: recorded on A, then on B, which holds it now.
+                        theirs = await tenant.fetchrow("SELECT * FROM hubd_v1.request('fake')")
+                        assert await a.reconciler.reconcile_next()
+                        sidecar = sidecar_of(a.provisioner.ensure_calls[-1])
+                        on_a = await rig.open_socket(a, sidecar)
+                        assert await a.reconciler.reconcile_next()
+                        on_b = await rig.open_socket(b, sidecar)
+                        assert await close_code_of(on_a) == 4000
+                        assert (await store.get(theirs["id"])).ready
+
+                        def said(channel: str) -> list[str]:
+                            return [p for c, p in heard if c == channel]
+
+                        await eventually(
+                            lambda: (
+                                len(said(CONNECTED_CHANNEL)) == 3
+                                and len(said(SOCKETS_CHANNEL)) == 2
+                            ),
+                            within=scaled(10),
+                            what="the notices",
+                        )
+                        fence, retire = said(SOCKETS_CHANNEL)
+                        earlier, latest = said(CONNECTED_CHANNEL)[1:]
+                        victim = latest.split(":")[0]
+                        assert victim == key.tag(theirs["id"])
+                        heard_mac = latest.rsplit(":", 1)[1]
+                        replays = {
+                            SOCKETS_CHANNEL: [fence, retire],
+                            CONNECTED_CHANNEL: [earlier, latest],
+                        }
+                        forgeries = {
+                            SOCKETS_CHANNEL: [
+                                f"{victim}:1:retire",  # what a daemon believed before macs
+                                f"{victim}:2:retire:{retire.rsplit(':', 1)[1]}",
+                                f"{victim}:2:fence:{fence.rsplit(':', 1)[1]}",
+                                f"{victim}:9:fence:{heard_mac}",
+                                f"{victim}:9:fence:{'0' * 32}",
+                            ],
+                            CONNECTED_CHANNEL: [
+                                f"{victim}:1:{2**62}:cn_forged",
+                                f"{victim}:1:{2**62}:cn_forged:{heard_mac}",
+                                f"{victim}:2:1:cn_forged:{heard_mac}",
+                            ],
+                        }
+                        replicas = (a, b)
+                        before = {(r.name, c): _forged(r, c) for r in replicas for c in forgeries}
+                        closed_before = _closed_for_peers(b)
+                        # Delivered in the order sent: once a replica has counted the last
+                        # forgery, it has acted on every replay before it too.
+                        for sent in (replays, forgeries):
+                            for channel, payloads in sent.items():
+                                for payload in payloads:
+                                    await spy.execute("SELECT pg_notify($1, $2)", channel, payload)
+                        await eventually(
+                            lambda: all(
+                                _forged(r, c) == before[r.name, c] + len(forgeries[c])
+                                for r in replicas
+                                for c in forgeries
+                            ),
+                            within=scaled(10),
+                            what="every forgery dropped on both replicas",
+                        )
+                        assert [e.closed_by_hub for e in b.router.sockets(theirs["id"])] == [None]
+                        assert _closed_for_peers(b) == closed_before
+                        async with asyncio.timeout(10):
+                            await (await on_b.ping())
+                        still = await store.get(theirs["id"])
+                        assert still.status is Status.ALLOCATED
+                        assert still.ready
+                        # The tenant's own release reaches B by notification, as ever.
+                        await tenant.fetchrow("SELECT * FROM hubd_v1.release($1)", theirs["id"])
+                        assert await close_code_of(on_b) == 4002
+            finally:
+                for conn in (spy, tenant):
+                    await conn.close()
+                await db.close()

@@ -82,13 +82,18 @@ class TestTags:
         self, db: Database, notice_key: NoticeKey
     ) -> None:
         """hubd_notice_tag (in SQL) and NoticeKey.tag (in the daemon) give every id the same
-        tag: 32 hex digits of sha256 over the key and the id's UTF-8."""
+        tag: 32 hex digits of sha256 over the key and the id's UTF-8. hubd_notice, which makes
+        the notifications, tags with it and signs what it made as NoticeKey checks."""
         ids = ["al_" + "0" * 32, "al_" + "0" * 31 + "1", "al_x", "\u00e9\u2026\U0001f642", ""]
         async with db.pool.acquire() as conn:
             for each in ids:
                 assert await conn.fetchval("SELECT hubd_notice_tag($1)", each) == notice_key.tag(
                     each
                 )
+                for fields in ("3:retire", "1:2:cn_\u00e9", ""):
+                    made = await conn.fetchval("SELECT hubd_notice($1, $2)", each, fields)
+                    assert made == notice_key.notice(f"{notice_key.tag(each)}:{fields}")
+                    assert notice_key.open(made) == f"{notice_key.tag(each)}:{fields}"
         tags = {notice_key.tag(each) for each in ids}
         assert len(tags) == len(ids)
         assert all(len(tag) == TAG_LENGTH and int(tag, 16) >= 0 for tag in tags)
@@ -118,7 +123,8 @@ class TestTags:
         self, db: Database, store: AllocationStore, notice_key: NoticeKey, database_url: str
     ) -> None:
         """A connection record and a release announce the allocation by its tag, with the
-        generation, the record's number and the connection id; the id appears nowhere."""
+        generation, the record's number and the connection id, signed with the key; the id
+        appears nowhere."""
         sidecar, _ = await sidecar_in(store, db)
         heard: dict[str, list[str]] = {CONNECTED_CHANNEL: [], SOCKETS_CHANNEL: []}
         listener = await asyncpg.connect(database_url)
@@ -135,11 +141,14 @@ class TestTags:
         finally:
             await listener.close()
         tag = notice_key.tag(sidecar.allocation_id)
-        assert [parse_connected_payload(p) for p in heard[CONNECTED_CHANNEL]] == [
+        assert [parse_connected_payload(p, notice_key) for p in heard[CONNECTED_CHANNEL]] == [
             ConnectedNotice(tag, sidecar.generation, record.seq or 0, "cn_tagged")
         ]
-        assert [parse_sockets_payload(p) for p in heard[SOCKETS_CHANNEL]] == [
+        assert [parse_sockets_payload(p, notice_key) for p in heard[SOCKETS_CHANNEL]] == [
             SocketControl(tag, sidecar.generation + 1, retire=False)
+        ]
+        assert heard[SOCKETS_CHANNEL] == [
+            notice_key.notice(f"{tag}:{sidecar.generation + 1}:fence")
         ]
         payloads = heard[CONNECTED_CHANNEL] + heard[SOCKETS_CHANNEL]
         assert not any(sidecar.allocation_id in p for p in payloads)

@@ -27,6 +27,7 @@ from hubd.store.models import SidecarDeath
 from tests.clikit import Result, hubd_env, run_hubd, run_hubd_async
 from tests.conftest import PostgresServer, drop_database, fresh_database
 from tests.daemonkit import running, write_config
+from tests.freshhost import FreshHost, fresh_host
 from tests.polling import eventually
 
 
@@ -34,6 +35,23 @@ def write(tmp_path: Path, text: str) -> str:
     path = tmp_path / "hubd.toml"
     path.write_text(text)
     return str(path)
+
+
+async def _stop_orphaned(state: str, host: FreshHost) -> None:
+    """Stop the embedded server of ``state`` if a failed test left it running (on ``host``,
+    whose user it runs as)."""
+    process = await asyncio.create_subprocess_exec(
+        *host.prefix,
+        sys.executable,
+        "-m",
+        "hubd.store.embedded",
+        "stop-orphaned",
+        state,
+        env=hubd_env(host.env),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    await process.wait()
 
 
 class TestCheckConfig:
@@ -212,6 +230,48 @@ class TestMigrate:
             assert [r.code for r in both] == [0, 0], [r.err for r in both]
             assert "UniqueViolation" not in "".join(r.err for r in both)
 
+    async def test_two_at_once_on_a_fresh_host_as_root(self) -> None:
+        """As root on a fresh host, where the embedded server's system user does not exist yet,
+        two migrate processes on a fresh state dir both succeed: the user is made once, and the
+        second process waits for it rather than fail to make it again (useradd's exit 9)."""
+        with fresh_host() as host, tempfile.TemporaryDirectory(prefix="hubd-e") as state:
+            # Each useradd takes a second and runs alone, as /etc/passwd's lock has them: both
+            # processes look for the user before the first maker is done, and a second maker
+            # then finds it made.
+            host.wrap_useradd(
+                'exec 9>"$0.lock"; flock 9; echo "$*" >> "$0.calls"; sleep 1; exec "$REAL" "$@"'
+            )
+            env = {"HUBD_STATE_DIR": state, **host.env}
+            try:
+                both = await asyncio.gather(
+                    *(run_hubd_async("migrate", env=env, prefix=host.prefix) for _ in range(2))
+                )
+            finally:
+                await _stop_orphaned(state, host)
+            assert [r.code for r in both] == [0, 0], [r.err for r in both]
+            assert (host.bin / "useradd.calls").read_text().count("\n") == 1
+            assert len(host.users()) == 1
+            assert not (Path(state) / "pgdata" / "postmaster.pid").exists()
+
+    async def test_a_user_made_by_another_process_meanwhile_is_no_error(self) -> None:
+        """As root on a fresh host, another process that makes the server's system user between
+        hubd's look-up and its useradd (which then exits 9, the user being there) made the user
+        hubd needed: migrate succeeds, with no second user."""
+        with fresh_host() as host, tempfile.TemporaryDirectory(prefix="hubd-e") as state:
+            host.wrap_useradd(
+                '"$REAL" "$@" || exit $?\n'
+                'echo "useradd: user already exists (made by a rival: $*)" >&2\n'
+                "exit 9"
+            )
+            env = {"HUBD_STATE_DIR": state, **host.env}
+            try:
+                result = await run_hubd_async("migrate", env=env, prefix=host.prefix)
+            finally:
+                await _stop_orphaned(state, host)
+            assert result.code == 0, result.err
+            assert "made by another process" in result.err
+            assert len(host.users()) == 1
+
 
 class TestAllocCommands:
     def test_request_show_list_release(self, external_db: str) -> None:
@@ -256,6 +316,8 @@ class TestAllocCommands:
             "failure_code",
             "failure_message",
             "sidecar_exit",
+            "expires_at",
+            "end_reason",
             "replacements",
             "spec",
             "created_at",

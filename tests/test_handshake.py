@@ -21,7 +21,9 @@ from hubd.server.handshake import (
 from hubd.server.limits import TokenBucket
 from hubd.server.wire import is_loopback_host
 from hubd.store.channels import (
+    MAC_LENGTH,
     ConnectedNotice,
+    NoticeKey,
     SocketControl,
     parse_connected_payload,
     parse_sockets_payload,
@@ -34,6 +36,7 @@ from hubd.tokens import hash_token, new_reconnect_secret, new_token
 TOKEN = new_token()
 ALLOCATION = "al_" + "a" * 32
 TAG = "0123456789abcdef" * 2
+KEY = NoticeKey(bytes(range(32)))
 SIDECAR = "sc_" + "b" * 32
 
 
@@ -359,7 +362,7 @@ class TestSmallDecisions:
         assert budget.take(0.5) is False
 
     @pytest.mark.parametrize(
-        ("payload", "notice"),
+        ("body", "notice"),
         [
             (f"{TAG}:3:7:cn_1", ConnectedNotice(TAG, 3, 7, "cn_1")),
             (f"{TAG}:3:7", None),
@@ -377,19 +380,19 @@ class TestSmallDecisions:
             (f"{TAG.upper()}:3:7:cn_1", None),
             (f"{TAG[:-1]}:3:7:cn_1", None),
             (f"{TAG}0:3:7:cn_1", None),
-            # Digits int() refuses, or too many of them: anyone may NOTIFY on the channel.
+            # Digits int() refuses, or too many of them.
             (f"{TAG}:\u00b2:7:cn_1", None),
             (f"{TAG}:3:{'9' * 5000}:cn_1", None),
             ("after-heal", None),
         ],
     )
-    def test_connected_payload(self, payload: str, notice: ConnectedNotice | None) -> None:
-        """A hubd_connected payload names one allocation's tag, a generation and its record's
-        number, or nothing when malformed."""
-        assert parse_connected_payload(payload) == notice
+    def test_connected_payload(self, body: str, notice: ConnectedNotice | None) -> None:
+        """A hubd_connected payload, its mac held, names one allocation's tag, a generation
+        and its record's number, or nothing when malformed."""
+        assert parse_connected_payload(KEY.notice(body), KEY) == notice
 
     @pytest.mark.parametrize(
-        ("payload", "control"),
+        ("body", "control"),
         [
             (f"{TAG}:2:fence", SocketControl(TAG, 2, retire=False)),
             (f"{TAG}:2:retire", SocketControl(TAG, 2, retire=True)),
@@ -402,7 +405,72 @@ class TestSmallDecisions:
             (f"{TAG}:{'9' * 5000}:fence", None),
         ],
     )
-    def test_sockets_payload(self, payload: str, control: SocketControl | None) -> None:
-        """A hubd_sockets payload says fence or retire for one allocation's tag and one
-        generation, or nothing."""
-        assert parse_sockets_payload(payload) == control
+    def test_sockets_payload(self, body: str, control: SocketControl | None) -> None:
+        """A hubd_sockets payload, its mac held, says fence or retire for one allocation's tag
+        and one generation, or nothing."""
+        assert parse_sockets_payload(KEY.notice(body), KEY) == control
+
+
+CONNECTED = f"{TAG}:3:7:cn_1"
+RETIRE = f"{TAG}:2:retire"
+
+
+class TestNoticeMacs:
+    """Any role may NOTIFY on the daemons' channels: a payload is read only when it ends with
+    the mac of the rest under the database's key."""
+
+    @pytest.mark.parametrize(
+        "payload",
+        [
+            CONNECTED,
+            RETIRE,
+            f"{CONNECTED}:",
+            f"{RETIRE}:",
+            f"{CONNECTED}:{'0' * MAC_LENGTH}",
+            f"{RETIRE}:{'0' * MAC_LENGTH}",
+            # Under another database's key.
+            NoticeKey(bytes(32)).notice(CONNECTED),
+            NoticeKey(bytes(32)).notice(RETIRE),
+            # The mac cut, lengthened, in capitals, moved or doubled.
+            KEY.notice(RETIRE)[:-1],
+            KEY.notice(RETIRE) + "0",
+            KEY.notice(RETIRE).upper(),
+            f"{KEY.mac(RETIRE)}:{RETIRE}",
+            f"{KEY.notice(RETIRE)}:{KEY.mac(RETIRE)}",
+            # Another notice's genuine mac, spliced onto a forged body.
+            f"{TAG}:3:retire:{KEY.mac(RETIRE)}",
+            f"{TAG}:2:fence:{KEY.mac(RETIRE)}",
+            f"{TAG}:3:999999999:cn_1:{KEY.mac(CONNECTED)}",
+            # A tag is no mac: the key's hash of the body without the mac's prefix.
+            f"{RETIRE}:{KEY.tag(RETIRE)}",
+            # Not ASCII where the mac goes, or not hex.
+            RETIRE + ":" + "\u00e9" * MAC_LENGTH,
+            RETIRE + ":" + "g" * MAC_LENGTH,
+            "",
+            ":",
+        ],
+    )
+    def test_a_payload_without_its_mac_says_nothing(self, payload: str) -> None:
+        """Unsigned, signed under another key, with a mac altered or taken from another
+        notice, or with a tag for a mac: neither parser reads it."""
+        assert parse_connected_payload(payload, KEY) is None
+        assert parse_sockets_payload(payload, KEY) is None
+
+    def test_a_replayed_notice_reads_as_it_did(self) -> None:
+        """A genuine payload heard and sent again is genuine: what it says was true when the
+        database sent it, and the daemon's use of it is idempotent (docs/security.md)."""
+        assert parse_connected_payload(KEY.notice(CONNECTED), KEY) == ConnectedNotice(
+            TAG, 3, 7, "cn_1"
+        )
+        assert parse_sockets_payload(KEY.notice(RETIRE), KEY) == SocketControl(TAG, 2, retire=True)
+
+    def test_a_mac_is_never_a_tag(self) -> None:
+        """Tags and macs are both the key's hash, kept apart by the macs' prefix, which no
+        allocation id starts with ("al_"): the tag of a text is not its mac. And a body of one
+        channel never reads as one of the other."""
+        assert KEY.mac(ALLOCATION) != KEY.tag(ALLOCATION)
+        assert KEY.mac(f"hubd-notice:{ALLOCATION}") != KEY.tag(ALLOCATION)
+        assert KEY.tag(f"hubd-notice:{ALLOCATION}") == KEY.mac(ALLOCATION)
+        assert len(KEY.mac(RETIRE)) == MAC_LENGTH
+        assert parse_sockets_payload(KEY.notice(CONNECTED), KEY) is None
+        assert parse_connected_payload(KEY.notice(RETIRE), KEY) is None

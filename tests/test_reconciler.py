@@ -143,8 +143,9 @@ class TestHappyPath:
         assert abandoned.metadata is None
 
     async def test_sidecar_publish_before_acceptance_is_kept(self, rig: ReconcilerRig) -> None:
-        """What the generation's sidecar published while ensure ran stays: the acceptance
-        fills only what is still empty."""
+        """What the generation's sidecar published while ensure ran stays, over the
+        provisioner's keys, which the acceptance puts under it (tests/test_published_merge.py
+        holds both orders through real publishes)."""
 
         async def publish_then_accept(request: EnsureRequest) -> object:
             async with rig.db.connection("test") as conn:
@@ -152,7 +153,7 @@ class TestHappyPath:
                     "UPDATE hubd_allocations SET metadata = '{\"pid\": 7}' WHERE id = $1",
                     request.allocation_id,
                 )
-            return Accepted("ref-1", endpoint="10.0.0.7:8080", metadata={"pod": "p"})
+            return Accepted("ref-1", endpoint="10.0.0.7:8080", metadata={"pod": "p", "pid": 1})
 
         rig.provisioner.ensure_script.append(publish_then_accept)
         allocation = await rig.store.request(provisioner_id="fake")
@@ -160,7 +161,7 @@ class TestHappyPath:
         accepted = await rig.store.get(allocation.id)
         assert accepted.status is Status.ALLOCATED
         assert accepted.endpoint == "10.0.0.7:8080"
-        assert accepted.metadata == {"pid": 7}
+        assert accepted.metadata == {"pod": "p", "pid": 7}
 
     async def test_release_destroys_then_releases(self, rig: ReconcilerRig) -> None:
         """Releasing a ready allocation destroys its sidecar, marks it released and retires its

@@ -12,7 +12,7 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
-from hubd.config.kinds import kind_of, problem, toml_type
+from hubd.config.kinds import Duration, kind_of, problem, toml_type
 from hubd.config.root import SECTIONS, Config
 from hubd.config.sections import (
     READY_WHEN_CONNECTED,
@@ -25,7 +25,7 @@ from hubd.errors import ConfigError
 __all__ = ["load_config"]
 
 _ALL_SECTIONS: Final = (*SECTIONS, "provisioners")
-_PROVISIONER_KEYS: Final = ("id", "plugin", "ready_when", "options")
+_PROVISIONER_KEYS: Final = ("id", "plugin", "ready_when", "max_lifetime", "options")
 
 
 def load_config(
@@ -143,10 +143,21 @@ def _parse_provisioners(raw: Any) -> tuple[ProvisionerConfig, ...]:
             raise problem(f"{where}.{broken[0]}", broken[1])
         parsed.append(
             ProvisionerConfig(
-                id=entry["id"], plugin=entry["plugin"], ready_when=ready_when, options=options
+                id=entry["id"],
+                plugin=entry["plugin"],
+                ready_when=ready_when,
+                options=options,
+                max_lifetime=_max_lifetime(f"{where}.max_lifetime", entry.get("max_lifetime", "")),
             )
         )
     return tuple(parsed)
+
+
+def _max_lifetime(where: str, raw: object) -> float | None:
+    """A provisioner's ``max_lifetime``: ``""`` for none, else a positive duration."""
+    if raw == "":
+        return None
+    return float(Duration().from_toml(where, raw))
 
 
 def _suggest(name: str, known: list[str] | tuple[str, ...]) -> str:

@@ -28,6 +28,7 @@ from hubd.config.sections import (
 )
 from hubd.redaction import REDACTED as _REDACTED
 from hubd.redaction import redact_dsn
+from hubd.units import format_duration
 
 __all__ = ["SECTIONS", "Config", "redact_url"]
 
@@ -118,6 +119,7 @@ class Config:
                 "id": p.id,
                 "plugin": p.plugin,
                 "ready_when": p.ready_when,
+                "max_lifetime": "" if p.max_lifetime is None else format_duration(p.max_lifetime),
                 "options": _redact_options(p.options),
             }
             for p in self.provisioners

@@ -298,10 +298,13 @@ class ReconcilerConfig:
     shutdown_grace: float = _duration("20s")
     automatic_replacement_recovery: bool = _flag(False)
     replacement_limit: int = _integer(5)
-    """How many sidecars of one allocation may fail (be abandoned for a new one) within
-    ``replacement_window`` of the first before the allocation is given up and ends ``failed``
-    with the last failure; 0: replace forever."""
+    """Sidecars of one allocation that may fail within ``replacement_window`` before it ends
+    ``failed``; 0: replace for ever."""
     replacement_window: float = _duration("10m")
+    pending_timeout: float = _duration("10m")
+    """How long a request may wait pending before it fails as ``unserved``."""
+    expiry_warning: float = _duration("1m")
+    """How long before an allocation's end of life its ``expiring`` event comes."""
     on_ready: str = _text("")
     """The hook run after a sidecar connects and before its allocation is ready:
     ``"package.module:attr"`` or an entry point in group ``hubd.on_ready``; empty: none
@@ -310,10 +313,8 @@ class ReconcilerConfig:
     def __attrs_post_init__(self) -> None:
         check_fields("reconciler", self)
         if self.replacement_limit < 0:
-            raise problem(
-                "reconciler.replacement_limit",
-                f"must be 0 (no limit) or more, not {self.replacement_limit}",
-            )
+            limit = self.replacement_limit
+            raise problem("reconciler.replacement_limit", f"must be 0 or more, not {limit}")
         broken = claim_rules_problem(
             lease_duration=self.lease_duration,
             operation_timeout=self.operation_timeout,
@@ -422,6 +423,9 @@ class ProvisionerConfig:
     §4)."""
     # Handed to the plugin as is; a dict is not hashable, so it stays out of the hash.
     options: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    max_lifetime: float | None = None
+    """The longest one of its allocations may live, from its request (seconds; ``None``: no
+    limit)."""
 
     def __attrs_post_init__(self) -> None:
         broken = provisioner_problem(self.id, self.plugin, self.ready_when)

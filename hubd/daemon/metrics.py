@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from hubd.routing import Target
 from hubd.server.wire import ServerStats
+from hubd.store.channels import CONNECTED_CHANNEL, SOCKETS_CHANNEL
 
 # Every counter would also export a `_created` twin (its creation time) that no dashboard uses
 # and every scrape pays for.
@@ -122,6 +123,15 @@ class Metrics:
             "Sockets closed here because another replica's write or the socket check said so",
             registry=r,
         )
+        self.notices_forged = Counter(
+            "hubd_notices_forged",
+            "Notifications on hubd_connected or hubd_sockets dropped unread: not authenticated "
+            "by the database's key (sent by another role, or by an older hubd), or malformed",
+            ["channel"],
+            registry=r,
+        )
+        for channel in (CONNECTED_CHANNEL, SOCKETS_CHANNEL):
+            self.notices_forged.labels(channel)  # at 0 from the start, for rate() and alerts
         self.heartbeat_lapses = Counter(
             "hubd_heartbeat_lapses",
             "Times this daemon found its heartbeat older than the instance TTL",
@@ -168,6 +178,12 @@ class Metrics:
             "hubd_sidecar_exits",
             "Sidecars reported dead by their provisioner and acted on (the current generation's)",
             ["provisioner", "reason"],
+            registry=r,
+        )
+        self.deadlines = Counter(
+            "hubd_deadlines",
+            "Deadlines this daemon acted on: allocations expired, failed unserved, warned",
+            ["kind"],
             registry=r,
         )
         self.loop_errors = Counter(

@@ -32,7 +32,13 @@ from hubd.server.limits import ListenerLimits
 from hubd.server.listener import SidecarServer
 from hubd.server.router import SocketRouter
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
-from hubd.store.channels import NoticeKey, parse_connected_payload, parse_sockets_payload
+from hubd.store.channels import (
+    CONNECTED_CHANNEL,
+    SOCKETS_CHANNEL,
+    NoticeKey,
+    parse_connected_payload,
+    parse_sockets_payload,
+)
 from hubd.store.connections import ConnectionStore
 from hubd.store.counts import status_counts
 from hubd.store.database import connections_opened
@@ -190,22 +196,27 @@ def wake_listener(
     """The LISTEN connection, wired to ``router``'s repair: a sidecar connected on a peer
     resolves the waits here; a fence or a retirement closes the sockets it names. Both name
     the allocation by its tag, which the router turns back into an id only for what it
-    holds."""
-    repair = router.repair
+    holds, and a payload the database's key does not authenticate is dropped and counted:
+    any role may send on these channels."""
+    repair, key = router.repair, router.notice_key
 
     def on_connected(payload: str) -> None:
-        notice = parse_connected_payload(payload)
-        if notice is not None:
-            before = repair.remote_closes
-            repair.notice_connected(notice)
-            metrics.remote_closes.inc(repair.remote_closes - before)
+        notice = parse_connected_payload(payload, key)
+        if notice is None:
+            metrics.notices_forged.labels(CONNECTED_CHANNEL).inc()
+            return
+        before = repair.remote_closes
+        repair.notice_connected(notice)
+        metrics.remote_closes.inc(repair.remote_closes - before)
 
     def on_sockets(payload: str) -> None:
-        control = parse_sockets_payload(payload)
-        if control is not None:
-            before = repair.remote_closes
-            repair.apply_control(control)
-            metrics.remote_closes.inc(repair.remote_closes - before)
+        control = parse_sockets_payload(payload, key)
+        if control is None:
+            metrics.notices_forged.labels(SOCKETS_CHANNEL).inc()
+            return
+        before = repair.remote_closes
+        repair.apply_control(control)
+        metrics.remote_closes.inc(repair.remote_closes - before)
 
     return NotificationListener(
         dsn=dsn,

@@ -66,6 +66,7 @@ class Supervisor:
                 start("feed-lock-watch", self.sweeps.feed_lock.run())
                 start("repair", self.sweeps.repair())
                 start("socket-check", self.sweeps.socket_check())
+                start("deadlines", self.sweeps.deadlines())
                 if self.sweeps.config.orphans.mode != "off":
                     start("orphans", self.sweeps.orphans())
                 for watch in self.sweeps.running.exits:

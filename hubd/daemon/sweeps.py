@@ -25,12 +25,18 @@ from hubd.liveness import swept_reconnect_window
 from hubd.reconciler.orphans import OrphanCollector
 from hubd.store.events import EventStore
 
-__all__ = ["DEAD_INSTANCE_TTLS", "Sweeps"]
+__all__ = ["DEADLINE_INTERVAL", "DEAD_INSTANCE_TTLS", "Sweeps"]
 
 log = structlog.get_logger(__name__)
 
 DEAD_INSTANCE_TTLS = 10
 """An instance row is deleted once its heartbeat is this many TTLs old."""
+DEADLINE_INTERVAL = 1.0
+"""The longest the deadline sweep waits between runs: an allocation made with a lifetime
+after a run learns of it within this."""
+DEADLINE_FLOOR = 0.05
+"""The shortest: a deadline the last run saw as passed (it moved it) is not run for again
+at once."""
 
 
 @attrs.frozen(kw_only=True)
@@ -136,6 +142,43 @@ class Sweeps:
                     log.info("events_pruned", count=pruned)
             except StoreError as exc:
                 log.warning("repair_sweep_failed", error=str(exc))
+
+    async def deadlines(self) -> None:
+        """End what expired, fail what no daemon took in time, warn of what expires soon:
+        every second at most, sooner when the next deadline the last run saw is nearer. Any
+        replica may run it first; a row is moved once."""
+        rc, store, metrics = self.config.reconciler, self.running.store, self.metrics
+        limits = {p.id: (p.max_lifetime, rc.pending_timeout) for p in self.config.provisioners}
+        while True:
+            raise_if_cancelled()
+            try:
+                await store.set_limits(limits)
+                break
+            except StoreError as exc:
+                log.warning("provisioner_limits_not_written", error=str(exc))
+                await asyncio.sleep(DEADLINE_INTERVAL)
+        while True:
+            raise_if_cancelled()
+            wait = DEADLINE_INTERVAL
+            try:
+                swept = await store.sweep_deadlines(
+                    warning=rc.expiry_warning, pending_timeout=rc.pending_timeout
+                )
+            except StoreError as exc:
+                log.warning("deadline_sweep_failed", error=str(exc))
+            else:
+                for kind, count in (
+                    ("expired", swept.expired),
+                    ("unserved", swept.unserved),
+                    ("expiring", swept.warned),
+                ):
+                    if count:
+                        metrics.deadlines.labels(kind=kind).inc(count)
+                if swept.expired or swept.unserved:
+                    log.info("deadlines_reached", expired=swept.expired, unserved=swept.unserved)
+                if swept.next_in is not None:
+                    wait = min(wait, max(swept.next_in, DEADLINE_FLOOR))
+            await asyncio.sleep(wait)
 
 
 async def watchdog() -> None:

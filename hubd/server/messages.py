@@ -1,5 +1,6 @@
 """What a connected sidecar may tell the hub beyond heartbeats, as pure decisions: a ``publish``
-(its endpoint and metadata) and a ``ready`` (architecture §4, *Publish and ready*).
+(its endpoint and metadata), a ``ready`` and a ``not_ready`` (architecture §4, *Publish and
+ready*).
 
 The listener hands over the parsed message and whether the welcome was acknowledged; these
 functions answer with what to write, or with the :class:`ProtocolError` the socket is closed
@@ -32,7 +33,9 @@ class Publish:
 
 @attrs.frozen
 class Ready:
-    """The sidecar declares its allocation ready."""
+    """The sidecar declares that it can serve (``ready``), or no longer can (``not_ready``)."""
+
+    serving: bool = True
 
 
 @attrs.frozen
@@ -67,9 +70,11 @@ def parse_publish(data: Mapping[str, Any], *, acknowledged: bool) -> Publish | P
     return Publish(endpoint=checked_endpoint, metadata=encode_metadata(checked_metadata))
 
 
-def parse_ready(*, acknowledged: bool) -> Ready | ProtocolError:
-    """A ``ready`` message: ``{"type": "ready"}``, sent once the welcome was acknowledged
-    (other fields are ignored)."""
+def parse_ready(*, acknowledged: bool, serving: bool = True) -> Ready | ProtocolError:
+    """A ``ready`` message (``{"type": "ready"}``), or with ``serving`` false a ``not_ready``
+    (``{"type": "not_ready"}``), sent once the welcome was acknowledged (other fields are
+    ignored)."""
     if not acknowledged:
-        return ProtocolError("ready before welcome_ack")
-    return Ready()
+        kind = "ready" if serving else "not_ready"
+        return ProtocolError(f"{kind} before welcome_ack")
+    return Ready(serving=serving)

@@ -80,9 +80,9 @@ _NOTHING_TO_CLEAR = frozenset(
 class SocketRouter:
     """Live sockets of this instance, their durable records, and readiness waits.
 
-    ``notice_key`` is the database's key for the allocation tags its notifications carry
-    (:func:`hubd.store.channels.read_notice_key`): the sockets, handshakes and waiters held
-    here are found by their tags."""
+    ``notice_key`` is the database's key for the allocation tags its notifications carry and
+    the macs that authenticate them (:func:`hubd.store.channels.read_notice_key`): the
+    sockets, handshakes and waiters held here are found by their tags."""
 
     def __init__(
         self,
@@ -96,8 +96,11 @@ class SocketRouter:
         clear_budget: float = 30.0,
     ) -> None:
         self._connections = connections
+        self.notice_key = notice_key
+        """What the notifications handed to :attr:`repair` are read with."""
         self._events = events
         self._instance_ttl = instance_ttl
+        self._connect_timeout = connect_timeout
         self._event_timeout = event_timeout
         # Sockets that close while one clearing statement runs go in the next: a network blip
         # closes thousands at once, and one statement each held the socket pool's connections
@@ -330,13 +333,19 @@ class SocketRouter:
             await self.repair.follow_record(entry)
         return outcome
 
-    async def declare_ready(self, entry: SocketEntry) -> bool:
-        """``entry``'s sidecar says it is ready: recorded, fenced on its record, as
-        :meth:`publish` is (and closed the same way when refused or unknown). Whether it
-        was accepted."""
+    async def declare_ready(self, entry: SocketEntry, *, serving: bool = True) -> bool:
+        """``entry``'s sidecar says it is ready (``serving``), or no longer is: recorded,
+        fenced on its record, as :meth:`publish` is (and closed the same way when refused or
+        unknown). Whether it was accepted."""
+        connections, target = self._connections, entry.target
         try:
             async with asyncio.timeout(self._event_timeout):
-                declared = await self._connections.declare_ready(entry.connection_id, entry.target)
+                if serving:
+                    declared = await connections.declare_ready(entry.connection_id, target)
+                else:
+                    declared = await connections.declare_not_ready(
+                        entry.connection_id, target, connect_timeout=self._connect_timeout
+                    )
         except (StoreError, TimeoutError) as exc:
             entry.log.warning("sidecar_ready_failed", error=describe_error(exc))
             self._registry.close(entry, CloseCode.INTERNAL_ERROR)
@@ -344,7 +353,14 @@ class SocketRouter:
         if not declared.accepted:
             await self.repair.follow_record(entry)
             return False
-        if declared.seq is not None:
+        if declared.seq is not None and not serving:
+            # The record's new number is the one this socket now holds; no waiter waits for
+            # readiness to go, so nobody is woken.
+            entry.seq = declared.seq
+            entry.log.info(
+                "sidecar_declared_not_ready", seq=declared.seq, was_ready=declared.withdrawn
+            )
+        elif declared.seq is not None:
             # The declaration bumped the record's number: the one this socket now holds.
             entry.seq = declared.seq
             entry.log.info("sidecar_declared_ready", seq=declared.seq, ready=declared.ready)

@@ -2,9 +2,9 @@
 sidecar's messages one at a time (architecture §4), within the socket's message budget.
 
 A ``heartbeat`` is counted, a ``welcome_ack`` retires the credential that opened the socket, a
-``publish`` or a ``ready`` is written through the router, fenced on the socket's record; a
-malformed or early one closes the socket with 4003, a peer over its budget is closed with 1008.
-Anything else is ignored and counted.
+``publish``, a ``ready`` or a ``not_ready`` is written through the router, fenced on the
+socket's record; a malformed or early one closes the socket with 4003, a peer over its budget is
+closed with 1008. Anything else is ignored and counted.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from hubd.store.connection_values import PublishOutcome, Served
 
 __all__ = ["SessionHandler", "welcome_message"]
 
-# The hub's answers to a publish and a ready that landed.
+# The hub's answers to a publish, a ready and a not_ready that landed.
 _PUBLISHED: Final = json.dumps({"type": "published"})
 _READY: Final = json.dumps({"type": "ready_recorded"})
+_NOT_READY: Final = json.dumps({"type": "not_ready_recorded"})
 _ACKNOWLEDGED: Final[dict[str, Any]] = {"type": "welcome_ack"}
 
 
@@ -123,8 +124,9 @@ class SessionHandler:
             pass
 
     async def _act(self, entry: SocketEntry, data: dict[str, Any], *, acknowledged: bool) -> None:
-        """A ``publish`` or a ``ready``: refused with 4003 when malformed or early, else
-        written, fenced on the socket's record (architecture §4, *Publish and ready*)."""
+        """A ``publish``, a ``ready`` or a ``not_ready``: refused with 4003 when malformed or
+        early, else written, fenced on the socket's record (architecture §4, *Publish and
+        ready*)."""
         if data["type"] == "publish":
             publish = parse_publish(data, acknowledged=acknowledged)
             if isinstance(publish, ProtocolError):
@@ -137,14 +139,18 @@ class SessionHandler:
             elif outcome is PublishOutcome.PUBLISHED:
                 self._stats.published += 1
                 await self._answer(entry, _PUBLISHED)
-        elif data["type"] == "ready":
-            ready = parse_ready(acknowledged=acknowledged)
+        else:
+            ready = parse_ready(acknowledged=acknowledged, serving=data["type"] == "ready")
             if isinstance(ready, ProtocolError):
                 self._protocol_error(entry, ready)
                 return
-            if await self._router.declare_ready(entry):
+            if not await self._router.declare_ready(entry, serving=ready.serving):
+                return
+            if ready.serving:
                 self._stats.declared_ready += 1
-                await self._answer(entry, _READY)
+            else:
+                self._stats.declared_not_ready += 1
+            await self._answer(entry, _READY if ready.serving else _NOT_READY)
 
     async def _answer(self, entry: SocketEntry, answer: str) -> None:
         if entry.closed_by_hub is not None:
@@ -174,7 +180,8 @@ class SessionHandler:
         self, entry: SocketEntry, message: str | bytes, *, acknowledged: bool
     ) -> dict[str, Any] | None:
         """Act on a message that needs no database, or hand back the one that does (a
-        ``publish``, a ``ready``); ``_ACKNOWLEDGED`` for the welcome's acknowledgement."""
+        ``publish``, a ``ready``, a ``not_ready``); ``_ACKNOWLEDGED`` for the welcome's
+        acknowledgement."""
         if isinstance(message, bytes):
             self._ignore(entry, "binary")
             return None
@@ -192,7 +199,7 @@ class SessionHandler:
         elif kind == "welcome_ack" and not acknowledged:
             self._router.acknowledge(entry)
             return _ACKNOWLEDGED
-        elif kind in ("publish", "ready"):
+        elif kind in ("publish", "ready", "not_ready"):
             result: dict[str, Any] = data
             return result
         else:

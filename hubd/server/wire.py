@@ -69,6 +69,8 @@ class ServerStats:
     """Publishes stored."""
     declared_ready: int = 0
     """Declarations of readiness recorded."""
+    declared_not_ready: int = 0
+    """Declarations that a sidecar can no longer serve, answered."""
     protocol_errors: int = 0
     """Sockets closed with 4003 for a message the hub refused."""
     ignored_messages: int = 0

@@ -5,6 +5,11 @@ It dials as its :class:`~hubd.sidecar.settings.SidecarSettings` say. The token t
 the ``Authorization`` header of the handshake; it is never logged, printed or put in an
 exception.
 
+After each welcome it tells the hub what it publishes and, where the allocation is ready once
+its sidecar says so, whether it can serve; what changes while it is connected (a run-time
+:meth:`SidecarClient.publish`, a :meth:`SidecarClient.set_ready`) is told at once, and all of it
+again after every reconnect (:mod:`hubd.sidecar.announcements`).
+
 Protocol v2: each welcome carries a reconnect secret, kept in memory only, presented in the
 next handshake and acknowledged at once. Once the sidecar has connected, the token in its
 environment no longer opens a connection by itself, so another process that reads it cannot
@@ -18,7 +23,6 @@ import asyncio
 import collections
 import json
 import logging
-import os
 import secrets
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,6 +36,7 @@ from websockets.typing import Subprotocol
 
 from hubd.backoff import Backoff
 from hubd.liveness import SIDECAR_PING_INTERVAL, SIDECAR_PING_TIMEOUT
+from hubd.sidecar.announcements import Announcements, Publication, Told
 from hubd.sidecar.policy import (
     EXIT_OK,
     EXIT_STOPPED,
@@ -90,27 +95,11 @@ class _Welcome:
     """What the welcome says the sidecar serves (never the secret)."""
 
 
-@attrs.frozen(kw_only=True)
-class Publication:
-    """What the sidecar publishes after every welcome (architecture §4): an endpoint (``None``:
-    none) and metadata, to which the sidecar adds its ``pid`` and what ``on_welcome`` returns."""
-
-    endpoint: str | None = None
-    metadata: Mapping[str, Any] = attrs.field(factory=dict)
-
-    def message(self, extra: Mapping[str, Any]) -> str:
-        metadata = {"pid": os.getpid(), **extra, **self.metadata}
-        body: dict[str, Any] = {"type": "publish", "metadata": metadata}
-        if self.endpoint is not None:
-            body["endpoint"] = self.endpoint
-        return json.dumps(body)
-
-
 WelcomeHandler = Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
 """Called after each welcome is acknowledged with its context (allocation_id, sidecar_id,
 generation, spec, tenant, session, ready_when); returns metadata to publish with it. The
-sidecar declares itself ready (where the welcome's ready_when is ``declared``) once it
-returns."""
+sidecar says whether it can serve (where the welcome's ready_when is ``declared``; see
+``ready``) once it returns."""
 
 
 @attrs.frozen
@@ -136,9 +125,13 @@ class SidecarClient:
         ssl_context: ssl.SSLContext | None = None,
         publication: Publication | None = None,
         on_welcome: WelcomeHandler | None = None,
+        ready: bool = True,
     ) -> None:
+        """``ready``: whether the sidecar can serve from the start (``False``: not until
+        :meth:`set_ready` says so)."""
         self._settings = settings
-        self._publication = publication
+        self._announcements = Announcements(publication, ready=ready)
+        self._changed = asyncio.Event()
         self._on_welcome = on_welcome
         self._backoff = backoff or Backoff()
         self._random = random or secrets.SystemRandom().random
@@ -170,8 +163,36 @@ class SidecarClient:
         """Publishes the hub answered ``published``."""
         self.declared = 0
         """Declarations of readiness the hub answered."""
+        self.withdrawn = 0
+        """Declarations that the sidecar can no longer serve (``not_ready``) the hub answered."""
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=32)
         """The latest decisions taken after a connection ended, newest last."""
+
+    @property
+    def endpoint(self) -> str | None:
+        """The endpoint published now (the run-time one, else the starting one)."""
+        return self._announcements.endpoint
+
+    @property
+    def ready(self) -> bool:
+        """Whether the sidecar says it can serve."""
+        return self._announcements.ready
+
+    def publish(
+        self, *, endpoint: str | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> None:
+        """Publish ``endpoint`` and ``metadata`` (merged over what was published, a key given
+        ``None`` removed) now and after every welcome from now on. :class:`ValueError` when
+        either is malformed, or when all run-time metadata would pass 16 KiB."""
+        if self._announcements.publish(endpoint=endpoint, metadata=metadata):
+            self._changed.set()
+
+    def set_ready(self, ready: bool) -> None:
+        """Whether the sidecar can serve: told to the hub (``ready`` / ``not_ready``) now and
+        after every welcome, where the allocation is ready once its sidecar says so."""
+        if self._announcements.set_ready(ready):
+            self._log.info("sidecar_ready" if ready else "sidecar_not_ready")
+            self._changed.set()
 
     def stop(self) -> None:
         """Close the connection with 1000 and make :meth:`run` return ``EXIT_OK``; idempotent."""
@@ -271,8 +292,10 @@ class SidecarClient:
                     self.connected = True
                     self.context = welcome.context
                     self._log.info("sidecar_welcomed")
-                    await self._announce(ws, welcome)
-                    await self._hold(ws, welcome.interval)
+                    extra: Mapping[str, Any] = {}
+                    if self._on_welcome is not None:
+                        extra = await self._on_welcome(welcome.context)
+                    await self._hold(ws, welcome, extra)
                 finally:
                     self.connected = False
                     self._ws = None
@@ -326,32 +349,54 @@ class SidecarClient:
         }
         return _Welcome(max(float(interval), 1.0), secret, context)
 
-    async def _announce(self, ws: ClientConnection, welcome: _Welcome) -> None:
-        """After each welcome: hand its context over, publish, and declare readiness where
-        the allocation waits for that. Sent without waiting for the answers: the hub acts on
-        a sidecar's messages in order, so the ready finds the publish stored."""
-        extra: Mapping[str, Any] = {}
-        if self._on_welcome is not None:
-            extra = await self._on_welcome(welcome.context)
-        if self._publication is not None:
-            await ws.send(self._publication.message(extra))
-        if welcome.context.get("ready_when") == "declared":
-            await ws.send(json.dumps({"type": "ready"}))
-
-    async def _hold(self, ws: ClientConnection, interval: float) -> None:
-        """Stay connected: answer pings (websockets does), send a heartbeat every interval."""
+    async def _hold(
+        self, ws: ClientConnection, welcome: _Welcome, extra: Mapping[str, Any]
+    ) -> None:
+        """Stay connected: tell the hub what it has not been told (first of all the
+        publication and, where the allocation waits for the sidecar's word, ``ready`` or
+        ``not_ready``), answer pings (websockets does), read the hub's answers, and send a
+        heartbeat after every interval in which nothing came or went. This one task sends
+        everything, so the messages go out in the order they are due; the two tasks it waits
+        on only wait."""
+        told = Told()
+        declared = welcome.context.get("ready_when") == "declared"
         heartbeat = json.dumps({"type": "heartbeat"})
-        while True:
-            try:
-                async with asyncio.timeout(interval):
-                    message = await ws.recv()
-            except TimeoutError:
-                await ws.send(heartbeat)
-            else:
-                self._answered(message)
+        loop = asyncio.get_running_loop()
+        receiving: asyncio.Task[str | bytes] | None = None
+        try:
+            while True:
+                # Cleared before the look: a change made while the messages go out sets it
+                # again, and the wait below returns at once.
+                self._changed.clear()
+                for due in self._announcements.due(told, declared=declared, extra=extra):
+                    await ws.send(due)
+                if receiving is None:
+                    # Kept across turns: recv() is safe to cancel, but there is no need to.
+                    receiving = loop.create_task(ws.recv(), name="sidecar-receive")
+                changed = loop.create_task(self._changed.wait(), name="sidecar-changed")
+                waiting: set[asyncio.Future[Any]] = {receiving, changed}
+                try:
+                    done, _ = await asyncio.wait(
+                        waiting,
+                        timeout=welcome.interval,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    changed.cancel()
+                if receiving in done:
+                    message = receiving.result()  # ConnectionClosed ends the session
+                    receiving = None
+                    self._answered(message)
+                elif not done:
+                    await ws.send(heartbeat)
+        finally:
+            if receiving is not None and not receiving.cancel() and not receiving.cancelled():
+                # It ended already (the connection closed while a message went out): that
+                # close is the session's end, which the caller learns from the send.
+                receiving.exception()
 
     def _answered(self, message: str | bytes) -> None:
-        """The hub's answer to a publish or a ready; anything else is ignored."""
+        """The hub's answer to a publish, a ready or a not_ready; anything else is ignored."""
         try:
             data: Any = json.loads(message)
         except ValueError:
@@ -363,6 +408,9 @@ class SidecarClient:
         elif kind == "ready_recorded":
             self.declared += 1
             self._log.info("sidecar_declared_ready")
+        elif kind == "not_ready_recorded":
+            self.withdrawn += 1
+            self._log.info("sidecar_declared_not_ready")
 
 
 def _text_or_none(value: object) -> str | None:

@@ -1,13 +1,17 @@
 """What ``hubd sidecar`` runs and tells: its options, the context file, and the command it runs.
 
 ``hubd sidecar [--publish-endpoint URL] [--publish KEY=VALUE]... [--context-file PATH]
+[--ready-check CHECK [--ready-interval S] [--ready-timeout S] [--not-ready-after S]]
 [-- COMMAND ARG...]``. With a command, the sidecar runs it once it is first welcomed, with its
 own environment less ``HUBD_TOKEN`` (the token opens the sidecar's first connection and nothing
 the command needs) plus ``HUBD_CONTEXT_FILE``: a JSON file (mode 0600) holding what the welcome
 said the sidecar serves (``allocation_id``, ``sidecar_id``, ``generation``, ``spec``,
-``tenant``, ``session``, ``ready_when``; never the reconnect secret). The sidecar ends when the
-command does (with its exit status) and stops the command (SIGTERM, SIGKILL 10 s later) when
-the hub stops the sidecar. Without a command, ``--context-file`` still writes the file.
+``tenant``, ``session``, ``ready_when``; never the reconnect secret), and ``HUBD_PUBLISH_FD``:
+a descriptor on which the command publishes at run time and, with ``--ready-check command``,
+says whether it can serve (:mod:`hubd.sidecar.channel`). The sidecar ends when the command does
+(with its exit status) and stops the command (SIGTERM, SIGKILL 10 s later) when the hub stops
+the sidecar. Without a command, ``--context-file`` still writes the file. The readiness check
+is :mod:`hubd.sidecar.readiness`'s.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 
 from hubd.published import check_endpoint, check_metadata
+from hubd.sidecar.channel import PUBLISH_FD_VARIABLE, PublishChannel, Said
+from hubd.sidecar.readiness import ReadyCheck, check_from
+from hubd.sidecar.readiness import add_arguments as add_readiness_arguments
 
 __all__ = ["CommandRunner", "SidecarOptions", "add_arguments", "options_from"]
 
@@ -44,6 +51,8 @@ class SidecarOptions:
     """``--publish`` pairs, published with the sidecar's own ``pid`` (and ``command_pid``)."""
     context_file: str | None = None
     command: tuple[str, ...] = ()
+    ready_check: ReadyCheck | None = None
+    """``None``: the sidecar can serve once its command started (at once without one)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the welcome's context (spec, tenant, session...) to PATH as JSON "
         "(default with a command: a private temporary file, named by HUBD_CONTEXT_FILE)",
     )
+    add_readiness_arguments(parser)
     parser.add_argument(
         "sidecar_command",
         nargs=argparse.REMAINDER,
@@ -95,15 +105,26 @@ def options_from(args: argparse.Namespace) -> SidecarOptions:
         metadata=metadata,
         context_file=args.context_file,
         command=tuple(command),
+        ready_check=check_from(args),
     )
 
 
 class CommandRunner:
     """The context file and the command of one ``hubd sidecar``."""
 
-    def __init__(self, options: SidecarOptions, env: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        options: SidecarOptions,
+        env: Mapping[str, str],
+        *,
+        on_said: Callable[[Said], None] | None = None,
+    ) -> None:
+        """``on_said`` hears what the command says on its publish descriptor."""
         self._options = options
         self._env = env
+        self._on_said = on_said
+        self._channel: PublishChannel | None = None
+        self._lines: asyncio.Task[None] | None = None
         self._private: str | None = None
         self._path: Path | None = None
         self.process: asyncio.subprocess.Process | None = None
@@ -121,14 +142,22 @@ class CommandRunner:
             env = {k: v for k, v in self._env.items() if k != "HUBD_TOKEN"}
             if self._path is not None:
                 env[CONTEXT_VARIABLE] = str(self._path)
+            self._channel = channel = PublishChannel()
+            env[PUBLISH_FD_VARIABLE] = str(channel.write_fd)
             try:
-                self.process = await asyncio.create_subprocess_exec(*self._options.command, env=env)
+                self.process = await asyncio.create_subprocess_exec(
+                    *self._options.command, env=env, pass_fds=(channel.write_fd,)
+                )
             except OSError as exc:
                 self.failure = f"cannot run {self._options.command[0]!r}: {exc.strerror or exc}"
                 self.exited.set()
                 return {}
-            self._waiter = asyncio.get_running_loop().create_task(
-                self._wait(self.process), name="sidecar-command"
+            finally:
+                channel.handed_over()
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_task(self._wait(self.process), name="sidecar-command")
+            self._lines = loop.create_task(
+                channel.read(self._said), name="sidecar-command-publishes"
             )
         if self.process is not None:
             return {"command_pid": self.process.pid}
@@ -149,6 +178,10 @@ class CommandRunner:
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             json.dump(dict(context), file, ensure_ascii=False)
         partial.replace(self._path)
+
+    def _said(self, said: Said) -> None:
+        if self._on_said is not None:
+            self._on_said(said)
 
     async def _wait(self, process: asyncio.subprocess.Process) -> None:
         await process.wait()
@@ -174,6 +207,15 @@ class CommandRunner:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 await self.exited.wait()
+        if self._lines is not None:
+            # Not read to its end: a descendant of the command may hold the descriptor open,
+            # and nothing said now would reach a hub any more.
+            self._lines.cancel()
+            # Waited for without taking its cancellation for this task's own.
+            await asyncio.wait({self._lines})
+            self._lines = None
+        if self._channel is not None:
+            self._channel.close()
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
             self._private = None

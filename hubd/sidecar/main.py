@@ -1,5 +1,6 @@
 """The ``hubd sidecar`` program: its settings read from the environment, its connection held,
-its command run, signals handled, and one exit status for them all."""
+its command run and its readiness checked, signals handled, and one exit status for them
+all."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import signal
 import sys
 from collections.abc import Mapping
 
+import structlog
+
+from hubd.sidecar.channel import Said
 from hubd.sidecar.client import Publication, SidecarClient, SidecarExit
 from hubd.sidecar.command import CommandRunner, SidecarOptions
 from hubd.sidecar.policy import EXIT_OK, EXIT_USAGE
+from hubd.sidecar.readiness import COMMAND, watch
 from hubd.sidecar.settings import SidecarConfigError, SidecarSettings
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["run_sidecar"]
 
@@ -36,23 +43,54 @@ def run_sidecar(env: Mapping[str, str], options: SidecarOptions | None = None) -
 async def _main(
     settings: SidecarSettings, options: SidecarOptions, env: Mapping[str, str]
 ) -> SidecarExit:
-    runner = CommandRunner(options, env)
+    check = options.ready_check
+
+    def said(what: Said) -> None:
+        """What the command said on its publish descriptor (only ever after the client below
+        welcomed the sidecar and started the command)."""
+        if what.ready is None:
+            try:
+                client.publish(endpoint=what.endpoint, metadata=what.metadata)
+            except ValueError as exc:
+                log.warning("sidecar_command_publish_dropped", reason=str(exc)[:200])
+        elif check is not None and check.target == COMMAND:
+            client.set_ready(what.ready)
+        else:
+            log.warning("sidecar_command_readiness_ignored", why="not --ready-check command")
+
+    runner = CommandRunner(options, env, on_said=said)
+    # Without a check the sidecar can serve once its command started: the welcome handler
+    # starts it, and the first ready goes out after the handler returned.
     client = SidecarClient(
         settings,
         publication=Publication(endpoint=options.endpoint, metadata=options.metadata),
         on_welcome=runner.welcomed,
+        ready=check is None,
     )
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:
         loop.add_signal_handler(signum, client.stop)
+    watching: asyncio.Task[None] | None = None
     try:
         running = loop.create_task(client.run(), name="sidecar")
         ended = loop.create_task(runner.exited.wait(), name="sidecar-command-exit")
+        waited: set[asyncio.Task[object]] = {running, ended}
+        if check is not None and check.target != COMMAND:
+            watching = loop.create_task(
+                watch(check, endpoint=lambda: client.endpoint, set_ready=client.set_ready),
+                name="sidecar-ready-check",
+            )
+            waited.add(watching)
         try:
-            await asyncio.wait({running, ended}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
+        if watching is not None and watching.done():
+            # The check runs for good: ending is a bug, which ends the sidecar with it.
+            client.stop()
+            await running
+            watching.result()
         if not running.done():
             # The command ended: so does the sidecar, with the command's status.
             client.stop()
@@ -63,6 +101,9 @@ async def _main(
             return SidecarExit(code, f"the command exited with status {code}")
         return running.result()
     finally:
+        if watching is not None:
+            watching.cancel()
+            await asyncio.wait({watching})
         await runner.stop()
         for signum in signals:
             loop.remove_signal_handler(signum)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import asyncpg
+import attrs
 
 from hubd.errors import AllocationNotFound
 from hubd.routing import Target
@@ -32,12 +33,24 @@ from hubd.store.values import (
     validate_spec,
 )
 
-__all__ = ["FORGOTTEN", "AllocationStore"]
+__all__ = ["FORGOTTEN", "AllocationStore", "Deadlines"]
 
 SQL = load_queries("allocations.sql")
+LIMITS = load_queries("provisioner_limits.sql")
 
 FORGOTTEN: Final = "forgotten"
 """The failure code of an allocation an operator forgot (forget_allocation writes it)."""
+
+
+@attrs.frozen
+class Deadlines:
+    """What one deadline sweep moved, and the seconds until the next deadline it knows of
+    (``None``: none)."""
+
+    expired: int
+    unserved: int
+    warned: int
+    next_in: float | None
 
 
 class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
@@ -66,6 +79,7 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
         spec: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
         ready_when: str | None = None,
+        lifetime: float | None = None,
         conn: asyncpg.Connection | None = None,
     ) -> Allocation:
         """Create a pending allocation, through the function applications call
@@ -74,7 +88,8 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
         With ``conn``, the row is written on the caller's connection: inside the caller's
         transaction it is invisible, and no daemon is woken, until that transaction commits.
         A key already used returns its allocation; one used for another request raises
-        :class:`~hubd.errors.IdempotencyConflict`.
+        :class:`~hubd.errors.IdempotencyConflict`. ``lifetime`` (seconds; default: the
+        provisioner's ``max_lifetime``, if any) bounds its life from now.
         """
         row = await self._db.fetchrow(
             "request allocation",
@@ -86,11 +101,63 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
                 idempotency_key=validate_label("idempotency_key", idempotency_key),
                 ready_when=ready_when,
                 instance_id=self.instance_id,
+                lifetime=None if lifetime is None else float(lifetime),
             ),
             conn=conn,
         )
         assert row is not None
         return Allocation.from_row(row)
+
+    async def extend(self, allocation_id: str, lifetime: float) -> Allocation:
+        """The allocation now ends ``lifetime`` seconds from now, within its provisioner's
+        ``max_lifetime`` (:class:`~hubd.errors.InvalidRequest` beyond it); an allocation being
+        released or ended is returned as it is."""
+        row = await self._db.fetchrow(
+            "extend allocation",
+            SQL.extend_allocation(
+                allocation_id=validate_allocation_id(allocation_id),
+                lifetime=float(lifetime),
+                instance_id=self.instance_id,
+            ),
+        )
+        assert row is not None
+        return Allocation.from_row(row)
+
+    async def set_limits(self, limits: Mapping[str, tuple[float | None, float | None]]) -> None:
+        """Record what this daemon's provisioners allow: id → (``max_lifetime``,
+        ``pending_timeout``) seconds, ``None`` for none."""
+        ids = sorted(limits)
+        await self._db.execute(
+            "set provisioner limits",
+            LIMITS.set_limits(
+                provisioner_ids=ids,
+                max_lifetimes=[limits[i][0] for i in ids],
+                pending_timeouts=[limits[i][1] for i in ids],
+            ),
+        )
+
+    async def sweep_deadlines(
+        self, *, warning: float, pending_timeout: float | None, batch: int = 500
+    ) -> Deadlines:
+        """End what has expired, fail what waited past its pending timeout, warn of what
+        expires within ``warning`` seconds: in one statement, each row moved once whichever
+        replica runs it (:class:`Deadlines` says how many, and when the next one is)."""
+        row = await self._db.fetchrow(
+            "sweep deadlines",
+            SQL.sweep_deadlines(
+                warning=float(warning),
+                pending_timeout=float(pending_timeout or 0.0),
+                batch=int(batch),
+                instance_id=self.instance_id,
+            ),
+        )
+        assert row is not None
+        return Deadlines(
+            expired=row["expired"],
+            unserved=row["unserved"],
+            warned=row["warned"],
+            next_in=row["next_in"],
+        )
 
     async def release(
         self,

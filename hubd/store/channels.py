@@ -8,14 +8,22 @@ by these names.
 Any role of the server may LISTEN on any channel, so ``hubd_connected`` and ``hubd_sockets`` name
 an allocation by its *tag*, never by its id: the first 32 hex digits of sha256(key || the id's
 UTF-8), with a random key of the database's (``hubd_notice_key``) that only the daemon's role may
-read. The database makes tags with ``hubd_notice_tag``; a daemon makes the same ones with
-:class:`NoticeKey`, only for the allocations it holds sockets or waiters of, and turns a tag back
-into an id by looking it up among those (:class:`hubd.routing.TagIndex`).
+read. A daemon makes the same tags with :class:`NoticeKey`, only for the allocations it holds
+sockets or waiters of, and turns a tag back into an id by looking it up among those
+(:class:`hubd.routing.TagIndex`).
+
+Any role may NOTIFY on any channel too, so each of those payloads ends with a *mac* under the
+same key: ``<body>:<mac>``, the mac the first 32 hex digits of sha256(key || "hubd-notice:" ||
+the body's UTF-8). ``hubd_notice`` in the database makes the whole payload, tag and mac, in the
+statement or trigger that sends it; the parsers check the mac (:meth:`NoticeKey.open`) before
+they read anything else, and a payload whose mac is not the key's for its body says nothing. The
+prefix keeps a mac from ever being a tag (an id never starts with it), so a tag heard is no mac.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from typing import Final
 
@@ -29,6 +37,7 @@ __all__ = [
     "CHANNELS",
     "CONNECTED_CHANNEL",
     "EVENTS_CHANNEL",
+    "MAC_LENGTH",
     "SELFCHECK_CHANNEL",
     "SOCKETS_CHANNEL",
     "TAG_LENGTH",
@@ -46,8 +55,13 @@ SQL = load_queries("notice_key.sql")
 TAG_LENGTH: Final = 32
 """Hex digits of an allocation's tag: 128 bits, so two held allocations never share one."""
 
-# ASCII digits only, and few of them: ``str.isdigit`` takes digits ``int`` refuses ("²"), and
-# ``int`` refuses more than 4,300 digits. Any role may NOTIFY on these channels too.
+MAC_LENGTH: Final = 32
+"""Hex digits of a notice's mac: 128 bits, never guessed."""
+
+_MAC_DOMAIN: Final = b"hubd-notice:"
+
+# Read only once the mac held. ASCII digits only, and few of them: ``str.isdigit`` takes digits
+# ``int`` refuses ("²"), and ``int`` refuses more than 4,300 digits.
 _CONNECTED: Final = re.compile(
     rf"([0-9a-f]{{{TAG_LENGTH}}}):([0-9]{{1,18}}):([0-9]{{1,18}}):([^:]+)"
 )
@@ -60,12 +74,12 @@ transaction (a batch of requests, a batch of connection records)."""
 
 CONNECTED_CHANNEL: Final = "hubd_connected"
 """The NOTIFY channel a connection record announces itself on; payload
-``<tag>:<generation>:<seq>:<connection>`` (the allocation's tag)."""
+``<tag>:<generation>:<seq>:<connection>:<mac>`` (the allocation's tag, the mac of the rest)."""
 
 SOCKETS_CHANNEL: Final = "hubd_sockets"
 """The NOTIFY channel on which every move to a newer generation or to a terminal status is
-announced (a trigger on ``hubd_allocations``); payload ``<tag>:<gen>:fence|retire`` (the
-allocation's tag)."""
+announced (a trigger on ``hubd_allocations``); payload ``<tag>:<gen>:fence|retire:<mac>`` (the
+allocation's tag, the mac of the rest)."""
 
 SELFCHECK_CHANNEL: Final = "hubd_selfcheck"
 """A listener's own probe, sent through the ordinary pool; payload: a nonce."""
@@ -81,14 +95,35 @@ a daemon."""
 
 @attrs.frozen
 class NoticeKey:
-    """The database's key for allocation tags (``hubd_notice_key``), read once at start."""
+    """The database's key for allocation tags and notice macs (``hubd_notice_key``), read once
+    at start."""
 
     secret: bytes = attrs.field(repr=False)
 
     def tag(self, allocation_id: str) -> str:
-        """The allocation's tag, as ``hubd_notice_tag`` makes it in the database."""
+        """The allocation's tag, as ``hubd_notice`` (and ``hubd_notice_tag``) make it in the
+        database."""
         digest = hashlib.sha256(self.secret + allocation_id.encode("utf-8")).hexdigest()
         return digest[:TAG_LENGTH]
+
+    def mac(self, body: str) -> str:
+        """The mac ``hubd_notice`` gives a notice's body."""
+        # "surrogatepass": a str from anywhere is hashed, never raises (no mac matches it).
+        data = _MAC_DOMAIN + body.encode("utf-8", "surrogatepass")
+        return hashlib.sha256(self.secret + data).hexdigest()[:MAC_LENGTH]
+
+    def notice(self, body: str) -> str:
+        """``body`` with its mac: the payload ``hubd_notice`` sends."""
+        return f"{body}:{self.mac(body)}"
+
+    def open(self, payload: str) -> str | None:
+        """The body of ``payload`` if it ends with the body's mac under this key, else
+        ``None``: any role may NOTIFY, and only the database's statements know the key."""
+        body, colon, mac = payload.rpartition(":")
+        # The length and the alphabet are no secret; compare_digest takes ASCII str only.
+        if not colon or len(mac) != MAC_LENGTH or not mac.isascii():
+            return None
+        return body if hmac.compare_digest(self.mac(body), mac) else None
 
 
 async def read_notice_key(db: Database) -> NoticeKey:
@@ -120,17 +155,21 @@ class SocketControl:
     retire: bool
 
 
-def parse_connected_payload(payload: str) -> ConnectedNotice | None:
-    """What a ``hubd_connected`` notification says, or ``None`` if it is malformed."""
-    match = _CONNECTED.fullmatch(payload)
+def parse_connected_payload(payload: str, key: NoticeKey) -> ConnectedNotice | None:
+    """What a ``hubd_connected`` notification says, or ``None`` if ``key`` does not
+    authenticate it or it is malformed."""
+    body = key.open(payload)
+    match = _CONNECTED.fullmatch(body) if body is not None else None
     if match is None or int(match[2]) < 1:
         return None
     return ConnectedNotice(match[1], int(match[2]), int(match[3]), match[4])
 
 
-def parse_sockets_payload(payload: str) -> SocketControl | None:
-    """What a ``hubd_sockets`` notification says, or ``None`` if it is malformed."""
-    match = _SOCKETS.fullmatch(payload)
+def parse_sockets_payload(payload: str, key: NoticeKey) -> SocketControl | None:
+    """What a ``hubd_sockets`` notification says, or ``None`` if ``key`` does not authenticate
+    it or it is malformed."""
+    body = key.open(payload)
+    match = _SOCKETS.fullmatch(body) if body is not None else None
     if match is None or int(match[2]) < 1:
         return None
     return SocketControl(match[1], int(match[2]), retire=match[3] == "retire")

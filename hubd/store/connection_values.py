@@ -175,15 +175,17 @@ class PublishOutcome(enum.StrEnum):
 
 @attrs.frozen(kw_only=True)
 class Declaration:
-    """What became of a sidecar's ``ready``."""
+    """What became of a sidecar's ``ready`` or ``not_ready``."""
 
     accepted: bool
     """The connection held its allocation's current record (``False``: nothing written)."""
     seq: int | None = None
     """The record's new number, when the declaration was written (``None``: nothing was to
-    write: the allocation is ready once connected, or the record had declared already)."""
+    write: the allocation is ready once connected, or the record had said so already)."""
     ready: bool = False
     """The allocation became ready in the same statement."""
+    withdrawn: bool = False
+    """The allocation stopped being ready in the same statement (a ``not_ready``)."""
 
 
 # Batcher keys, hashed at each step of their way through a batch: each hash is kept.

@@ -224,6 +224,28 @@ class ConnectionStore:
             return Declaration(accepted=False)
         return Declaration(accepted=True, seq=row["seq"], ready=row["ready"])
 
+    async def declare_not_ready(
+        self, connection_id: str, target: Target, *, connect_timeout: float
+    ) -> Declaration:
+        """Connection ``connection_id``'s sidecar says it can no longer serve, fenced as
+        :meth:`declare_ready` is. Where ``target`` is ready once its sidecar says so and the
+        record had said so, the record is marked not declared and the allocation reads not
+        ready; one that was ready must declare again within ``connect_timeout`` seconds."""
+        row = await self._db.fetchrow(
+            "declare not ready",
+            SQL.declare_not_ready(
+                allocation_id=target.allocation_id,
+                generation=target.generation,
+                connection_id=connection_id,
+                instance_id=self.instance_id,
+                connect_timeout=float(connect_timeout),
+            ),
+            pool=Pool.SOCKETS,
+        )
+        if row is None or not row["fenced_in"]:
+            return Declaration(accepted=False)
+        return Declaration(accepted=True, seq=row["seq"], withdrawn=row["withdrawn"])
+
     async def reassert(self, connection_id: str, target: Target, sidecar_id: str) -> int | None:
         """Write a swept record of a socket that is still open again; its number, or ``None``
         when the allocation moved on or another connection took over meanwhile."""

@@ -102,6 +102,12 @@ class Allocation:
     replacements_since: datetime | None = None
     give_up: bool = False
     """The release under way ends ``failed``: too many sidecars failed within the window."""
+    expires_at: datetime | None = None
+    """When it must end (its lifetime, or an extension); ``None``: never."""
+    expiring: bool = False
+    end_reason: str | None = None
+    """Who or what ended it (``application``, ``operator``, ``expired``, ``unserved``); a
+    failure's code is in ``failure_code``."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Allocation:

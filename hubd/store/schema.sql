@@ -83,6 +83,16 @@ CREATE TABLE hubd_allocations (
     replacements                    integer NOT NULL DEFAULT 0,
     replacements_since              timestamptz,
     give_up                         boolean NOT NULL DEFAULT false,
+    -- What the current generation's sidecar published before the acceptance, as one merge patch
+    -- of the top level (a key it removed holds null): the acceptance merges the provisioner's
+    -- metadata under it, whichever came first, and clears it (publish, mark_allocated, park).
+    sidecar_patch                   hubd_metadata,
+    -- When the allocation must end (its lifetime from its request, or an extension; NULL:
+    -- never), whether the expiring warning was given, and who or what ended it ('application',
+    -- 'operator', 'expired', 'unserved'; a failure's code is in failure_code).
+    expires_at                      timestamptz,
+    expiring                        boolean NOT NULL DEFAULT false,
+    end_reason                      text,
     CONSTRAINT hubd_allocations_exit_message_check CHECK (octet_length(exit_message) <= 8192),
     -- A lease is an id and an expiry together, never one without the other.
     CONSTRAINT hubd_allocations_lease_check CHECK ((lease_id IS NULL) = (lease_expires_at IS NULL)),
@@ -96,9 +106,10 @@ CREATE TABLE hubd_allocations (
         OR (next_attempt_at IS NULL AND lease_id IS NULL))
 );
 
--- Serves the claim: only active, scheduled rows, oldest due first. Terminal rows never enter it,
--- so the claim's cost does not grow with history.
-CREATE INDEX hubd_allocations_due_idx ON hubd_allocations (next_attempt_at, id)
+-- Serves the claim: only active, scheduled rows, by tenant (no tenant: ''), oldest due first
+-- within each. Terminal rows never enter it, so the claim's cost does not grow with history.
+CREATE INDEX hubd_allocations_due_idx ON hubd_allocations
+    ((coalesce(tenant_id, '')), next_attempt_at, id)
     WHERE next_attempt_at IS NOT NULL
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
 
@@ -188,11 +199,20 @@ LANGUAGE sql IMMUTABLE AS $$
     ORDER BY r.place
 $$;
 
--- The due rows a claim takes, oldest first, locked and skipping rows another claimer holds.
+-- The due rows a claim takes, shared among the tenants with due work: every such tenant's oldest
+-- due row comes before any tenant's second, each turn in due order, so a burst of one tenant
+-- delays another's request by at most a turn, not by the burst. The tenants are found by a walk
+-- that skips from one to the next in the due index (one descent each: the cost grows with the
+-- tenants that have scheduled rows, not with the rows), each with its earliest scheduled time;
+-- of those with something due, the `wanted` earliest take part, and each locks its share of the
+-- claim (at least one row) in its own due order, skipping rows another claimer holds, so
+-- concurrent claimers on several replicas take different rows. The turns are then taken in
+-- order; a share a tenant could not fill leaves its slots to the next statement of the
+-- dispatcher, which claims again at once while slots are free. A row locked beyond `wanted`
+-- (fewer than one share per tenant's worth) is released with the statement.
 -- Statistics lag a burst: a table analyzed while nearly empty makes "few rows are due" look
--- true, and the planner then fetches every due row and sorts them, under load and with a burst's
--- dead tuples 10-15 ms a claim, where walking the due index in order stops at the rows wanted.
--- The settings leave that walk the only plan, in this function alone.
+-- true, and the planner then fetches every due row and sorts them; the settings leave the index
+-- walks the only plan, in this function alone.
 -- The lock is FOR NO KEY UPDATE, what the claim's own UPDATE takes (it changes no key): two
 -- claimers still exclude each other, but a row is no longer skipped while another transaction
 -- merely references it (a ledger row, a connection record or a secret written for it holds FOR
@@ -202,17 +222,61 @@ RETURNS TABLE (id text, next_attempt_at timestamptz)
 LANGUAGE sql VOLATILE
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 SET enable_sort = off
 AS $$
-    SELECT a.id, a.next_attempt_at FROM hubd_allocations AS a
-    WHERE a.next_attempt_at IS NOT NULL
-      AND a.next_attempt_at <= now()
-      AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
-      AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= now())
-      AND a.id <> ALL (exclude)
-    ORDER BY a.next_attempt_at, a.id
+    WITH RECURSIVE tenants (tenant, earliest) AS (
+        (SELECT coalesce(a.tenant_id, ''), a.next_attempt_at FROM hubd_allocations AS a
+         WHERE a.next_attempt_at IS NOT NULL
+           AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+         ORDER BY coalesce(a.tenant_id, ''), a.next_attempt_at
+         LIMIT 1)
+        UNION ALL
+        SELECT following.tenant, following.earliest
+        FROM tenants AS t
+        CROSS JOIN LATERAL (
+            SELECT coalesce(a.tenant_id, '') AS tenant, a.next_attempt_at AS earliest
+            FROM hubd_allocations AS a
+            WHERE a.next_attempt_at IS NOT NULL
+              AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+              AND coalesce(a.tenant_id, '') > t.tenant
+            ORDER BY coalesce(a.tenant_id, ''), a.next_attempt_at
+            LIMIT 1
+        ) AS following
+    ), taking_part AS MATERIALIZED (
+        SELECT t.tenant FROM tenants AS t
+        WHERE t.earliest <= now()
+        ORDER BY t.earliest, t.tenant
+        LIMIT wanted
+    ), share AS (
+        SELECT ceil(wanted::numeric / greatest(count(*), 1))::integer AS n FROM taking_part
+    ), locked AS (
+        SELECT l.id, l.next_attempt_at, p.tenant
+        FROM taking_part AS p
+        CROSS JOIN share AS s
+        CROSS JOIN LATERAL (
+            SELECT a.id, a.next_attempt_at FROM hubd_allocations AS a
+            WHERE coalesce(a.tenant_id, '') = p.tenant
+              AND a.next_attempt_at IS NOT NULL
+              AND a.next_attempt_at <= now()
+              AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+              AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= now())
+              AND a.id <> ALL (exclude)
+            ORDER BY coalesce(a.tenant_id, ''), a.next_attempt_at, a.id
+            LIMIT s.n
+            FOR NO KEY UPDATE OF a SKIP LOCKED
+        ) AS l
+    )
+    SELECT l.id, l.next_attempt_at
+    FROM (
+        SELECT k.id, k.next_attempt_at,
+               row_number() OVER (PARTITION BY k.tenant ORDER BY k.next_attempt_at, k.id)
+                   AS turn
+        FROM locked AS k
+    ) AS l
+    ORDER BY l.turn, l.next_attempt_at, l.id
     LIMIT wanted
-    FOR NO KEY UPDATE OF a SKIP LOCKED
 $$;
 
 -- Whether a plugin call of the allocation has an intent and no outcome, looked up through the
@@ -378,8 +442,9 @@ CREATE TABLE hubd_sidecar_secrets (
 CREATE INDEX hubd_instances_heartbeat_idx ON hubd_instances (heartbeat_at);
 
 -- The key the daemons' internal notifications ('hubd_sockets', 'hubd_connected') are tagged
--- with: any role of the server may LISTEN on any channel, so they name an allocation by a tag,
--- never by its id. Random, made once by the migration, never shown to an application role (it has
+-- and authenticated with: any role of the server may LISTEN on any channel, so they name an
+-- allocation by a tag, never by its id, and may NOTIFY on any, so each carries a mac (see
+-- hubd_notice). Random, made once by the migration, never shown to an application role (it has
 -- no privilege on the table) and never changed (a daemon reads it once, at its start).
 CREATE TABLE hubd_notice_key (
     singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
@@ -392,13 +457,31 @@ VALUES (sha256(convert_to(gen_random_uuid()::text || gen_random_uuid()::text, 'U
 -- An allocation's tag in the daemons' notifications: the first 32 hex digits of
 -- sha256(key || the id's UTF-8). A daemon computes the same tag (hubd.store.channels.NoticeKey)
 -- for the allocations it holds sockets or waiters of; without the key a tag names nothing.
+-- hubd_notice makes the tags of the notifications itself; this one is kept for a daemon of the
+-- release before migration 0020, still running during a rolling restart.
 CREATE FUNCTION hubd_notice_tag(allocation text) RETURNS text LANGUAGE sql STABLE AS $$
     SELECT left(encode(sha256(k.key || convert_to(allocation, 'UTF8')), 'hex'), 32)
     FROM hubd_notice_key AS k
 $$;
 
+-- An allocation's notice on the daemons' channels, whole: '<tag>:<fields>:<mac>', where the tag
+-- is hubd_notice_tag's and the mac is the first 32 hex digits of
+-- sha256(key || 'hubd-notice:' || '<tag>:<fields>' as UTF-8): any role may NOTIFY on any channel
+-- too, and a daemon checks the mac (hubd.store.channels.NoticeKey) before it reads anything
+-- else. The prefix keeps a mac from ever being a tag (no id starts with it). One function, the
+-- key read once, so a statement that notifies pays one call per row: its path is set per call,
+-- which costs more than either hash.
+CREATE FUNCTION hubd_notice(allocation text, fields text) RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT n.body || ':'
+           || left(encode(sha256(n.key || convert_to('hubd-notice:' || n.body, 'UTF8')), 'hex'), 32)
+    FROM (SELECT k.key,
+                 left(encode(sha256(k.key || convert_to(allocation, 'UTF8')), 'hex'), 32) || ':'
+                 || fields AS body
+          FROM hubd_notice_key AS k) AS n
+$$;
+
 -- Whenever an allocation moves to a newer generation or becomes terminal, every replica hears
--- it on 'hubd_sockets' ('<tag>:<generation>:fence|retire', the tag hubd_notice_tag's) and
+-- it on 'hubd_sockets' ('<tag>:<generation>:fence|retire:<mac>', made by hubd_notice) and
 -- closes the sockets it holds that no longer belong: the replica that wrote the transition is
 -- rarely the one holding them.
 -- The same transaction removes the connection record those sockets leave behind, so a closing
@@ -412,8 +495,8 @@ BEGIN
     -- current again (a record is written only for the current generation).
     DELETE FROM hubd_sidecar_connections
     WHERE allocation_id = NEW.id AND (terminal OR generation < NEW.generation);
-    PERFORM pg_notify('hubd_sockets', hubd_notice_tag(NEW.id) || ':' || NEW.generation || ':' ||
-        CASE WHEN terminal THEN 'retire' ELSE 'fence' END);
+    PERFORM pg_notify('hubd_sockets', hubd_notice(NEW.id, NEW.generation || ':' ||
+        CASE WHEN terminal THEN 'retire' ELSE 'fence' END));
     RETURN NULL;
 END;
 $$;
@@ -438,6 +521,7 @@ CREATE FUNCTION hubd_clear_published() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     NEW.endpoint := NULL;
     NEW.metadata := NULL;
+    NEW.sidecar_patch := NULL;
     RETURN NEW;
 END;
 $$;
@@ -447,6 +531,21 @@ CREATE TRIGGER hubd_allocations_clear_published
     FOR EACH ROW
     WHEN (OLD.generation IS DISTINCT FROM NEW.generation)
     EXECUTE FUNCTION hubd_clear_published();
+
+-- The metadata an acceptance records (mark_allocated, park with accept): the provisioner's
+-- (provided; NULL: it gave none, and what is stored stays) with what the generation's sidecar
+-- published over it, whichever was written first: patch, the sidecar's publishes before the
+-- acceptance (a key given null stays removed), or, where none was kept, what is stored. A merge
+-- that would pass the 16 KiB of hubd_metadata keeps what the sidecar published alone: its own
+-- word is the later one.
+CREATE FUNCTION hubd_accepted_metadata(provided jsonb, patch jsonb, stored jsonb)
+RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN provided IS NULL OR octet_length(m.merged::text) > 16384 THEN stored
+                ELSE m.merged END
+    FROM (SELECT (provided || coalesce(patch, stored, '{}'::jsonb))
+                 - ARRAY(SELECT key FROM jsonb_each(coalesce(patch, '{}'::jsonb))
+                         WHERE value = 'null'::jsonb) AS merged) AS m
+$$;
 
 -- The event feed. position is commit order: it is assigned while the committing transaction
 -- holds the feed's lock, which it keeps until its commit is visible, so a reader that sees
@@ -468,7 +567,9 @@ CREATE TABLE hubd_events (
     endpoint        text,
     metadata        jsonb,
     failure_code    text,
-    failure_message text
+    failure_message text,
+    expires_at      timestamptz,
+    end_reason      text
 );
 
 -- Events below the horizon have been pruned; a cursor older than it cannot be resumed.
@@ -506,16 +607,22 @@ BEGIN
         kind := NEW.status;
     ELSIF OLD.connection_ready AND NOT NEW.connection_ready THEN
         kind := 'not_ready';
+    ELSIF NEW.expiring AND NOT OLD.expiring THEN
+        kind := 'expiring';
+    ELSIF OLD.expires_at IS DISTINCT FROM NEW.expires_at THEN
+        kind := 'extended';
     ELSE
         kind := 'published';
     END IF;
     LOCK TABLE hubd_feed_lock IN EXCLUSIVE MODE;
     at_position := nextval('hubd_event_position');
     INSERT INTO hubd_events (position, allocation_id, tenant_id, session_id, event, status,
-        ready, generation, endpoint, metadata, failure_code, failure_message)
+        ready, generation, endpoint, metadata, failure_code, failure_message, expires_at,
+        end_reason)
     VALUES (at_position, NEW.id, NEW.tenant_id, NEW.session_id, kind, NEW.status,
         NEW.connection_ready AND NEW.status = 'allocated', NEW.generation, NEW.endpoint,
-        NEW.metadata, NEW.failure_code, NEW.failure_message);
+        NEW.metadata, NEW.failure_code, NEW.failure_message, NEW.expires_at,
+        coalesce(NEW.end_reason, CASE WHEN terminal THEN NEW.failure_code END));
     PERFORM pg_notify('hubd_events', json_build_object('position', at_position)::text);
     RETURN NULL;
 END;
@@ -534,7 +641,9 @@ CREATE CONSTRAINT TRIGGER hubd_allocations_event_update
           OR OLD.connection_ready IS DISTINCT FROM NEW.connection_ready
           OR OLD.generation IS DISTINCT FROM NEW.generation
           OR OLD.endpoint IS DISTINCT FROM NEW.endpoint
-          OR OLD.metadata IS DISTINCT FROM NEW.metadata)
+          OR OLD.metadata IS DISTINCT FROM NEW.metadata
+          OR OLD.expiring IS DISTINCT FROM NEW.expiring
+          OR OLD.expires_at IS DISTINCT FROM NEW.expires_at)
     EXECUTE FUNCTION hubd_record_event();
 
 -- Deletes the events older than :keep seconds (at most :batch of them) and moves the horizon
@@ -602,23 +711,190 @@ BEGIN
 END;
 $$;
 
+-- An operator's limits on what one tenant may ask for (`hubd tenant quota`, docs/operations.md
+-- "Quotas"): at most max_active allocations not yet ended, at most max_pending of them still
+-- waiting for a sidecar, and requests refilled at rate per second up to burst (a token bucket).
+-- tenant_key: 'tenant:' and the tenant, 'untenanted' for requests with no tenant, 'default' for
+-- every tenant with no row of its own (each counted on its own). NULL: no such limit. Only hubd
+-- reads it: an application role has no privilege on it.
+CREATE TABLE hubd_tenant_quotas (
+    tenant_key  text PRIMARY KEY,
+    max_active  integer,
+    max_pending integer,
+    rate        double precision,
+    burst       integer,
+    updated_at  timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT hubd_tenant_quotas_key_check CHECK (tenant_key IN ('default', 'untenanted')
+        OR (tenant_key LIKE 'tenant:_%' AND length(tenant_key) <= 207)),
+    CONSTRAINT hubd_tenant_quotas_counts_check CHECK (max_active >= 0 AND max_pending >= 0),
+    CONSTRAINT hubd_tenant_quotas_rate_check CHECK ((rate IS NULL) = (burst IS NULL)
+        AND rate > 0 AND rate <= 1000000 AND burst BETWEEN 1 AND 1000000)
+);
+
+-- A tenant's request bucket (tokens as of refilled_at) and how many requests it admitted; one
+-- row per tenant_key a quota applied to. Its row lock is what serializes a tenant's requests
+-- while a quota applies (hubd_admit_request).
+CREATE TABLE hubd_tenant_usage (
+    tenant_key  text PRIMARY KEY,
+    tokens      double precision NOT NULL,
+    refilled_at timestamptz NOT NULL,
+    admitted    bigint NOT NULL DEFAULT 0
+);
+
+-- What each provisioner's daemons allow (docs/operations.md, "Lifetimes"): the longest an
+-- allocation may live (max_lifetime seconds, from its request) and how long one may wait
+-- pending before it fails as unserved (pending_timeout seconds). Written by every daemon at its
+-- start from its [[provisioners]] entries (the last start wins: replicas share one config);
+-- read by the request, extend and the deadline sweep, so each decides in its own statement.
+CREATE TABLE hubd_provisioner_limits (
+    provisioner_id  text PRIMARY KEY,
+    max_lifetime    double precision CHECK (max_lifetime > 0),
+    pending_timeout double precision CHECK (pending_timeout > 0),
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+
+-- Serves the deadline sweep: rows with a lifetime, and rows waiting to be served. Only the
+-- sweep names created_at, so no look-up by key ever takes the second instead of the primary key.
+CREATE INDEX hubd_allocations_expiry_idx ON hubd_allocations (expires_at)
+    WHERE expires_at IS NOT NULL
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+CREATE INDEX hubd_allocations_pending_idx ON hubd_allocations (created_at)
+    WHERE status = 'pending' AND created_at IS NOT NULL;
+
+-- Serves a quota's counts: a tenant's allocations not yet ended, by status. Only a statement
+-- that names a tenant implies the predicate, so a look-up by key on statistics that say the
+-- table is empty never walks it instead of the primary key. Requests with no tenant are counted
+-- through hubd_allocations_active_idx.
+CREATE INDEX hubd_allocations_tenant_idx ON hubd_allocations (tenant_id, status)
+    WHERE tenant_id IS NOT NULL
+      AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+
+-- Whether the tenant's quota (its own row, else the default's) admits one more request now;
+-- raises HU429 naming the limit, the tenant and when to try again when it does not. With no
+-- quota and no default it costs two look-ups by key. Under a quota the tenant's usage row is
+-- updated first: that row's lock serializes the tenant's requests until each requester ends its
+-- transaction, so the counts that follow (a fresh snapshot per statement under READ COMMITTED)
+-- see every request committed before; a REPEATABLE READ or SERIALIZABLE caller that raced
+-- another fails to serialize (40001) instead of counting without it. Concurrent requests, on
+-- any number of replicas and connections, never admit past a limit. A refusal rolls back with
+-- the caller's transaction (or savepoint): the bucket keeps its token.
+CREATE FUNCTION hubd_admit_request(tenant text)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    key constant text := CASE WHEN tenant IS NULL THEN 'untenanted' ELSE 'tenant:' || tenant END;
+    who constant text := CASE WHEN tenant IS NULL THEN 'requests with no tenant'
+                              ELSE 'tenant ' || quote_literal(tenant) END;
+    has constant text := CASE WHEN tenant IS NULL THEN 'have' ELSE 'has' END;
+    quota hubd_tenant_quotas;
+    left_over double precision;
+    active_now bigint;
+    pending_now bigint;
+BEGIN
+    SELECT * INTO quota FROM hubd_tenant_quotas AS q WHERE q.tenant_key = key;
+    IF NOT FOUND THEN
+        SELECT * INTO quota FROM hubd_tenant_quotas AS q WHERE q.tenant_key = 'default';
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    INSERT INTO hubd_tenant_usage AS u (tenant_key, tokens, refilled_at)
+    VALUES (key, coalesce(quota.burst, 0), clock_timestamp())
+    ON CONFLICT (tenant_key) DO NOTHING;
+    UPDATE hubd_tenant_usage AS u SET
+        tokens = CASE WHEN quota.rate IS NULL THEN u.tokens
+                      ELSE least(quota.burst::float8, u.tokens + quota.rate * greatest(0::float8,
+                               extract(epoch FROM clock_timestamp() - u.refilled_at)::float8))
+                           - 1 END,
+        refilled_at = clock_timestamp(),
+        admitted = u.admitted + 1
+    WHERE u.tenant_key = key
+    RETURNING u.tokens INTO left_over;
+    IF quota.rate IS NOT NULL AND left_over < 0 THEN
+        RAISE EXCEPTION '% asked faster than its quota of % requests a second (burst %): '
+            'retry in % s', who, quota.rate, quota.burst, ceil(-left_over / quota.rate * 10) / 10
+            USING ERRCODE = 'HU429', DETAIL = format('limit=rate retry_after=%s',
+                ceil(-left_over / quota.rate * 10) / 10);
+    END IF;
+    IF quota.max_active IS NULL AND quota.max_pending IS NULL THEN
+        RETURN;
+    END IF;
+    IF tenant IS NULL THEN
+        SELECT count(*), count(*) FILTER (WHERE a.status = 'pending')
+        INTO active_now, pending_now FROM hubd_allocations AS a
+        WHERE a.tenant_id IS NULL
+          AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+    ELSE
+        SELECT count(*), count(*) FILTER (WHERE a.status = 'pending')
+        INTO active_now, pending_now FROM hubd_allocations AS a
+        WHERE a.tenant_id = tenant
+          AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
+    END IF;
+    IF active_now >= quota.max_active THEN
+        RAISE EXCEPTION '% % % allocations not yet ended, its quota''s max_active: release '
+            'one and retry', who, has, active_now
+            USING ERRCODE = 'HU429', DETAIL = 'limit=max_active';
+    END IF;
+    IF pending_now >= quota.max_pending THEN
+        RAISE EXCEPTION '% % % allocations waiting for a sidecar, its quota''s max_pending: '
+            'retry once one is provisioned', who, has, pending_now
+            USING ERRCODE = 'HU429', DETAIL = 'limit=max_pending';
+    END IF;
+END;
+$$;
+
+-- When an allocation of provisioner asked at moment `since` for `wanted` seconds must end: the
+-- wanted lifetime, else the provisioner's max_lifetime (hubd_provisioner_limits), else never
+-- (NULL). Asking for more than the maximum, or for a lifetime that is not a positive number of
+-- seconds, fails (22023) naming both.
+CREATE FUNCTION hubd_lifetime_deadline(provisioner text, wanted double precision,
+    since timestamptz)
+RETURNS timestamptz LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    longest double precision;
+BEGIN
+    IF wanted IS NOT NULL AND NOT (wanted > 0 AND wanted <= 315360000) THEN
+        RAISE EXCEPTION 'lifetime must be a positive duration of at most 10 years, not % s',
+            wanted USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT l.max_lifetime INTO longest FROM hubd_provisioner_limits AS l
+    WHERE l.provisioner_id = provisioner;
+    IF wanted > longest THEN
+        RAISE EXCEPTION 'lifetime % s is longer than provisioner %''s max_lifetime of % s',
+            round(wanted::numeric, 3), quote_literal(provisioner), round(longest::numeric, 3)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN since + make_interval(secs => coalesce(wanted, longest));
+END;
+$$;
+
 -- The request, for hubd_v1.request and the daemon's own store alike (:instance the hub that
 -- writes the ledger row; NULL for an application). A key already used returns its allocation
--- if the request is the same, and fails naming the key (HU409) if it is not.
+-- if the request is the same, and fails naming the key (HU409) if it is not. A new one must be
+-- admitted by the tenant's quota (hubd_admit_request, HU429).
 CREATE FUNCTION hubd_request_allocation(provisioner text, tenant text, session text,
-    requested_spec jsonb, requested_key text, requested_ready_when text, instance text)
+    requested_spec jsonb, requested_key text, requested_ready_when text, instance text,
+    requested_lifetime double precision DEFAULT NULL)
 RETURNS SETOF hubd_allocations LANGUAGE plpgsql AS $$
 DECLARE
     wanted_spec jsonb := coalesce(requested_spec, '{}'::jsonb);
     existing hubd_allocations;
     created hubd_allocations;
+    deadline timestamptz;
 BEGIN
     PERFORM hubd_check_request(provisioner, tenant, session, wanted_spec, requested_key,
         requested_ready_when);
+    -- A request that names an allocation made already is answered whatever the quota.
+    IF requested_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM hubd_allocations AS a
+        WHERE coalesce(a.tenant_id, '') = coalesce(tenant, '')
+          AND a.idempotency_key = requested_key) THEN
+        PERFORM hubd_admit_request(tenant);
+    END IF;
+    deadline := hubd_lifetime_deadline(provisioner, requested_lifetime, now());
     INSERT INTO hubd_allocations AS a (id, provisioner_id, tenant_id, session_id, spec,
-        next_attempt_at, idempotency_key, ready_when)
+        next_attempt_at, idempotency_key, ready_when, expires_at)
     VALUES ('al_' || replace(gen_random_uuid()::text, '-', ''), provisioner, tenant, session,
-        wanted_spec, now(), requested_key, requested_ready_when)
+        wanted_spec, now(), requested_key, requested_ready_when, deadline)
     ON CONFLICT ((coalesce(tenant_id, '')), idempotency_key) WHERE idempotency_key IS NOT NULL
     DO NOTHING
     RETURNING a.* INTO created;
@@ -679,6 +955,8 @@ BEGIN
             finished_at = CASE WHEN prior.status = 'pending' THEN now() END,
             connection_ready = false,
             initialization_lease_id = NULL,
+            end_reason = coalesce(a.end_reason,
+                CASE WHEN instance IS NULL THEN 'application' ELSE 'operator' END),
             updated_at = now()
         FROM prior
         WHERE a.id = prior.id AND a.id = allocation
@@ -700,6 +978,53 @@ BEGIN
             USING ERRCODE = 'no_data_found';
     END IF;
     RETURN NEXT result;
+END;
+$$;
+
+-- An application's (or operator's) extension of a live allocation: it now ends `lifetime`
+-- seconds from now, within its provisioner's max_lifetime counted from its request (22023
+-- beyond it, naming the latest moment). Pending to allocated only: a release under way or an
+-- end is not undone (the row is returned unchanged). Clears the expiring warning; the ledger
+-- gets an 'extend' row by instance. An unknown id fails (no_data_found).
+CREATE FUNCTION hubd_extend_allocation(allocation text, lifetime double precision,
+    instance text)
+RETURNS SETOF hubd_allocations LANGUAGE plpgsql AS $$
+DECLARE
+    found hubd_allocations;
+    longest double precision;
+    wanted timestamptz;
+BEGIN
+    SELECT * INTO found FROM hubd_allocations AS a WHERE a.id = allocation FOR NO KEY UPDATE;
+    IF found.id IS NULL THEN
+        RAISE EXCEPTION 'no allocation %', quote_literal(left(allocation, 80))
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    IF found.status NOT IN ('pending', 'provisioning', 'allocated', 'replacing') THEN
+        RETURN NEXT found;
+        RETURN;
+    END IF;
+    IF lifetime IS NULL OR NOT (lifetime > 0 AND lifetime <= 315360000) THEN
+        RAISE EXCEPTION 'lifetime must be a positive duration of at most 10 years'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT l.max_lifetime INTO longest FROM hubd_provisioner_limits AS l
+    WHERE l.provisioner_id = found.provisioner_id;
+    wanted := now() + make_interval(secs => lifetime);
+    IF wanted > found.created_at + make_interval(secs => longest) THEN
+        RAISE EXCEPTION 'allocation % may live until % at the latest (provisioner %''s '
+            'max_lifetime of % s from its request)', found.id,
+            found.created_at + make_interval(secs => longest), quote_literal(found.provisioner_id),
+            round(longest::numeric, 3) USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE hubd_allocations AS a SET expires_at = wanted, expiring = false, updated_at = now()
+    WHERE a.id = found.id
+    RETURNING * INTO found;
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    VALUES (found.id, found.generation, instance, 'extend', found.status, found.status,
+        'committed', 'ends at ' || to_char(wanted AT TIME ZONE 'UTC',
+            'YYYY-MM-DD"T"HH24:MI:SS"Z"'));
+    RETURN NEXT found;
 END;
 $$;
 
@@ -798,7 +1123,9 @@ SELECT a.id, a.status::text AS status, (a.status = 'allocated' AND a.connection_
     a.generation::integer AS generation, a.provisioner_id AS provisioner, a.tenant_id AS tenant,
     a.session_id AS session, a.spec::jsonb AS spec, a.idempotency_key,
     a.ready_when::text AS ready_when, a.endpoint::text AS endpoint, a.metadata::jsonb AS metadata,
-    a.failure_code, a.failure_message, a.created_at, a.updated_at, a.finished_at
+    a.failure_code, a.failure_message, a.created_at, a.updated_at, a.finished_at, a.expires_at,
+    coalesce(a.end_reason, CASE WHEN a.status IN ('released', 'failed', 'destroy_failed')
+                                THEN a.failure_code END) AS end_reason
 FROM hubd_allocations AS a
 WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
    OR a.tenant_id = (SELECT s.tenant FROM hubd_caller_scope() AS s);
@@ -806,7 +1133,7 @@ WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
 CREATE VIEW hubd_v1.events WITH (security_barrier) AS
 SELECT e.position, e.at, e.allocation_id, e.tenant_id AS tenant, e.session_id AS session,
     e.event, e.status::text AS status, e.ready, e.generation::integer AS generation, e.endpoint,
-    e.metadata, e.failure_code, e.failure_message
+    e.metadata, e.failure_code, e.failure_message, e.expires_at, e.end_reason
 FROM hubd_events AS e
 WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
    OR e.tenant_id = (SELECT s.tenant FROM hubd_caller_scope() AS s);
@@ -815,7 +1142,7 @@ WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
 -- requests for its tenant: naming none gets its own, naming another is refused.
 CREATE FUNCTION hubd_v1.request(provisioner text, tenant text DEFAULT NULL,
     session text DEFAULT NULL, spec text DEFAULT '{}', idempotency_key text DEFAULT NULL,
-    ready_when text DEFAULT NULL)
+    ready_when text DEFAULT NULL, lifetime interval DEFAULT NULL)
 RETURNS hubd_v1.allocations LANGUAGE plpgsql SECURITY DEFINER AS $$
 DECLARE
     scope record;
@@ -834,7 +1161,7 @@ BEGIN
     END IF;
     SELECT r.id INTO made FROM hubd_request_allocation(request.provisioner, for_tenant,
         request.session, hubd_parse_spec(request.spec), request.idempotency_key,
-        request.ready_when, NULL) AS r;
+        request.ready_when, NULL, extract(epoch FROM request.lifetime)::float8) AS r;
     SELECT * INTO result FROM hubd_v1.allocations AS v WHERE v.id = made;
     RETURN result;
 END;
@@ -856,6 +1183,25 @@ BEGIN
     END IF;
     SELECT r.id INTO released FROM hubd_release_allocation($1, $2, NULL) AS r;
     SELECT * INTO result FROM hubd_v1.allocations AS v WHERE v.id = released;
+    RETURN result;
+END;
+$$;
+
+-- A walled caller extends its tenant's allocations only (as release).
+CREATE FUNCTION hubd_v1.extend(allocation_id text, lifetime interval)
+RETURNS hubd_v1.allocations LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    extended text;
+    result hubd_v1.allocations;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM hubd_v1.allocations AS v WHERE v.id = extend.allocation_id)
+    THEN
+        RAISE EXCEPTION 'no allocation %', quote_literal(left(extend.allocation_id, 80))
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    SELECT r.id INTO extended FROM hubd_extend_allocation(extend.allocation_id,
+        extract(epoch FROM extend.lifetime)::float8, NULL) AS r;
+    SELECT * INTO result FROM hubd_v1.allocations AS v WHERE v.id = extended;
     RETURN result;
 END;
 $$;

@@ -107,7 +107,8 @@ class TransitionQueries:
         effects: Effects = (),
     ) -> Allocation | None:
         """provisioning → allocated, recording what the provisioner said of the sidecar
-        (``endpoint`` and ``metadata`` fill only what the sidecar has not published)."""
+        (``endpoint`` fills only what the sidecar has not published; ``metadata`` goes under
+        the sidecar's keys, whichever was written first)."""
         return await self._fenced(
             "mark allocated",
             SQL.mark_allocated,

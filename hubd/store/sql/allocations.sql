@@ -1,15 +1,22 @@
 -- Statements on hubd_allocations that no claim owns: requests and releases (through the
--- functions applications call too), an operator's forget, reads, the wake-up of a connect, a
--- provisioner's report of dead sidecars, the repair sweep and orphan collection. The table's claims and leases are in allocations_claims.sql, a claim's fenced
--- transitions in allocations_transitions.sql.
+-- functions applications call too), extensions, an operator's forget, reads, the wake-up of a
+-- connect, a provisioner's report of dead sidecars, the deadline sweep, the repair sweep and
+-- orphan collection. The table's claims and leases are in allocations_claims.sql, a claim's
+-- fenced transitions in allocations_transitions.sql.
 
 -- name: insert_allocation
 -- A new request, due at once, through the function applications call too (hubd_v1.request):
 -- one path, one set of checks. The wake-up is delivered when the caller's transaction commits.
 -- The :spec arrives as JSON text, so callers' connections need no codec. A key already used
--- returns its allocation (or fails, HU409, if the request differs).
+-- returns its allocation (or fails, HU409, if the request differs). :lifetime seconds (NULL:
+-- the provisioner's max_lifetime, if any) bounds its life from now.
 SELECT * FROM hubd_request_allocation(:provisioner_id, :tenant_id, :session_id,
-    :spec::text::jsonb, :idempotency_key, :ready_when, :instance_id);
+    :spec::text::jsonb, :idempotency_key, :ready_when, :instance_id, :lifetime::float8);
+
+-- name: extend_allocation
+-- The allocation now ends :lifetime seconds from now, within its provisioner's max_lifetime
+-- (22023 beyond it); a release under way or an end is left as it is. Returns the row.
+SELECT * FROM hubd_extend_allocation(:allocation_id, :lifetime::float8, :instance_id);
 
 -- name: release_allocation
 -- A user's release, through the function applications call too (hubd_v1.release): pending goes
@@ -123,6 +130,113 @@ WITH input AS (
     FROM (SELECT DISTINCT provisioner_id FROM updated) AS d
 )
 SELECT u.id, u.generation, (SELECT count(*) FROM notified) AS notified FROM updated AS u;
+
+-- name: sweep_deadlines
+-- Every deadline that has come, decided here whichever replica runs it first (a row is moved
+-- once: the next run finds it moved). An active allocation whose expires_at has passed ends as
+-- a release does (pending: released at once; otherwise releasing under a new generation, due
+-- now), with end_reason 'expired' and a ledger row 'expire'. A pending one older than its
+-- provisioner's pending_timeout (else :pending_timeout seconds; 0: none) fails as 'unserved',
+-- nothing having been bound. One whose end is :warning seconds away or less is marked expiring
+-- (an 'expiring' event). At most :batch rows of each, oldest first, skipping rows another
+-- statement holds (the next run takes them). Returns how many of each moved, and the seconds
+-- until the next deadline known now (NULL: none).
+WITH limits AS (
+    SELECT l.provisioner_id, l.pending_timeout FROM hubd_provisioner_limits AS l
+), due_to_end AS (
+    SELECT a.id FROM hubd_allocations AS a
+    WHERE a.expires_at IS NOT NULL AND a.expires_at <= now()
+      AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing')
+    ORDER BY a.expires_at
+    LIMIT :batch
+    FOR NO KEY UPDATE SKIP LOCKED
+), ended AS (
+    UPDATE hubd_allocations AS a SET
+        status = CASE WHEN a.status = 'pending' THEN 'released' ELSE 'releasing' END::hubd_status,
+        generation = CASE WHEN a.status = 'pending' THEN a.generation ELSE a.generation + 1 END,
+        next_attempt_at = CASE WHEN a.status = 'pending' THEN NULL ELSE now() END,
+        lease_id = CASE WHEN a.status = 'pending' THEN NULL ELSE a.lease_id END,
+        lease_expires_at = CASE WHEN a.status = 'pending' THEN NULL ELSE a.lease_expires_at END,
+        finished_at = CASE WHEN a.status = 'pending' THEN now() END,
+        connection_ready = false,
+        initialization_lease_id = NULL,
+        end_reason = coalesce(a.end_reason, 'expired'),
+        updated_at = now()
+    FROM due_to_end AS d
+    WHERE a.id = d.id AND a.id = ANY (ARRAY(SELECT id FROM due_to_end))
+    RETURNING a.id, a.generation, a.status, a.provisioner_id, a.expires_at
+), unserved AS (
+    SELECT a.id FROM hubd_allocations AS a
+    LEFT JOIN limits AS l ON l.provisioner_id = a.provisioner_id
+    WHERE a.status = 'pending' AND a.created_at IS NOT NULL
+      AND a.created_at < now() - make_interval(secs => coalesce(l.pending_timeout,
+                                                           nullif(:pending_timeout::float8, 0)))
+      AND a.id <> ALL (ARRAY(SELECT id FROM due_to_end))
+    ORDER BY a.created_at
+    LIMIT :batch
+    FOR NO KEY UPDATE OF a SKIP LOCKED
+), failed AS (
+    UPDATE hubd_allocations AS a SET
+        status = 'failed',
+        failure_code = 'unserved',
+        failure_message = format('no daemon serving provisioner %s took it within %s s',
+            quote_literal(a.provisioner_id),
+            round(extract(epoch FROM now() - a.created_at)::numeric)),
+        end_reason = 'unserved',
+        next_attempt_at = NULL,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        finished_at = now(),
+        updated_at = now()
+    FROM unserved AS u
+    WHERE a.id = u.id AND a.id = ANY (ARRAY(SELECT id FROM unserved))
+    RETURNING a.id, a.generation, a.failure_message
+), warned AS (
+    UPDATE hubd_allocations AS a SET expiring = true, updated_at = now()
+    WHERE a.id = ANY (ARRAY(
+        SELECT w.id FROM hubd_allocations AS w
+        WHERE w.expires_at IS NOT NULL
+          AND w.expires_at <= now() + make_interval(secs => :warning::float8)
+          AND w.expires_at > now()
+          AND w.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+          AND NOT w.expiring
+        ORDER BY w.expires_at
+        LIMIT :batch
+        FOR NO KEY UPDATE SKIP LOCKED))
+    RETURNING a.id
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase,
+         error_code, message)
+    SELECT e.id, e.generation, :instance_id, 'expire', NULL, e.status, 'committed', NULL,
+           'its lifetime ended at ' || to_char(e.expires_at AT TIME ZONE 'UTC',
+                                              'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+    FROM ended AS e
+    UNION ALL
+    SELECT f.id, f.generation, :instance_id, 'fail', 'pending', 'failed', 'committed',
+           'unserved', f.failure_message
+    FROM failed AS f
+), woken AS (
+    SELECT pg_notify('hubd_wake', d.provisioner_id)
+    FROM (SELECT DISTINCT provisioner_id FROM ended WHERE status = 'releasing') AS d
+)
+SELECT (SELECT count(*) FROM ended) AS expired,
+       (SELECT count(*) FROM failed) AS unserved,
+       (SELECT count(*) FROM warned) AS warned,
+       (SELECT count(*) FROM woken) AS woken,
+       -- The next moment this statement has something to do, among the earliest ends: a warning
+       -- not yet given, or an end.
+       extract(epoch FROM (
+           SELECT min(CASE WHEN n.expiring THEN n.expires_at
+                           ELSE n.expires_at - make_interval(secs => :warning::float8) END)
+           FROM (
+               SELECT x.expires_at, x.expiring FROM hubd_allocations AS x
+               WHERE x.expires_at IS NOT NULL
+                 AND x.status IN ('pending', 'provisioning', 'allocated', 'replacing',
+                                  'releasing')
+                 AND x.status <> 'releasing'
+               ORDER BY x.expires_at
+               LIMIT 8) AS n) - now())::float8 AS next_in;
 
 -- name: mark_unconnected
 -- Start-up repair and the repair sweep: allocated rows that read ready, or that nothing will ever

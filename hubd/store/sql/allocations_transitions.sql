@@ -72,14 +72,17 @@ SELECT * FROM updated;
 
 -- name: mark_allocated
 -- provisioning → allocated: the provisioner accepted ensure (:external_ref), with what it knows
--- of the sidecar (:endpoint, :metadata as JSON text; NULL: nothing). Each fills only what the
--- generation's sidecar has not published already (a sidecar may connect and publish before the
--- acceptance is written): the sidecar's own word is the later one.
+-- of the sidecar (:endpoint, :metadata as JSON text; NULL: nothing). A sidecar may connect and
+-- publish before the acceptance is written, and its own word is the later one: the endpoint
+-- fills only what the generation's sidecar has not published, and the metadata is the
+-- provisioner's with the sidecar's keys over it, keys it removed staying removed
+-- (hubd_accepted_metadata, from the patch its publishes kept, which the acceptance clears).
 WITH updated AS (
     UPDATE hubd_allocations
     SET status = 'allocated', external_ref = :external_ref,
         endpoint = COALESCE(endpoint, :endpoint::text),
-        metadata = COALESCE(metadata, :metadata::text::jsonb),
+        metadata = hubd_accepted_metadata(:metadata::text::jsonb, sidecar_patch, metadata),
+        sidecar_patch = NULL,
         updated_at = now()
     WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
       AND lease_expires_at > clock_timestamp()
@@ -255,8 +258,10 @@ WITH input AS (
         external_ref = CASE WHEN p.accept THEN p.external_ref ELSE a.external_ref END,
         endpoint = CASE WHEN p.accept THEN COALESCE(a.endpoint, p.endpoint)
                         ELSE a.endpoint END,
-        metadata = CASE WHEN p.accept THEN COALESCE(a.metadata, p.metadata::jsonb)
+        metadata = CASE WHEN p.accept
+                        THEN hubd_accepted_metadata(p.metadata::jsonb, a.sidecar_patch, a.metadata)
                         ELSE a.metadata END,
+        sidecar_patch = CASE WHEN p.accept THEN NULL ELSE a.sidecar_patch END,
         connection_ready = a.connection_ready OR p.ready_now,
         next_attempt_at = CASE
             WHEN p.ready_now THEN NULL

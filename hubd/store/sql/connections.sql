@@ -51,9 +51,10 @@ WHERE a.id = ANY (:allocation_ids::text[]);
 -- most one per allocation may be given.
 -- A record is written only while the allocation still accepts exactly that sidecar (current
 -- generation and identity, provisioning or allocated). In the same statement: the connection
--- number is bumped, and 'hubd_connected' carries '<tag>:<generation>:<seq>:<connection>' (the
--- allocation's tag, hubd_notice_tag: any role may listen) to every replica: waiters wake, and a
--- replica holding an older socket of the same generation closes it as superseded.
+-- number is bumped, and 'hubd_connected' carries '<tag>:<generation>:<seq>:<connection>:<mac>'
+-- (hubd_notice: the allocation's tag, as any role may listen, and a mac, as any may notify) to
+-- every replica: waiters wake, and a replica holding an older socket of the same generation
+-- closes it as superseded.
 -- Then one of two things:
 -- * With :ready_on_connect (no on-ready hook to run) and the allocation parked waiting for this connect
 --   (allocated, not ready, no initialization marker, no live lease, ready_when not 'declared':
@@ -223,8 +224,8 @@ WITH given AS (
     RETURNING allocation_id, generation, seq, connection_id
 ), notified AS (
     SELECT pg_notify('hubd_connected',
-                     hubd_notice_tag(w.allocation_id) || ':' || w.generation || ':' || w.seq
-                     || ':' || w.connection_id),
+                     hubd_notice(w.allocation_id,
+                                 w.generation || ':' || w.seq || ':' || w.connection_id)),
            CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', alloc.provisioner_id) END
     FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
@@ -278,8 +279,8 @@ WITH alloc AS (
     RETURNING allocation_id, generation, seq, connection_id
 ), notified AS (
     SELECT pg_notify('hubd_connected',
-                     hubd_notice_tag(w.allocation_id) || ':' || w.generation || ':' || w.seq
-                     || ':' || w.connection_id),
+                     hubd_notice(w.allocation_id,
+                                 w.generation || ':' || w.seq || ':' || w.connection_id)),
            pg_notify('hubd_wake', alloc.provisioner_id)
     FROM written AS w JOIN alloc ON alloc.id = w.allocation_id
 )
@@ -423,9 +424,12 @@ FROM hubd_allocations AS a WHERE a.id = :allocation_id;
 -- connection number, which every record, clear and declaration of readiness bumps (and which
 -- the current record carries), must still be the record's: a record or clear that commits while
 -- this statement waits for the lock moves the number on, and nothing is written. A merged object
--- larger than the column's 16 KiB is not written either (too_large). Writes only when something
--- changes: an unchanged publish makes no event. Returns one row: whether the fence held, and
--- whether the merge was too large.
+-- larger than the column's 16 KiB is not written either (too_large). Before the acceptance
+-- (provisioning) the patches are also kept merged as one (sidecar_patch, keys given null kept as
+-- null), which must fit in 16 KiB too: the acceptance puts the provisioner's metadata under them,
+-- whichever is written first (hubd_accepted_metadata). Writes only when something changes: an
+-- unchanged publish makes no event. Returns one row: whether the fence held, and whether the
+-- merge was too large.
 WITH current AS (
     SELECT c.seq FROM hubd_sidecar_connections AS c
     WHERE c.allocation_id = :allocation_id AND c.connection_id = :connection_id
@@ -436,7 +440,11 @@ WITH current AS (
            CASE WHEN :metadata::text IS NULL THEN a.metadata
                 ELSE (coalesce(a.metadata::jsonb, '{}'::jsonb) || :metadata::text::jsonb)
                      - ARRAY(SELECT key FROM jsonb_each(:metadata::text::jsonb)
-                             WHERE value = 'null'::jsonb) END AS metadata
+                             WHERE value = 'null'::jsonb) END AS metadata,
+           a.sidecar_patch AS old_patch,
+           CASE WHEN :metadata::text IS NULL OR a.status <> 'provisioning' THEN a.sidecar_patch
+                ELSE coalesce(a.sidecar_patch::jsonb, '{}'::jsonb) || :metadata::text::jsonb
+           END AS patch
     FROM hubd_allocations AS a
     WHERE a.id = :allocation_id AND a.generation = :generation
       AND a.status IN ('provisioning', 'allocated')
@@ -446,16 +454,20 @@ WITH current AS (
     UPDATE hubd_allocations AS a SET
         endpoint = m.endpoint,
         metadata = m.metadata,
+        sidecar_patch = m.patch,
         updated_at = now()
     FROM merged AS m
     WHERE a.id = m.id AND a.id = :allocation_id
       AND (m.metadata IS NULL OR octet_length(m.metadata::text) <= 16384)
+      AND (m.patch IS NULL OR octet_length(m.patch::text) <= 16384)
       AND (m.old_endpoint IS DISTINCT FROM m.endpoint
-           OR m.old_metadata::jsonb IS DISTINCT FROM m.metadata::jsonb)
+           OR m.old_metadata::jsonb IS DISTINCT FROM m.metadata::jsonb
+           OR m.old_patch::jsonb IS DISTINCT FROM m.patch::jsonb)
     RETURNING a.id
 )
 SELECT EXISTS (SELECT 1 FROM merged) AS fenced_in,
-       coalesce((SELECT octet_length(metadata::text) > 16384 FROM merged), false) AS too_large,
+       coalesce((SELECT octet_length(metadata::text) > 16384
+                        OR octet_length(patch::text) > 16384 FROM merged), false) AS too_large,
        (SELECT count(*) FROM updated) AS written;
 
 -- name: declare_ready
@@ -520,8 +532,8 @@ WITH current AS (
     RETURNING c.seq
 ), notified AS (
     SELECT pg_notify('hubd_connected',
-                     hubd_notice_tag(alloc.id) || ':' || alloc.generation || ':'
-                     || alloc.connection_seq || ':' || :connection_id),
+                     hubd_notice(alloc.id, alloc.generation || ':' || alloc.connection_seq || ':'
+                                 || :connection_id)),
            CASE WHEN NOT alloc.ready_now THEN pg_notify('hubd_wake', alloc.provisioner_id) END
     FROM alloc
 )
@@ -529,6 +541,65 @@ SELECT EXISTS (SELECT 1 FROM fenced) AS fenced_in,
        (SELECT seq FROM declared) AS seq,
        coalesce((SELECT ready_now FROM alloc), false) AS ready,
        (SELECT count(*) FROM notified) AS notified;
+
+-- name: declare_not_ready
+-- Connection :connection_id of generation :generation of :allocation_id says its sidecar can no
+-- longer serve (its readiness check failed). Fenced as declare_ready is. Only where the
+-- allocation is ready once its sidecar says so (ready_when 'declared') and the record has said
+-- so does it write anything: the record is marked not declared, the connection number is bumped
+-- (the record carries the new one: a claim about to make the row ready on the declaration is
+-- fenced off), and the allocation reads not ready, as a connected sidecar that has not declared
+-- does (readiness): one that was ready gets a connect deadline :connect_timeout seconds away, by
+-- which its sidecar must declare again or be abandoned, is scheduled for it unless a claim holds
+-- it, and gets a ledger row 'sidecar_not_ready' (by :instance_id); one not ready yet keeps its
+-- deadline and schedule. Nothing is notified: no waiter waits for readiness to go. Returns one
+-- row: whether the fence held, the record's new number (NULL: nothing was to write), and whether
+-- the allocation stopped being ready.
+WITH current AS (
+    SELECT c.seq, c.declared_ready FROM hubd_sidecar_connections AS c
+    WHERE c.allocation_id = :allocation_id AND c.connection_id = :connection_id
+      AND c.generation = :generation
+), fenced AS (
+    SELECT a.id, a.ready_when IS NOT DISTINCT FROM 'declared'
+                 AND (SELECT declared_ready FROM current) AS withdraws,
+           a.connection_ready AS was_ready,
+           a.lease_expires_at IS NOT NULL AND a.lease_expires_at > clock_timestamp() AS leased
+    FROM hubd_allocations AS a
+    WHERE a.id = :allocation_id AND a.generation = :generation
+      AND a.status IN ('provisioning', 'allocated')
+      AND a.connection_seq = (SELECT seq FROM current)
+    FOR NO KEY UPDATE
+), alloc AS (
+    UPDATE hubd_allocations AS a SET
+        connection_seq = a.connection_seq + 1,
+        connection_ready = false,
+        connect_deadline = CASE WHEN f.was_ready
+                                THEN now() + make_interval(secs => :connect_timeout)
+                                ELSE a.connect_deadline END,
+        next_attempt_at = CASE WHEN f.was_ready AND NOT f.leased
+                               THEN now() + make_interval(secs => :connect_timeout)
+                               ELSE a.next_attempt_at END,
+        updated_at = now()
+    FROM fenced AS f
+    WHERE a.id = f.id AND a.id = :allocation_id AND f.withdraws
+    RETURNING a.id, a.generation, a.connection_seq, f.was_ready
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    SELECT id, generation, :instance_id, 'sidecar_not_ready', 'allocated', 'allocated',
+           'committed', 'the sidecar said it cannot serve'
+    FROM alloc WHERE was_ready
+    RETURNING 1
+), undeclared AS (
+    UPDATE hubd_sidecar_connections AS c SET declared_ready = false, seq = alloc.connection_seq
+    FROM alloc
+    WHERE c.allocation_id = alloc.id AND c.connection_id = :connection_id
+    RETURNING c.seq
+)
+SELECT EXISTS (SELECT 1 FROM fenced) AS fenced_in,
+       (SELECT seq FROM undeclared) AS seq,
+       coalesce((SELECT was_ready FROM alloc), false) AS withdrawn,
+       (SELECT count(*) FROM logged) AS logged;
 
 -- name: check_sockets
 -- For each socket an instance holds (allocation :allocation_ids[i], connection :connection_ids[i]):

@@ -1,0 +1,83 @@
+"""A claim shares the due work among the tenants that have some (hubd_due_allocations): a burst
+of one tenant does not queue another's request behind it."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from hubd.store import AllocationStore, Database
+
+
+async def request(store: AllocationStore, tenant: str | None, count: int = 1) -> list[str]:
+    return [(await store.request(provisioner_id="p", tenant_id=tenant)).id for _ in range(count)]
+
+
+async def due(conn: asyncpg.Connection, wanted: int, exclude: list[str] | None = None) -> list[str]:
+    rows = await conn.fetch(
+        "SELECT id FROM hubd_due_allocations($1::text[], $2)", exclude or [], wanted
+    )
+    return [row["id"] for row in rows]
+
+
+class TestSharing:
+    async def test_a_burst_does_not_queue_another_tenant_behind_it(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """Tenant a asked for 200 before b and c asked for one each: the first claim of four
+        takes a's oldest, b's and c's, then a's next; each tenant's rows in their own order."""
+        burst = await request(store, "a", 200)
+        (late_b,) = await request(store, "b")
+        (late_c,) = await request(store, "c")
+        async with db.pool.acquire() as conn, conn.transaction():
+            taken = await due(conn, 4)
+        assert taken == [burst[0], late_b, late_c, burst[1]]
+
+    async def test_requests_with_no_tenant_are_a_tenant_too(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        burst = await request(store, None, 50)
+        (late,) = await request(store, "b")
+        async with db.pool.acquire() as conn, conn.transaction():
+            assert await due(conn, 2) == [burst[0], late]
+
+    async def test_one_tenant_is_served_in_due_order(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        made = await request(store, "a", 10)
+        async with db.pool.acquire() as conn, conn.transaction():
+            assert await due(conn, 10) == made
+
+    async def test_excluded_leased_and_future_rows_are_left(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        made = await request(store, "a", 4)
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET lease_id = 'ls_x', "
+            "lease_expires_at = now() + interval '1 minute' WHERE id = $1",
+            made[1],
+        )
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET next_attempt_at = now() + interval '1 minute' "
+            "WHERE id = $1",
+            made[2],
+        )
+        async with db.pool.acquire() as conn, conn.transaction():
+            assert await due(conn, 4, exclude=[made[0]]) == [made[3]]
+
+    async def test_concurrent_claimers_take_different_rows(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """Two claim statements at once (two replicas): each locks its own rows, none twice,
+        and between them they take the oldest eight."""
+        made = await request(store, "a", 12)
+        async with (
+            db.pool.acquire() as first,
+            db.pool.acquire() as second,
+            first.transaction(),
+            second.transaction(),
+        ):
+            one = await due(first, 4)
+            two = await due(second, 4)
+        assert len(one) == len(two) == 4
+        assert not set(one) & set(two)
+        assert sorted(one + two) == sorted(made[:8])
