@@ -4,11 +4,13 @@ whichever replica sweeps first), the expiring warning, and the reason every end 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import asyncpg
 import pytest
 
+from hubd.client import Client
 from hubd.errors import InvalidRequest
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from tests.clikit import run_hubd_async
@@ -93,6 +95,18 @@ class TestLifetime:
             "requested",
             "extended",
         ]
+
+
+class TestClient:
+    async def test_request_with_a_lifetime_and_extend(self, database_url: str) -> None:
+        async with await Client.connect(database_url) as client:
+            made = await client.request("p", lifetime=timedelta(minutes=5))
+            assert made.expires_at is not None
+            later = await client.extend(made.id, timedelta(hours=1))
+            assert later.expires_at is not None
+            assert later.expires_at > made.expires_at
+            with pytest.raises(InvalidRequest):
+                await client.request("p", lifetime=timedelta(seconds=-1))
 
 
 class TestSweep:

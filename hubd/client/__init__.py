@@ -11,7 +11,7 @@ It uses only the SQL API (``hubd_v1``), which a role holding ``hubd_app`` may ca
 touches the daemon's tables or pools.
 """
 
-from hubd.client.client import AllocationEnded, Client
+from hubd.client.client import AllocationEnded, Client, ClientClosed
 from hubd.client.values import AllocationInfo, Event
 
-__all__ = ["AllocationEnded", "AllocationInfo", "Client", "Event"]
+__all__ = ["AllocationEnded", "AllocationInfo", "Client", "ClientClosed", "Event"]

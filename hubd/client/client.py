@@ -11,12 +11,14 @@ import asyncio
 import builtins
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from datetime import timedelta
 from typing import Any, Final
 
 import asyncpg
 
-from hubd.client.follow import Follower
+from hubd.client.faults import CAUGHT, ClientClosed
+from hubd.client.follow import CLOSE_TIMEOUT, Follower
 from hubd.client.values import AllocationInfo, Event
 from hubd.errors import (
     API_SQLSTATES,
@@ -26,15 +28,17 @@ from hubd.errors import (
     StoreError,
 )
 
-__all__ = ["AllocationEnded", "Client", "settled"]
+__all__ = ["AllocationEnded", "Client", "ClientClosed", "settled"]
 
-HEALTH_INTERVAL: Final = 30.0
-"""While no notification arrives, how often a follower checks that its connection still
-answers (a connection whose peer vanished delivers nothing, and says nothing either)."""
+HEALTH_INTERVAL: Final = 5.0
+"""Seconds of silence after which a follower asks its connection whether it still answers, and
+how long it waits for the answer (a connection whose peer vanished delivers nothing, and says
+nothing either); a connection that closes is known at once."""
 
 _REQUEST: Final = """
-SELECT * FROM hubd_v1.request($1, $2, $3, $4, $5, $6)"""
+SELECT * FROM hubd_v1.request($1, $2, $3, $4, $5, $6, $7)"""
 _RELEASE: Final = "SELECT * FROM hubd_v1.release($1, $2)"
+_EXTEND: Final = "SELECT * FROM hubd_v1.extend($1, $2)"
 _GET: Final = "SELECT * FROM hubd_v1.allocations WHERE id = $1"
 _LIST: Final = """
 SELECT * FROM hubd_v1.allocations
@@ -95,6 +99,8 @@ class Client:
     def __init__(self, pool: asyncpg.Pool, *, owns_pool: bool = False) -> None:
         self._pool = pool
         self._owns_pool = owns_pool
+        self._closed = False
+        self._followers: set[Follower] = set()
 
     @classmethod
     async def connect(cls, dsn: str, *, max_size: int = 4) -> Client:
@@ -106,9 +112,24 @@ class Client:
         return cls(pool, owns_pool=True)
 
     async def close(self) -> None:
-        """Close the pool, if the client opened it."""
-        if self._owns_pool:
-            await self._pool.close()
+        """End every follower (:meth:`events`, :meth:`watch`, :meth:`wait_ready`) at once, each
+        raising :class:`ClientClosed` where it is, then close the pool if the client opened it.
+
+        Returns within ``CLOSE_TIMEOUT`` (2 s) whatever the connections are doing: the
+        followers' are terminated, and the pool's others get that long to finish their
+        statements and close before they are terminated too. Idempotent."""
+        self._closed = True
+        for follower in list(self._followers):
+            follower.shut()
+        if not self._owns_pool:
+            return
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT):
+                await self._pool.close()
+        except CAUGHT:
+            # A connection still busy (a statement stuck on a paused server), or one whose
+            # close was not answered: Pool.close() waits for each as long as it takes.
+            self._pool.terminate()
 
     async def __aenter__(self) -> Client:
         return self
@@ -125,6 +146,7 @@ class Client:
         spec: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
         ready_when: str | None = None,
+        lifetime: timedelta | None = None,
         conn: asyncpg.Connection | None = None,
     ) -> AllocationInfo:
         """Ask for a sidecar of ``provisioner``; returns the new (pending) allocation.
@@ -133,6 +155,9 @@ class Client:
         second one); a key used for a different request raises
         :class:`~hubd.errors.IdempotencyConflict`. ``ready_when`` is ``"connected"`` or
         ``"declared"`` (the sidecar says when it is ready); by default the provisioner's.
+        ``lifetime`` bounds its life from now (default: the provisioner's ``max_lifetime``, if
+        any; longer than that raises :class:`~hubd.errors.InvalidRequest`); at its end it is
+        released, ``end_reason`` ``expired``, an ``expiring`` event coming first.
         """
         args = (
             provisioner,
@@ -141,8 +166,21 @@ class Client:
             json.dumps(dict(spec or {})),
             idempotency_key,
             ready_when,
+            lifetime,
         )
         return await self._one("request", _REQUEST, args, conn)
+
+    async def extend(
+        self,
+        allocation_id: str,
+        lifetime: timedelta,
+        *,
+        conn: asyncpg.Connection | None = None,
+    ) -> AllocationInfo:
+        """The allocation now ends ``lifetime`` from now, within its provisioner's
+        ``max_lifetime`` from its request (:class:`~hubd.errors.InvalidRequest` beyond it);
+        one being released or ended is returned as it is."""
+        return await self._one("extend", _EXTEND, (allocation_id, lifetime), conn)
 
     async def release(
         self,
@@ -213,7 +251,7 @@ class Client:
             allocation_id=allocation_id,
             health_interval=health_interval,
         )
-        async with follower:
+        async with self._following(follower):
             while True:
                 for event in await follower.next_batch():
                     yield event
@@ -227,12 +265,13 @@ class Client:
         follower = Follower(
             self._pool, cursor=0, allocation_id=allocation_id, health_interval=health_interval
         )
-        async with follower:
-            yield await follower.start_at_state(allocation_id)
+        async with self._following(follower):
+            yield await follower.state(allocation_id)
             while True:
-                # Each batch holds at least one event of this allocation: look again.
+                # Each batch holds at least one event of this allocation: look again, on the
+                # follower's connection (a fault there is one more reconnect, not an error).
                 await follower.next_batch()
-                yield await self.get(allocation_id)
+                yield await follower.state(allocation_id)
 
     async def wait_ready(
         self,
@@ -263,6 +302,18 @@ class Client:
         if not info.ready:
             raise AllocationEnded(info)
         return info
+
+    @contextlib.asynccontextmanager
+    async def _following(self, follower: Follower) -> AsyncIterator[None]:
+        """Run ``follower`` as one of this client's, which :meth:`close` ends."""
+        if self._closed:
+            raise ClientClosed()
+        self._followers.add(follower)
+        try:
+            async with follower:
+                yield
+        finally:
+            self._followers.discard(follower)
 
     async def _one(
         self, what: str, sql: str, args: tuple[Any, ...], conn: asyncpg.Connection | None

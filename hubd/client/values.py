@@ -52,10 +52,19 @@ class AllocationInfo:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    expires_at: datetime | None = None
+    """When it must end (its lifetime, or an extension; :meth:`Client.extend`); ``None``:
+    never."""
+    end_reason: str | None = None
+    """Once it ends (or a release began): who or what ended it: ``application``, ``operator``,
+    ``expired``, ``unserved``, or a failure's code."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> AllocationInfo:
-        values = {field.name: row[field.name] for field in attrs.fields(cls)}
+        values: dict[str, Any] = {
+            field.name: row[field.name] if field.default is attrs.NOTHING else row.get(field.name)
+            for field in attrs.fields(cls)
+        }
         values["spec"] = _json_object(values["spec"]) or {}
         values["metadata"] = _json_object(values["metadata"])
         return cls(**values)
@@ -80,7 +89,7 @@ class Event:
     session: str | None
     event: str
     """requested, provisioning, allocated, ready, not_ready, replacing, releasing, published,
-    released, failed or destroy_failed."""
+    expiring, extended, released, failed or destroy_failed."""
     status: str
     ready: bool
     generation: int
@@ -88,9 +97,14 @@ class Event:
     metadata: Mapping[str, Any] | None
     failure_code: str | None
     failure_message: str | None
+    expires_at: datetime | None = None
+    end_reason: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Event:
-        values = {field.name: row[field.name] for field in attrs.fields(cls)}
+        values: dict[str, Any] = {
+            field.name: row[field.name] if field.default is attrs.NOTHING else row.get(field.name)
+            for field in attrs.fields(cls)
+        }
         values["metadata"] = _json_object(values["metadata"])
         return cls(**values)
