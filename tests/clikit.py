@@ -6,7 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -37,8 +37,12 @@ def run_hubd(*args: str, env: Mapping[str, str] | None = None, timeout: float = 
     return Result(done.returncode, done.stdout, done.stderr)
 
 
-async def run_hubd_async(*args: str, env: Mapping[str, str] | None = None) -> Result:
+async def run_hubd_async(
+    *args: str, env: Mapping[str, str] | None = None, prefix: Sequence[str] = ()
+) -> Result:
+    """``hubd *args`` run behind ``prefix`` (a command that runs the rest, e.g. in a namespace)."""
     process = await asyncio.create_subprocess_exec(
+        *prefix,
         sys.executable,
         "-m",
         "hubd.cli",

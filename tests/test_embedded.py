@@ -15,7 +15,10 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from structlog.testing import capture_logs
 
+from hubd.errors import EmbeddedPostgresError
+from hubd.store import server_user
 from hubd.store.embedded import EmbeddedPostgres, embedded_available, log_excerpt
 from hubd.store.postmaster import LockVerdict, judge_lock_file
 from tests.clikit import run_hubd
@@ -271,3 +274,86 @@ class TestAnotherUsersStateDir:
         assert result.code == 2, result.err
         assert f"{private} (0700)" in result.err
         assert stat.S_IMODE(private.stat().st_mode) == 0o700
+
+
+class TestServerUser:
+    """Making root's server user (hubd.store.server_user), with a scripted ``useradd`` first on
+    ``PATH`` and a scripted look-up: no account of this machine is touched. The real races run
+    in tests/test_cli.py (TestMigrate), as root on a private /etc."""
+
+    @pytest.fixture
+    def useradd(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], Path]:
+        """Install a ``useradd`` running ``script`` (sh); returns the file its calls go to."""
+        calls = tmp_path / "calls"
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+
+        def install(script: str) -> Path:
+            wrapper = tmp_path / "useradd"
+            wrapper.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n{script}\n')
+            wrapper.chmod(0o755)
+            return calls
+
+        return install
+
+    @staticmethod
+    def _looks(monkeypatch: pytest.MonkeyPatch, *answers: bool) -> None:
+        """The user's look-ups answer ``answers`` in turn."""
+        remaining = list(answers)
+        monkeypatch.setattr(server_user, "user_exists", lambda _name: remaining.pop(0))
+
+    def test_an_existing_user_is_not_made_again(
+        self, useradd: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A user that exists is used as it is: useradd is not run."""
+        calls = useradd("exit 0")
+        self._looks(monkeypatch, True)
+        server_user.ensure_server_user("hubd_t_user")
+        assert not calls.exists()
+
+    def test_a_missing_user_is_made_as_the_library_would(
+        self, useradd: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A missing user is made with the library's own useradd arguments."""
+        calls = useradd("exit 0")
+        self._looks(monkeypatch, False)
+        server_user.ensure_server_user("hubd_t_user")
+        assert calls.read_text().split() == [*server_user.USERADD[1:], "hubd_t_user"]
+
+    def test_a_user_made_by_a_rival_meanwhile_is_no_error(
+        self, useradd: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Missing at the look-up, made by another process before our useradd, which exits 9
+        ("already in use"): the user is there, so it is done, and the log says who made it."""
+        useradd("echo \"useradd: user 'hubd_t_user' already exists\" >&2; exit 9")
+        self._looks(monkeypatch, False, True)
+        with capture_logs() as logs:
+            server_user.ensure_server_user("hubd_t_user")
+        assert [entry["event"] for entry in logs] == [
+            "embedded postgresql system user made by another process"
+        ]
+
+    @pytest.mark.parametrize(
+        ("script", "said"),
+        [
+            ("echo 'useradd: cannot lock /etc/passwd' >&2; exit 1", "exited 1: useradd: cannot"),
+            (None, "did not run"),
+        ],
+    )
+    def test_a_user_still_missing_after_useradd_is_an_error(
+        self,
+        useradd: Callable[[str], Path],
+        monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path,
+        script: str | None,
+        said: str,
+    ) -> None:
+        """A useradd that failed (or could not run) with the user still missing afterwards
+        stops the start with what useradd said, naming the user."""
+        if script is None:
+            monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+        else:
+            useradd(script)
+        self._looks(monkeypatch, False, False)
+        with pytest.raises(EmbeddedPostgresError, match=said) as raised:
+            server_user.ensure_server_user("hubd_t_user")
+        assert "hubd_t_user" in str(raised.value)

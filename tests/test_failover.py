@@ -4,24 +4,35 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import tempfile
+import time
+import types
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import asyncpg
 import pytest
+from structlog.testing import capture_logs
 
+import hubd.daemon.heartbeat as heartbeat_module
+import hubd.daemon.wakeups as wakeups_module
 import hubd.store.database as database_module
 import hubd.store.sessions as sessions_module
+from hubd.daemon.heartbeat import Heartbeat
+from hubd.daemon.metrics import Metrics
+from hubd.daemon.running import Listening
 from hubd.daemon.wakeups import NotificationListener
 from hubd.dburl import connect_options, host_labels, hosts_problem
 from hubd.errors import DatabaseReadOnly, DatabaseUnavailable
 from hubd.store import AllocationStore, Database, connect_database
 from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.hosts import try_hosts
+from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
 from hubd.store.queries import Bound, Statement
 from tests.conftest import PostgresServer, drop_database, fresh_database
@@ -435,6 +446,145 @@ class TestRecycle:
                 await task
 
 
+class TestListenerSetup:
+    async def test_the_listen_session_bounds_the_servers_end_too(
+        self,
+        proxied: Database,
+        proxy: Blackhole,
+        database_url: str,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """The LISTEN connection asks the server for the pools' keepalives and user timeout,
+        so a backend whose hubd vanished is ended by the server too."""
+        sources: dict[str, str] = {}
+
+        async def looked_at(conn: asyncpg.Connection) -> None:
+            rows = await conn.fetch(
+                "SELECT name, source FROM pg_settings WHERE name LIKE 'tcp_%' ORDER BY name"
+            )
+            sources.update({row["name"]: row["source"] for row in rows})
+            await sessions_module.init_connection(conn)
+
+        monkeypatch.setattr(wakeups_module, "init_connection", looked_at)
+        listener = _listener(proxy.url(database_url), proxied)
+        task = asyncio.create_task(listener.run(), name="listener")
+        try:
+            await eventually(lambda: listener.healthy, what="listening")
+        finally:
+            await _cancelled(task)
+        assert sources == dict.fromkeys(
+            (
+                "tcp_keepalives_count",
+                "tcp_keepalives_idle",
+                "tcp_keepalives_interval",
+                "tcp_user_timeout",
+            ),
+            "client",
+        )
+
+    async def test_a_setup_the_network_swallowed_is_given_up(
+        self,
+        proxied: Database,
+        proxy: Blackhole,
+        database_url: str,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """A connection whose connect answered but whose LISTEN the network swallowed is given
+        up at LISTEN_SETUP_TIMEOUT and another one made, with no recycle from outside (the old
+        listener waited for the dead network for as long as it lasted)."""
+        monkeypatch.setattr(wakeups_module, "LISTEN_SETUP_TIMEOUT", 1.0)
+        swallowed: list[None] = []
+
+        async def dropped_after_connect(conn: asyncpg.Connection) -> None:
+            if not swallowed:
+                swallowed.append(None)
+                proxy.drop()  # this connection is dead for good from here on
+                proxy.heal()  # and the next one passes
+            await sessions_module.init_connection(conn)
+
+        monkeypatch.setattr(wakeups_module, "init_connection", dropped_after_connect)
+        reconnects: list[None] = []
+        listener = _listener(
+            proxy.url(database_url), proxied, on_reconnected=lambda: reconnects.append(None)
+        )
+        task = asyncio.create_task(listener.run(), name="listener")
+        try:
+            with capture_logs() as logs:
+                await eventually(lambda: listener.healthy, within=15, what="listening")
+        finally:
+            await _cancelled(task)
+        assert swallowed == [None]
+        assert reconnects == [None]
+        assert "wake_listener_connection_lost" in [entry["event"] for entry in logs]
+
+
+class TestHeartbeat:
+    async def test_the_first_beat_after_a_heal_comes_at_once_whatever_the_report_waits_for(
+        self,
+        proxied: Database,
+        proxy: Blackhole,
+        database_url: str,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """While beats fail on a network that swallows packets, the report of what each host
+        answers waits beside them, never before the next beat: here the report never ends,
+        and still the first beat after the heal comes within the beat's budget plus
+        FAILING_RETRY_CAP, makes the instance alive again and recycles the listener. The
+        report, about an outage that is over, is ended then."""
+        reporting = asyncio.Event()
+        report_cancelled: list[None] = []
+
+        async def hosts_that_never_answer(_url: str, *, within: float) -> list[str]:
+            reporting.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                report_cancelled.append(None)
+                raise
+            raise AssertionError("unreachable")
+
+        monkeypatch.setattr(heartbeat_module, "try_hosts", hosts_that_never_answer)
+        instances = InstanceStore(proxied)
+        instance_id = "in_heartbeat_test"
+        await instances.register(instance_id, "host", 1, None, [])
+        recovered: list[float] = []
+        interval = 1.0
+        heartbeat = Heartbeat(
+            cast(
+                "Listening",
+                types.SimpleNamespace(
+                    db=proxied,
+                    dsn=proxy.url(database_url),
+                    instance_id=instance_id,
+                    instances=instances,
+                ),
+            ),
+            hub_ws_url="ws://127.0.0.1:1",
+            provisioner_ids=[],
+            metrics=Metrics(),
+            interval=interval,
+            ttl=5.0,
+            verify_soon=asyncio.Event(),
+            on_recovered=lambda: recovered.append(time.monotonic()),
+        )
+        task = asyncio.create_task(heartbeat.run(), name="heartbeat")
+        try:
+            proxy.drop()
+            async with asyncio.timeout(15):
+                await reporting.wait()
+            proxy.heal()
+            healed = time.monotonic()
+            await eventually(lambda: bool(recovered), within=15, what="a beat after the heal")
+            await eventually(lambda: bool(report_cancelled), what="the report ended")
+        finally:
+            await _cancelled(task)
+        took = recovered[0] - healed
+        # The beat in flight at the heal may be on a dead connection: its budget, then the
+        # pause, then a beat of its own, with room for a loaded machine.
+        assert took < interval + heartbeat_module.FAILING_RETRY_CAP + 2.0, took
+        assert report_cancelled == [None]
+
+
 def _select(value: int) -> Bound:
     return Bound(
         Statement(source="test", name="select", sql="SELECT $1::int", params=("v",)), (value,)
@@ -443,3 +593,22 @@ def _select(value: int) -> Bound:
 
 def _pid() -> Bound:
     return Bound(Statement(source="test", name="pid", sql="SELECT pg_backend_pid()", params=()), ())
+
+
+def _listener(
+    dsn: str, db: Database, *, on_reconnected: Callable[[], None] = lambda: None
+) -> NotificationListener:
+    return NotificationListener(
+        dsn=dsn,
+        db=db,
+        on_wake=lambda: None,
+        on_connected=lambda _payload: None,
+        on_reconnected=on_reconnected,
+        selfcheck_interval=60,
+    )
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -6,6 +6,7 @@ the live sidecar processes; the poll interval is 30 s, so anything prompt came f
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from tests.failoverkit import DATABASE, create_database, end_sessions, replay_ch
 from tests.faultkit import ABANDONING, stop_all
 from tests.pgcluster import Cluster, cluster
 from tests.proxykit import blackhole
+from tests.readyzkit import READY, dropped_partition, sampling
 from tests.reconcilerkit import poll_until
 from tests.test_daemon import request_many
 
@@ -29,6 +31,8 @@ PROMPT = 15.0
 HEALED = 25.0
 """After a partition: the heartbeat's recovery comes first (a beat in flight on a dead
 connection runs out its budget), still inside the 30 s poll."""
+READY_AFTER_HEAL = 15.0
+"""The most a probe may see ``/readyz`` not ready after a partition heals (issue #55)."""
 
 
 @pytest.fixture
@@ -230,3 +234,44 @@ async def test_hubd_comes_back_promptly_after_a_partition(
         assert _count(daemon, "claim_failed_in_store", healed) <= 5
     assert not any("Traceback" in line for line in daemon.raw)
     assert not any("never retrieved" in line for line in daemon.raw)
+
+
+async def test_readyz_is_back_soon_after_each_partition_that_dropped_every_connection(
+    database_url: str, marker: str, state_dir: Path
+) -> None:
+    """``/readyz``, sampled every 100 ms from before the fault, says the database is
+    unreachable during a partition that leaves every connection dead for good, is back to 200
+    within READY_AFTER_HEAL of the heal and stays so, after each of two partitions in a row.
+    The beat interval is the shipped 5 s, which bounds that time (a beat in flight on a dead
+    connection runs out its budget, the next follows within a second and recycles the LISTEN
+    connection); the TTL is 10 s instead of 20 s, to keep the partitions short. The full-size
+    run: ``python -m bench.readyz_heal`` (five 45 s partitions, shipped settings)."""
+    async with blackhole(database_url) as proxy:
+        config = write_config(
+            state_dir / "hubd.toml",
+            database_url=proxy.url(database_url),
+            state_dir=state_dir,
+            marker=marker,
+        )
+        daemon = DaemonProcess(
+            config,
+            env={"HUBD_INSTANCE_HEARTBEAT_INTERVAL": "5s", "HUBD_INSTANCE_TTL": "10s"},
+        )
+        await daemon.start()
+        try:
+            async with sampling(daemon.admin_url + "/readyz") as sampler:
+                started = time.monotonic()
+                assert await sampler.until(READY, since=started, within=30) is not None
+                # Healed as soon as it is noticed, then a while after: the heal falls at
+                # another moment of the beats' cycle.
+                runs = [
+                    await dropped_partition(proxy, sampler, outage=outage, bound=60)
+                    for outage in (0.0, 13.0)
+                ]
+        finally:
+            await stop_all(daemon)
+    print("heal -> /readyz 200:", [run.ready for run in runs])
+    assert all(
+        run.ready is not None and run.ready < READY_AFTER_HEAL and not run.flapped for run in runs
+    ), runs
+    assert not any("Traceback" in line for line in daemon.raw)

@@ -30,6 +30,17 @@ log = structlog.get_logger(__name__)
 HOSTS_REPORT_INTERVAL = 30.0
 """While beats fail, how often at most the log says what each of the URL's hosts answers."""
 
+FAILING_RETRY_CAP = 1.0
+"""While beats fail, the longest pause before the next one. The first beat that gets through
+after an outage is what makes this instance ready again (and alive to its peers), so it is tried
+about every second, whatever ``heartbeat_interval`` is; each try costs a connection attempt.
+With a beat's own budget (the interval) this bounds the time from a healed partition to ready:
+a beat in flight on a dead connection runs out its budget, the next one follows within this."""
+
+FAILED_LOG_INTERVAL = 5.0
+"""While beats fail, how often at most each failure is logged (the count of failures since the
+last success goes with it): a database that refuses at once would otherwise log one a second."""
+
 
 @contextlib.asynccontextmanager
 async def registered(
@@ -89,6 +100,7 @@ class Heartbeat:
         self.read_only = False
         """Whether the last beat found only a read-only server (read by readiness)."""
         self._hosts_reported: float | None = None
+        self._hosts_report: asyncio.Task[None] | None = None
 
     @property
     def overdue(self) -> bool:
@@ -104,13 +116,22 @@ class Heartbeat:
         return since is not None and time.monotonic() - since >= self._ttl
 
     async def run(self) -> None:
+        try:
+            await self._beat()
+        finally:
+            # The report is this loop's own; it never outlives it.
+            await self._end_report()
+
+    async def _beat(self) -> None:
         instances, instance_id = self._parts.instances, self._parts.instance_id
         last_success = time.monotonic()
         # After a database restart every pooled connection is dead, and each would cost one
         # failed beat: retry soon, since peers count this instance dead after one TTL.
-        retries = Retries.doubling(0.2, self._interval)
+        retries = Retries.doubling(0.2, min(self._interval, FAILING_RETRY_CAP))
         pause = self._interval
         failing = False
+        failures = 0
+        logged: float | None = None
         while True:
             raise_if_cancelled()
             await asyncio.sleep(pause)
@@ -149,28 +170,61 @@ class Heartbeat:
                     # self-check, which may be a minute away.
                     failing = False
                     self._on_recovered()
+                    # A report still waiting on a host would describe the outage that ended.
+                    await self._end_report()
                 retries.reset()
                 pause = self._interval
+                failures, logged = 0, None
                 self._metrics.database_up.set(1)
             except (StoreError, TimeoutError) as exc:
                 self._since = None
                 self.read_only = isinstance(exc, DatabaseReadOnly)
                 self._metrics.database_up.set(0)
-                log.warning("heartbeat_failed", error=str(exc) or "no answer within the interval")
+                failures += 1
+                now = time.monotonic()
+                if logged is None or now - logged >= FAILED_LOG_INTERVAL:
+                    logged = now
+                    log.warning(
+                        "heartbeat_failed",
+                        error=str(exc) or "no answer within the interval",
+                        failures=failures,
+                    )
                 failing = True
                 # Replace every pooled connection, of every pool, at once: after a restart
                 # each would cost one failed statement, and after a partition that dropped
                 # its packets each would hold its caller until a budget ran out.
                 await self._parts.db.expire_all()
-                await self._report_hosts()
+                self._report_hosts_aside()
                 pause = retries.next_delay()
 
-    async def _report_hosts(self) -> None:
-        """Say what each host of the URL answers, at most once per HOSTS_REPORT_INTERVAL."""
+    def _report_hosts_aside(self) -> None:
+        """Say what each host of the URL answers, at most once per HOSTS_REPORT_INTERVAL, in a
+        task beside the beats: a host that swallows packets takes the report's whole budget,
+        which the next beat must not wait for (once a partition heals, that beat is what makes
+        this instance ready again)."""
         now = time.monotonic()
         reported = self._hosts_reported
         if reported is not None and now - reported < HOSTS_REPORT_INTERVAL:
             return
+        if self._hosts_report is not None and not self._hosts_report.done():
+            return
         self._hosts_reported = now
-        hosts = await try_hosts(self._parts.dsn, within=min(self._interval, 5.0))
+        self._hosts_report = asyncio.create_task(
+            self._report_hosts(), name="heartbeat-hosts-report"
+        )
+
+    async def _end_report(self) -> None:
+        report, self._hosts_report = self._hosts_report, None
+        if report is not None:
+            report.cancel()
+            # wait(), not await: the report's cancellation is not ours to raise, and ours
+            # (the heartbeat's own) still is.
+            await asyncio.wait([report])
+
+    async def _report_hosts(self) -> None:
+        try:
+            hosts = await try_hosts(self._parts.dsn, within=min(self._interval, 5.0))
+        except Exception as exc:  # noqa: BLE001 -- a diagnosis only: a failed one says so
+            log.warning("database_hosts_not_tried", error=str(exc) or type(exc).__name__)
+            return
         log.warning("database_hosts_tried", hosts=hosts)

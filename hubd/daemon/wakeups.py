@@ -3,13 +3,13 @@
 A dedicated connection listens for ``hubd_wake`` (new request, release, sidecar connected),
 ``hubd_connected`` (a sidecar connected to some replica) and ``hubd_sockets`` (an allocation
 moved to a newer generation or a terminal status: sockets held here may have to close). When
-that connection is lost it is re-opened with backoff and a full poll follows, since
-notifications sent meanwhile are gone. A
-self-notification sent through the ordinary pool every ``selfcheck_interval`` proves the path end
-to end; when it does not come back in time the connection is recycled and readiness reports it.
-The self-check's statement is freed at its timeout whatever the network does: an interrupted
-statement closes its connection rather than wait for a cancellation to be acknowledged
-(:meth:`hubd.store.database.Database.connection`).
+that connection is lost, or is not listening within :data:`LISTEN_SETUP_TIMEOUT` of its
+connect, it is re-opened with backoff and a full poll follows, since notifications sent
+meanwhile are gone. A self-notification sent through the ordinary pool every
+``selfcheck_interval`` proves the path end to end; when it does not come back in time the
+connection is recycled and readiness reports it. The self-check's statement is freed at its
+timeout whatever the network does: an interrupted statement closes its connection rather than
+wait for a cancellation to be acknowledged (:meth:`hubd.store.database.Database.connection`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,15 @@ from hubd.store.channels import (
     WAKE_CHANNEL,
 )
 from hubd.store.database import Database
-from hubd.store.sessions import init_connection
+from hubd.store.sessions import SESSION_SETTINGS, init_connection
 
 __all__ = ["NotificationListener", "Waker"]
 
 log = structlog.get_logger(__name__)
+
+LISTEN_SETUP_TIMEOUT = 10.0
+"""Seconds a new LISTEN connection may take from connect to listening on every channel: one the
+network swallowed after its connect answered is given up and another tried, as a connect is."""
 
 
 class Waker:
@@ -140,7 +144,7 @@ class NotificationListener:
                 asyncpg.InterfaceError,
                 asyncpg.InternalClientError,
             ) as exc:
-                log.warning("wake_listener_connection_lost", error=str(exc))
+                log.warning("wake_listener_connection_lost", error=str(exc) or type(exc).__name__)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(retries.next_delay()):
                     await self._recycle.wait()
@@ -149,12 +153,21 @@ class NotificationListener:
         """One connection: listen on it until it is lost or stops delivering."""
         conn: asyncpg.Connection | None = None
         try:
-            conn = await asyncpg.connect(self._dsn, timeout=10, **connect_options(self._dsn))
-            await init_connection(conn)
             lost = asyncio.Event()
-            conn.add_termination_listener(_setter(lost))
-            for channel in CHANNELS:
-                await conn.add_listener(channel, self._notified)
+            async with asyncio.timeout(LISTEN_SETUP_TIMEOUT):
+                # The server's end of the session is bounded like the pools' (keepalives and
+                # TCP_USER_TIMEOUT, hubd.store.sessions): a LISTEN backend whose hubd vanished
+                # is ended rather than left to hold back the server's notification queue.
+                conn = await asyncpg.connect(
+                    self._dsn,
+                    timeout=LISTEN_SETUP_TIMEOUT,
+                    server_settings=SESSION_SETTINGS,
+                    **connect_options(self._dsn),
+                )
+                await init_connection(conn)
+                conn.add_termination_listener(_setter(lost))
+                for channel in CHANNELS:
+                    await conn.add_listener(channel, self._notified)
             self.healthy = True
             self.up.set()
             retries.reset()

@@ -44,6 +44,7 @@ from hubd.store.postmaster import (
     socket_answers,
 )
 from hubd.store.queries import load_queries
+from hubd.store.server_user import ensure_server_user
 from hubd.store.state_dir import (
     SERVER_USER,
     is_root,
@@ -121,6 +122,10 @@ class EmbeddedPostgres:
             # where another maker is no error; initdb takes an empty directory as it finds it.
             self.data_dir.mkdir(exist_ok=True)
             with library.PostgresServer._lock:
+                if is_root():
+                    # Before the library looks for its user, which it makes outside this
+                    # lock and fails to when a rival made it first (hubd.store.server_user).
+                    ensure_server_user()
                 self._forget_dead_users()
                 self._replace_orphan(library)
             self._server = library.get_server(self.data_dir, cleanup_mode="stop")
