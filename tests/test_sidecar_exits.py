@@ -21,7 +21,7 @@ from hubd.store.models import SidecarDeath
 from hubd.store.values import NO_REPLACEMENT_LIMIT, ReplacementLimit
 from tests.pgtime import age_row
 from tests.polling import eventually, scaled
-from tests.reconcilerkit import SETTINGS, ReconcilerRig, reject
+from tests.reconcilerkit import SETTINGS, ReconcilerRig, reject, reject_destroy
 
 DIED = "the sidecar exited with exit code 3: boom | bye"
 
@@ -108,6 +108,34 @@ class TestReportedDeath:
         assert released.failure_code == "sidecar_exited"
         assert released.failure_message is not None
         assert released.failure_message.endswith(DIED)
+
+    async def test_the_end_keeps_its_reason_through_a_retried_destroy(
+        self, rig: ReconcilerRig
+    ) -> None:
+        """The destroy of a dead sidecar's release fails while its engine is away and is
+        retried: failure_code then names the destroy's error, but the end's reason stays the
+        death, in the application's view and on its events."""
+        ready = await rig.to_ready()
+        await rig.store.report_exits([death(ready)])
+        assert await rig.reconciler.reconcile_next()  # releasing
+        rig.provisioner.destroy_script.append(reject_destroy("engine_unavailable", retryable=True))
+        await age_row(rig.db, ready.id, 60)
+        assert await rig.reconciler.reconcile_next()  # the destroy fails, retried later
+        retried = await rig.store.get(ready.id)
+        assert retried.failure_code == "engine_unavailable"
+        await age_row(rig.db, ready.id, 60)
+        assert await rig.reconciler.reconcile_next()  # destroyed, released
+        async with rig.db.pool.acquire() as conn:
+            view = await conn.fetchrow(
+                "SELECT status, end_reason FROM hubd_v1.allocations WHERE id = $1", ready.id
+            )
+            last = await conn.fetchrow(
+                "SELECT event, end_reason FROM hubd_v1.events WHERE allocation_id = $1 "
+                "ORDER BY position DESC LIMIT 1",
+                ready.id,
+            )
+        assert (view["status"], view["end_reason"]) == ("released", "sidecar_exited")
+        assert (last["event"], last["end_reason"]) == ("released", "sidecar_exited")
 
     async def test_its_socket_closing_afterwards_keeps_the_row_due_now(
         self, rig: ReconcilerRig

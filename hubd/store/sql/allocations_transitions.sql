@@ -308,7 +308,8 @@ SELECT * FROM updated;
 -- at once with give_up set (mark_released then ends it 'failed'), the failure message saying so.
 WITH updated AS (
     UPDATE hubd_allocations AS a SET
-        (status, replacements, replacements_since, give_up, next_attempt_at, failure_message) = (
+        (status, replacements, replacements_since, give_up, next_attempt_at, failure_message,
+         end_reason) = (
             SELECT CASE WHEN d.give_up THEN 'releasing' ELSE 'replacing' END::hubd_status,
                    d.streak, d.since, d.give_up,
                    CASE WHEN d.give_up THEN now()
@@ -318,7 +319,9 @@ WITH updated AS (
                                     '(replacement_limit %s); the last: %s', d.streak,
                                     :replacement_window::float8, :replacement_limit::integer,
                                     :failure_message::text)
-                        ELSE :failure_message END
+                        ELSE :failure_message END,
+                   CASE WHEN d.give_up THEN coalesce(a.end_reason, :failure_code::text)
+                        ELSE a.end_reason END
             FROM (
                 SELECT s.streak, s.since,
                        :replacement_limit::integer > 0
@@ -367,6 +370,8 @@ WITH updated AS (
         next_attempt_at = now(),
         failure_code = :failure_code,
         failure_message = :failure_message,
+        -- What ended it, kept whatever a retried destroy writes into failure_code after it.
+        end_reason = coalesce(end_reason, :failure_code),
         connection_ready = false,
         initialization_lease_id = NULL,
         lease_id = NULL,
@@ -397,6 +402,7 @@ WITH updated AS (
         status = 'failed',
         failure_code = :failure_code,
         failure_message = :failure_message,
+        end_reason = coalesce(end_reason, :failure_code),
         connection_ready = false,
         initialization_lease_id = NULL,
         next_attempt_at = NULL,
@@ -431,6 +437,7 @@ WITH prior AS (
         status = 'destroy_failed',
         failure_code = :failure_code,
         failure_message = :failure_message,
+        end_reason = coalesce(a.end_reason, :failure_code),
         connection_ready = false,
         next_attempt_at = NULL,
         lease_id = NULL,
