@@ -176,6 +176,49 @@ class Measures:
                 Target(on="hubd", op="<=", value=goal),
                 "ms",
             )
+        # Fair claiming (bench.fairness): tenant B's request → ready under tenant A's burst of
+        # ten times as many requests, against B alone on the same daemon; the former FIFO
+        # claim beside it, for scale (no target: it is what the fair claim replaced).
+        b = _count(_get(results, "fairness", "load", "requests"))
+        burst = _count(_get(results, "fairness", "load", "burst"))
+        alone50 = _get(results, "fairness", "alone", "b_p50_ms")
+        alone99 = _get(results, "fairness", "alone", "b_p99_ms")
+        for quantile, alone in (("p50", alone50), ("p99", alone99)):
+            row(
+                f"fairness_alone_{quantile}",
+                f"tenant B request→ready {quantile}, {b} alone",
+                alone,
+                unit="ms",
+            )
+        row(
+            "fairness_fair_p50",
+            f"tenant B request→ready p50, under tenant A's {burst} at once (vs alone)",
+            _get(results, "fairness", "fair", "b_p50_ms"),
+            alone50,
+            unit="ms",
+        )
+        row(
+            "fairness_fair_p99",
+            f"tenant B request→ready p99, under tenant A's {burst} at once (vs alone)",
+            _get(results, "fairness", "fair", "b_p99_ms"),
+            alone99,
+            Target(on="ratio", op="<=", value=2),
+            "ms",
+        )
+        row(
+            "fairness_fifo_p99",
+            "tenant B request→ready p99, the same burst, former FIFO claim (vs alone)",
+            _get(results, "fairness", "fifo", "b_p99_ms"),
+            alone99,
+            unit="ms",
+        )
+        row(
+            "fairness_burst_rate",
+            "tenant A's burst pending→ready, fair claim (vs FIFO claim)",
+            _get(results, "fairness", "fair", "a_rate"),
+            _get(results, "fairness", "fifo", "a_rate"),
+            unit="alloc/s",
+        )
         small, large = size.small_rows, size.large_rows
         for name, label in (
             ("claim", "claim statement (16 slots)"),
@@ -240,6 +283,11 @@ class Measures:
                     unit="ms",
                 )
         return rows
+
+
+def _count(value: Any) -> str:
+    """A count for a row's label; ``N`` when the part did not run."""
+    return f"{value:,}" if isinstance(value, int) else "N"
 
 
 def _number(value: float | None) -> str:

@@ -13,7 +13,10 @@ What runs, in order, on one PostgreSQL (the embedded one in a temporary director
    allocations, the commits it took, then idle commits per second; at 16 also the same burst
    with every sidecar dialling from one address (on another fresh daemon), and connect → ready
    latency on the then idle daemon;
-4. for every socket count, a fresh daemon and a fresh bare websockets server: RSS per idle
+4. fair claiming (``bench.fairness``): on a fresh daemon of the default claim count, one
+   tenant's request → ready latency alone and under another tenant's burst of ten times as
+   many, with the fair claim and with the former FIFO one;
+5. for every socket count, a fresh daemon and a fresh bare websockets server: RSS per idle
    socket and the reconnect storm.
 
 See docs/performance.md for what each measure means and a recorded run.
@@ -42,7 +45,7 @@ from typing import Any
 import asyncpg
 import attrs
 
-from bench import baselines, phases, scale
+from bench import baselines, fairness, phases, scale
 from bench.procs import DaemonProcess, FarmClient, raise_open_files, server_processes
 from bench.report import Measures, profile_summary, render
 from bench.watch import Watcher, xact_commit
@@ -345,6 +348,21 @@ class Run:
             await self.watcher.unmute()
         return result
 
+    async def fairness_phase(self) -> dict[str, Any]:
+        """``bench.fairness`` at this run's size, the watcher muted (its notifications would
+        wake the daemon's listener once per ready row of the burst)."""
+        await self.watcher.mute()
+        try:
+            return await fairness.measure(
+                self.dsn,
+                self.farm,
+                self.workdir,
+                fairness.LOADS[self.args.size],
+                root=self.daemon_root,
+            )
+        finally:
+            await self.watcher.unmute()
+
     async def socket_phase(self, n: int) -> dict[str, Any]:
         # The bare server's sockets stay open (idle, in their own process) while hubd's are
         # measured, so that each of its storms can run just before one of hubd's.
@@ -494,7 +512,7 @@ def _size(args: argparse.Namespace) -> Size:
     return size
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 -- the parts in order
     main_task = asyncio.current_task()
     assert main_task is not None
     # A TERM (a supervisor, a timeout, kill) ends the run as Ctrl-C does: the finally blocks
@@ -544,6 +562,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         functools.partial(bench_run.claims_phase, claims, first=index == 0),
                         combine=combine_claims,
                     )
+            await bench_run.step("fairness", bench_run.fairness_phase)
             await bench_run.step(
                 "statements",
                 lambda: scale.statement_costs(
@@ -600,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["floor", "pgqueuer", "statements", "claims", "sockets"],
+        choices=["floor", "pgqueuer", "statements", "claims", "fairness", "sockets"],
         help="run only these parts (repeatable; the table then has gaps)",
     )
     parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))

@@ -15,8 +15,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from bench import procs
+from bench import fairness, procs
 from bench.report import render, round_ratios, storm_ratios
+from hubd.store import AllocationStore, Database
 from tests.clikit import hubd_env
 from tests.conftest import PostgresServer
 from tests.polling import eventually
@@ -45,6 +46,12 @@ EVERY_MEASURE = {
     "connect_ready_p99",
     "dial_ready_p50",
     "dial_ready_p99",
+    "fairness_alone_p50",
+    "fairness_alone_p99",
+    "fairness_fair_p50",
+    "fairness_fair_p99",
+    "fairness_fifo_p99",
+    "fairness_burst_rate",
     "claim_cost",
     "renewal_cost",
     "status_count_cost",
@@ -73,6 +80,8 @@ WITH_BASELINE = EVERY_MEASURE - {
     "connect_ready_p99",
     "dial_ready_p50",
     "dial_ready_p99",
+    "fairness_alone_p50",
+    "fairness_alone_p99",
     "loss_rate_30",
     "storm_cpu_postgres_30",
     "storm_cpu_bench_30",
@@ -149,6 +158,12 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     one_source = report["results"]["claims_16"]["one_source"]
     assert one_source["complete"], one_source
     assert all(r["one_source_ready_rate"] > 0 for r in report["results"]["claims_16"]["rounds"])
+    # Fair claiming: every request of tenant B in each scenario measured, and A's whole burst.
+    fair = report["results"]["fairness"]
+    for scenario in fairness.SCENARIOS:
+        assert fair[scenario]["b_n"] == fair["load"]["requests"] * fair["load"]["rounds"]
+    for scenario in ("fair", "fifo"):
+        assert fair[scenario]["a_n"] == fair["load"]["burst"] * fair["load"]["rounds"]
     floor = report["results"]["floor"]
     assert floor["rate"] == statistics.median(each["rate"] for each in floor["rounds"])
     assert len(floor["rounds"]) == 2
@@ -229,6 +244,51 @@ def test_storm_ratios_pair_each_storm_with_the_bare_storm_before_it() -> None:
     assert "  2,000 sockets  0.60x / 0.65x" in text
     assert "  5,000 sockets  0.50x / 0.90x / 0.75x" in text
     assert "10,000 sockets" not in text
+
+
+async def test_the_fifo_claim_is_installed_for_its_block_only(
+    db: Database, store: AllocationStore
+) -> None:
+    """Inside ``fairness.fifo_claims`` the claim takes due rows oldest first whatever their
+    tenant, as before fair claiming; after it, the claim and its settings are as the migrations
+    made them and the bench's index is gone."""
+    burst = [(await store.request(provisioner_id="p", tenant_id="a")).id for _ in range(3)]
+    late = (await store.request(provisioner_id="p", tenant_id="b")).id
+    due = "SELECT id FROM hubd_due_allocations('{}'::text[], 2)"
+    async with db.pool.acquire() as conn:
+        before = await conn.fetchval(fairness.CURRENT_CLAIM)
+        async with conn.transaction():
+            assert [r["id"] for r in await conn.fetch(due)] == [burst[0], late]
+        async with fairness.fifo_claims(conn), conn.transaction():
+            assert [r["id"] for r in await conn.fetch(due)] == burst[:2]
+        async with conn.transaction():
+            assert [r["id"] for r in await conn.fetch(due)] == [burst[0], late]
+        assert await conn.fetchval(fairness.CURRENT_CLAIM) == before
+        assert await conn.fetchval("SELECT to_regclass('hubd_bench_fifo_due_idx')") is None
+
+
+def test_a_scenario_pools_tenant_b_over_its_rounds() -> None:
+    """B's percentiles are taken over every round's requests together, each round's p99 kept
+    beside them; A's rate is the median of the rounds'."""
+    rounds = [
+        {"b_ms": [10.0] * 98 + [500.0] * 2, "b_claim_ms": [1.0] * 100, "a_n": 10,
+         "a_rate": 100.0, "a_ms": [1.0] * 10, "b_during_burst": 100},
+        {"b_ms": [20.0] * 100, "b_claim_ms": [2.0] * 100, "a_n": 10, "a_rate": 300.0,
+         "a_ms": [3.0] * 10, "b_during_burst": 50},
+        {"b_ms": [30.0] * 100, "b_claim_ms": [3.0] * 100, "a_n": 10, "a_rate": 200.0,
+         "a_ms": [2.0] * 10, "b_during_burst": 0},
+    ]  # fmt: skip
+    summary = fairness.summarize(rounds)
+    assert summary["b_n"] == 300
+    assert summary["b_p50_ms"] == 20.0
+    assert summary["b_p99_ms"] == 30.0
+    assert summary["b_max_ms"] == 500.0
+    assert summary["b_p99_ms_rounds"] == [500.0, 20.0, 30.0]
+    assert (summary["b_claim_p50_ms"], summary["b_claim_p99_ms"]) == (2.0, 3.0)
+    assert summary["a_rate"] == 200.0
+    assert summary["a_n"] == 30
+    assert summary["b_during_burst"] == 150
+    assert "a_rate" not in fairness.summarize([{"b_ms": [1.0], "b_claim_ms": [0.5]}])
 
 
 def _alive(pid: int) -> bool:
