@@ -1,10 +1,13 @@
-"""Capped exponential backoff: the one schedule every retry loop in hubd waits by.
+"""Capped exponential backoff: the one formula hubd's retries wait by, each with its own base
+and cap.
 
 :class:`Backoff` is the pure schedule (attempt ``n`` → at most ``min(cap, base * 2**n)``); the
 reference sidecar draws its reconnect waits from it with full jitter. :class:`Retries` is the
 attempt counter a daemon loop keeps over it: each failure waits the next ceiling, a success
 starts over. Daemon loops do not jitter: each is one per process, not one per sidecar, so there
-is no herd to spread.
+is no herd to spread. The reconciler's durable retries use the same ceiling with the attempt
+counted on the allocation's row instead (:data:`hubd.reconciler.decisions.RETRY_SCHEDULE`:
+1 s doubling to 30 s).
 """
 
 from __future__ import annotations

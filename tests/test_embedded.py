@@ -130,7 +130,7 @@ class TestOrphanedServer:
         orphan = _killed_user(state)
         result = _stop_orphaned(state)
         assert result.returncode == 0, result.stderr
-        assert "outlived every process" in result.stderr
+        assert "embedded_postgresql_outlived_its_users_stopping_it" in result.stderr
         _wait_until(lambda: not _alive(orphan), what="the orphan to exit")
         assert _postmaster_pid(state) is None
 
@@ -329,7 +329,7 @@ class TestServerUser:
         with capture_logs() as logs:
             server_user.ensure_server_user("hubd_t_user")
         assert [entry["event"] for entry in logs] == [
-            "embedded postgresql system user made by another process"
+            "embedded_postgresql_system_user_made_by_another_process"
         ]
 
     @pytest.mark.parametrize(

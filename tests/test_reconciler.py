@@ -1006,14 +1006,18 @@ class TestLogLevels:
 
     async def test_a_lifecycle_says_ready_and_released_at_info(self, rig: ReconcilerRig) -> None:
         """Plugin calls that did their job are at debug (the ledger keeps them); the claims of a
-        lifecycle say ``ready`` and ``released`` at info, each with the allocation and its
-        generation. An ensure the plugin rejected stays at info: it explains the retry."""
+        lifecycle say ``allocation_ready`` and ``allocation_released`` at info, each with the
+        allocation and its generation. An ensure the plugin rejected stays at info: it explains the
+        retry."""
         with structlog.testing.capture_logs() as logs:
             ready = await rig.to_ready()
             await rig.store.release(ready.id)
             assert await rig.reconciler.reconcile_next()
         said = [(e["event"], e["generation"]) for e in logs if e["log_level"] != "debug"]
-        assert said == [("ready", ready.generation), ("released", ready.generation + 1)]
+        assert said == [
+            ("allocation_ready", ready.generation),
+            ("allocation_released", ready.generation + 1),
+        ]
         assert all(e["allocation_id"] == ready.id for e in logs if "allocation_id" in e)
         finished = [e for e in logs if e["event"].endswith("_finished")]
         assert [(e["event"], e["outcome"], e["log_level"]) for e in finished] == [

@@ -302,7 +302,7 @@ class TestService:
         assert int(systemd_host.show("NRestarts")) == restarts + 1
         _poll(_ready_at(systemd_host, allocation, generation), what="ready after the kill")
         journal = systemd_host.run("journalctl", "-u", "hubd", "-o", "cat").stdout
-        assert "outlived every process that used it" in journal
+        assert "embedded_postgresql_outlived_its_users_stopping_it" in journal
         assert "postmaster.pid" not in journal
 
     def test_root_cli_changes_nothing(self, systemd_host: Host, allocation: str) -> None:
@@ -391,7 +391,7 @@ class TestService:
         _running(systemd_host)
         assert allocation
         warnings = systemd_host.run("journalctl", "-u", "hubd", "-p", "warning", "-o", "cat").stdout
-        assert "outlived every process that used it" in warnings
+        assert "embedded_postgresql_outlived_its_users_stopping_it" in warnings
         assert '"level": "info"' not in warnings
         journal = systemd_host.run("journalctl", "-u", "hubd", "-o", "cat").stdout
         assert '"level": "info"' in journal

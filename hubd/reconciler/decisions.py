@@ -16,6 +16,7 @@ from typing import Final
 
 import attrs
 
+from hubd.backoff import Backoff
 from hubd.errors import InitializationUncertain, OperationTimeout
 from hubd.plugins.protocol import Accepted, Destroyed, DestroyRejected, Rejected
 from hubd.reconciler.writes import (
@@ -34,7 +35,7 @@ from hubd.store.values import Failure
 __all__ = [
     "AUTOMATIC_RECOVERY_DISABLED",
     "CAPPED_DELAY",
-    "MAX_BACKOFF_ATTEMPT",
+    "RETRY_SCHEDULE",
     "DestroyOutcome",
     "EnsureOutcome",
     "PluginOutcome",
@@ -64,18 +65,21 @@ __all__ = [
     "wake_on_start",
 ]
 
-MAX_BACKOFF_ATTEMPT: Final = 5
-BASE_DELAY: Final = 1.0
-MAX_DELAY: Final = 30.0
 AUTOMATIC_RECOVERY_DISABLED: Final = "Automatic recovery is disabled: "
+
+RETRY_SCHEDULE: Final = Backoff(base=1.0, cap=30.0)
+"""The reconciler's durable retries: :mod:`hubd.backoff`'s formula with its own base and cap.
+Its attempt is a counter on the row, not a loop's in-memory :class:`~hubd.backoff.Retries`, so
+the schedule survives a restart and goes on across replicas; and its delay is the ceiling,
+unjittered, since ``next_attempt_at`` is one row's and no herd waits by it."""
 
 
 def retry_delay(attempt: int) -> float:
-    """Seconds before the next try: ``min(1 s · 2^min(attempt, 5), 30 s)``."""
-    return float(min(BASE_DELAY * 2 ** min(max(attempt, 0), MAX_BACKOFF_ATTEMPT), MAX_DELAY))
+    """Seconds before the next try: ``min(1 s · 2^attempt, 30 s)`` (1, 2, 4, 8, 16, then 30)."""
+    return RETRY_SCHEDULE.ceiling(attempt)
 
 
-CAPPED_DELAY: Final = retry_delay(MAX_BACKOFF_ATTEMPT)
+CAPPED_DELAY: Final = RETRY_SCHEDULE.cap
 """The backoff's ceiling: where no durable attempt counter exists, it keeps a step that always
 fails from becoming a hot loop."""
 

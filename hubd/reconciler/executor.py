@@ -246,13 +246,15 @@ async def _carry_out(claim: Claim, write: Write, effects: Effects) -> None:
         router.fence(done.id, done.generation)
     elif isinstance(write, FailNow):
         router.retire(done.id, done.generation)
-        claim.log.warning("failed", code=write.failure.code, message=write.failure.message)
+        claim.log.warning(
+            "allocation_failed", code=write.failure.code, message=write.failure.message
+        )
     elif isinstance(write, MarkDestroyFailed):
         router.retire(done.id, done.generation)
-        claim.log.error("destroy failed for good", code=write.failure.code)
+        claim.log.error("destroy_failed_for_good", code=write.failure.code)
     elif isinstance(write, MarkReleased):
         router.retire(done.id, done.generation)
-        claim.log.info("released")
+        claim.log.info("allocation_released")
 
 
 async def _must_match(claim: Claim, write: Write, effects: Effects) -> Allocation:
@@ -294,13 +296,13 @@ def _report_final(
         write = write.park
     if isinstance(write, MarkReady):
         if written.connection_ready:
-            claim.log.info("ready")
+            claim.log.info("allocation_ready")
         else:
-            claim.log.info("a connection event arrived during initialization; following up")
+            claim.log.info("connection_event_during_initialization_following_up")
     elif isinstance(write, Park) and write.ready_within is not None and written.ready:
-        claim.log.info("ready")
+        claim.log.info("allocation_ready")
     elif isinstance(write, Park) and write.connection_seq not in (None, written.connection_seq):
-        claim.log.info("a connection event arrived while the claim looked; due now")
+        claim.log.info("connection_event_while_claim_looked_due_now")
 
 
 async def _abandon(claim: Claim, write: Abandon, effects: Effects) -> None:
@@ -322,7 +324,7 @@ async def _abandon(claim: Claim, write: Abandon, effects: Effects) -> None:
         # Advance the fence before this step settles and the allocation becomes claimable
         # again, so the abandoned sidecar cannot linger connected.
         s.router.fence(updated.id, updated.generation)
-        claim.log.warning("abandoning the sidecar", code=write.failure.code, to=str(updated.status))
+        claim.log.warning("abandoning_sidecar", code=write.failure.code, to=str(updated.status))
 
     await claim.queue_step(step)
     if guard_failed and write.otherwise is not None:

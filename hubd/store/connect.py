@@ -29,7 +29,7 @@ async def resolve_dsn(url: str, state_dir: Path) -> AsyncIterator[str]:
     maintenance = await asyncio.to_thread(embedded.start)
     try:
         log.info(
-            "using embedded postgresql",
+            "using_embedded_postgresql",
             data_dir=str(embedded.data_dir),
             hint="set database.url to use another server",
         )
@@ -45,7 +45,7 @@ async def open_database(
     """Connect both pools to the configured database (embedded when ``url`` is empty)."""
     async with resolve_dsn(url, state_dir) as dsn:
         db = await connect_database(dsn, pool_size=pool_size)
-        log.debug("database connected", url=redact_dsn(dsn))
+        log.debug("database_connected", url=redact_dsn(dsn))
         try:
             yield db
         finally:

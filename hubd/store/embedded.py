@@ -137,7 +137,7 @@ class EmbeddedPostgres:
                 f"the embedded PostgreSQL in {self.data_dir} did not start: {exc}; "
                 f"its log is {self.data_dir / 'log'}{log_excerpt(self.data_dir / 'log')}"
             ) from exc
-        log.info("embedded postgresql running", data_dir=str(self.data_dir))
+        log.info("embedded_postgresql_running", data_dir=str(self.data_dir))
         return dsn
 
     def stop(self) -> None:
@@ -182,7 +182,7 @@ class EmbeddedPostgres:
             # file is gone, but the server's own check (kill(pid, 0)) would take the file for
             # a live one's and refuse to start.
             log.warning(
-                "embedded postgresql lock file is stale, removed",
+                "embedded_postgresql_stale_lock_file_removed",
                 data_dir=str(self.data_dir),
                 pid=lock.pid,
             )
@@ -191,7 +191,7 @@ class EmbeddedPostgres:
         if verdict is not LockVerdict.ORPHAN:
             return False
         log.warning(
-            "embedded postgresql outlived every process that used it, stopping it",
+            "embedded_postgresql_outlived_its_users_stopping_it",
             data_dir=str(self.data_dir),
             pid=lock.pid,
         )
@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failure: HubdError = exc
     else:
         return 0
-    log.error("embedded postgresql not stopped", reason=str(failure))
+    log.error("embedded_postgresql_not_stopped", reason=str(failure))
     return 2 if isinstance(failure, ConfigError) else 1
 
 

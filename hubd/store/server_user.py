@@ -63,12 +63,12 @@ def ensure_server_user(name: str = SERVER_USER) -> None:
         outcome = f"did not run: {exc}"
     else:
         if made.returncode == 0:
-            log.info("embedded postgresql system user made", user=name)
+            log.info("embedded_postgresql_system_user_made", user=name)
             return
         outcome = f"exited {made.returncode}: {made.stderr.strip() or made.stdout.strip()}"
     if user_exists(name):
         # Made by another process between our look-up and our useradd.
-        log.info("embedded postgresql system user made by another process", user=name)
+        log.info("embedded_postgresql_system_user_made_by_another_process", user=name)
         return
     raise EmbeddedPostgresError(
         f"running as root, the embedded PostgreSQL runs as the system user {name}, which does "

@@ -253,7 +253,7 @@ class TenantWalls:
                     await db.fetchval(what, SQL.grant_app(role_name=role_name), conn=conn),
                     role["hubd_role"],
                 )
-        log.info("tenant wall set", role=role_name, tenant=tenant_id, granted_app=granted_app)
+        log.info("tenant_wall_set", role=role_name, tenant=tenant_id, granted_app=granted_app)
         return Granted(
             role_name=role_name,
             tenant_id=tenant_id,
@@ -305,7 +305,7 @@ class TenantWalls:
                 assert removed is not None
                 raise InvalidRequest(_would_widen(role_name, removed["tenant_id"], through))
         log.info(
-            "tenant wall removed",
+            "tenant_wall_removed",
             role=role_name,
             tenant=None if removed is None else removed["tenant_id"],
             revoked_app=revoked_app,
