@@ -269,7 +269,7 @@ class TestMigrate:
             finally:
                 await _stop_orphaned(state, host)
             assert result.code == 0, result.err
-            assert "made by another process" in result.err
+            assert "embedded_postgresql_system_user_made_by_another_process" in result.err
             assert len(host.users()) == 1
 
 

@@ -12,6 +12,7 @@ import pytest
 from hubd.errors import InvalidRequest, QuotaExceeded
 from hubd.store import AllocationStore, Database, connect_database
 from hubd.store.quotas import Quotas, QuotaScope
+from tests.apikit import app_role
 from tests.clikit import run_hubd_async
 
 
@@ -212,28 +213,24 @@ class TestIsolation:
         """Through the application API, as a login holding only hubd_app: the refusal is
         HU429 with the message, and the role cannot read or change the quotas."""
         await quotas.set(QuotaScope.tenant("acme"), max_active=1)
-        await db.pool.execute(
-            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'quota_app') "
-            "THEN CREATE ROLE quota_app LOGIN PASSWORD 'quota-app-pw'; END IF; END $$"
-        )
-        await db.pool.execute("GRANT hubd_app TO quota_app")
-        app = await asyncpg.connect(database_url, user="quota_app", password="quota-app-pw")
-        try:
-            await app.fetch("SELECT * FROM hubd_v1.request('p', tenant => 'acme')")
-            with pytest.raises(asyncpg.PostgresError) as refused:
+        async with app_role(database_url) as dsn:
+            app = await asyncpg.connect(dsn)
+            try:
                 await app.fetch("SELECT * FROM hubd_v1.request('p', tenant => 'acme')")
-            assert refused.value.sqlstate == "HU429"
-            assert "max_active" in str(refused.value)
-            for statement in (
-                "SELECT * FROM hubd_tenant_quotas",
-                "DELETE FROM hubd_tenant_quotas",
-                "UPDATE hubd_tenant_usage SET tokens = 1000",
-                "SELECT hubd_admit_request('acme')",
-            ):
-                with pytest.raises(asyncpg.InsufficientPrivilegeError):
-                    await app.execute(statement)
-        finally:
-            await app.close()
+                with pytest.raises(asyncpg.PostgresError) as refused:
+                    await app.fetch("SELECT * FROM hubd_v1.request('p', tenant => 'acme')")
+                assert refused.value.sqlstate == "HU429"
+                assert "max_active" in str(refused.value)
+                for statement in (
+                    "SELECT * FROM hubd_tenant_quotas",
+                    "DELETE FROM hubd_tenant_quotas",
+                    "UPDATE hubd_tenant_usage SET tokens = 1000",
+                    "SELECT hubd_admit_request('acme')",
+                ):
+                    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                        await app.execute(statement)
+            finally:
+                await app.close()
 
 
 class TestCommand:
