@@ -204,6 +204,9 @@ class TestNoCodeOfTheCallersRunsAsAnotherRole:
                 listed = await app.fetch("SELECT * FROM hubd_v1.allocations")
                 await app.fetch("SELECT * FROM hubd_v1.events")
                 released = await app.fetchrow("SELECT * FROM hubd_v1.release($1)", made)
+                extended = await app.fetchrow(
+                    "SELECT * FROM hubd_v1.extend($1, interval '1 hour')", second
+                )
                 ran = await app.fetch("SELECT * FROM pg_temp.hubd_attack_log")
                 handed_out = await app.fetchval("SELECT is_called FROM pg_temp.hubd_event_position")
                 superuser = await app.fetchval(
@@ -215,6 +218,7 @@ class TestNoCodeOfTheCallersRunsAsAnotherRole:
         assert superuser is False
         assert handed_out is False, "a hubd function took a position from the caller's sequence"
         assert released["status"] == "released"
+        assert extended["expires_at"] is not None
         assert {r["id"] for r in listed} == {made, second}
         assert [e["event"] for e in seen] == ["requested", "requested"]
         assert cursor == seen[-1]["position"]
@@ -229,6 +233,7 @@ class TestNoCodeOfTheCallersRunsAsAnotherRole:
             (made, "requested"),
             (second, "requested"),
             (made, "released"),
+            (second, "extended"),
         ]
         assert max(r["position"] for r in rows) < 1000
 
@@ -492,9 +497,23 @@ class TestTenantsAreWalledOff:
                             assert tenants == {"globex"}
                             assert after == []
                     await conn.execute("RESET ROLE")
-                # Another tenant's id is as unknown as an id no allocation has.
+                # Another tenant's id is as unknown as an id no allocation has, to release and
+                # to extend alike; the tenant's own extends, and a lifetime it inflates is
+                # refused before it is written.
                 with pytest.raises(asyncpg.NoDataFoundError, match="no allocation"):
                     await acme.fetchrow("SELECT * FROM hubd_v1.release($1)", theirs["id"])
+                with pytest.raises(asyncpg.NoDataFoundError, match="no allocation"):
+                    await acme.fetchrow(
+                        "SELECT * FROM hubd_v1.extend($1, interval '1 hour')", theirs["id"]
+                    )
+                extended = await acme.fetchrow(
+                    "SELECT * FROM hubd_v1.extend($1, interval '1 hour')", mine["id"]
+                )
+                assert extended["expires_at"] is not None
+                with pytest.raises(asyncpg.InvalidParameterValueError, match="at most 10 years"):
+                    await acme.fetchrow(
+                        "SELECT * FROM hubd_v1.extend($1, interval '1000000 years')", mine["id"]
+                    )
                 await acme.execute("SET ROLE hubd_app")
                 with pytest.raises(asyncpg.NoDataFoundError, match="no allocation"):
                     await acme.fetchrow("SELECT * FROM hubd_v1.release($1)", theirs["id"])

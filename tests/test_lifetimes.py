@@ -4,6 +4,7 @@ whichever replica sweeps first), the expiring warning, and the reason every end 
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from hubd.client import Client
 from hubd.errors import InvalidRequest
-from hubd.store import AllocationStore, Database, LedgerStore, Status
+from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from tests.clikit import run_hubd_async
 from tests.daemonkit import running, sidecar_pids, write_config
 from tests.polling import eventually
@@ -136,6 +137,30 @@ class TestSweep:
         assert releasing.end_reason == "expired"
         assert "expire" in [e.kind for e in await ledger.history(bound.id)]
         assert (await events_of(db, waiting.id))[-1] == ("released", "expired")
+
+    async def test_two_replicas_sweeping_at_once_move_each_row_once(
+        self, db: Database, store: AllocationStore, database_url: str
+    ) -> None:
+        """Two replicas' sweeps at the same moment, on pools of their own: every expired row is
+        released once (one ledger row each), whichever sweep took it."""
+        made = [await store.request(provisioner_id="p", lifetime=60) for _ in range(40)]
+        for allocation in made:
+            await shift(db, allocation.id, 61)
+        other_db = await connect_database(database_url, pool_size=2)
+        try:
+            other = AllocationStore(other_db, instance_id="in_other")
+            first, second = await asyncio.gather(
+                store.sweep_deadlines(warning=60, pending_timeout=None),
+                other.sweep_deadlines(warning=60, pending_timeout=None),
+            )
+        finally:
+            await other_db.close()
+        assert first.expired + second.expired == 40
+        expires = await db.pool.fetchval(
+            "SELECT count(*) FROM hubd_allocation_ledger WHERE kind = 'expire'"
+        )
+        assert expires == 40
+        assert {(await store.get(a.id)).status for a in made} == {Status.RELEASED}
 
     async def test_the_end_is_announced_before_it_comes(
         self, db: Database, store: AllocationStore

@@ -16,7 +16,14 @@ from hubd.daemon.metrics import Metrics
 from hubd.errors import PluginError
 from hubd.plugins.protocol import SidecarExit, check_sidecar_exit
 from hubd.routing import Target
-from hubd.store import Allocation, AllocationStore, Database, LedgerStore, Status
+from hubd.store import (
+    Allocation,
+    AllocationStore,
+    Database,
+    LedgerStore,
+    Status,
+    connect_database,
+)
 from hubd.store.models import SidecarDeath
 from hubd.store.values import NO_REPLACEMENT_LIMIT, ReplacementLimit
 from tests.pgtime import age_row
@@ -89,6 +96,23 @@ class TestReportedDeath:
         assert len(await rig.store.report_exits([death(ready)])) == 1
         assert await rig.store.report_exits([death(ready, "again")]) == []
         assert (await rig.store.get(ready.id)).exit_message == DIED
+
+    async def test_two_replicas_reporting_one_death_at_once_write_it_once(
+        self, rig: ReconcilerRig
+    ) -> None:
+        """Every replica serving a provisioner follows its watch: the same death arrives at two
+        at the same moment, on pools of their own, and is written once."""
+        ready = await rig.to_ready()
+        other_db = await connect_database(rig.database_url, pool_size=2)
+        try:
+            other = AllocationStore(other_db, instance_id="in_other")
+            written = await asyncio.gather(
+                rig.store.report_exits([death(ready)]), other.report_exits([death(ready)])
+            )
+        finally:
+            await other_db.close()
+        assert sorted(len(w) for w in written) == [0, 1]
+        assert (await ledger_kinds(rig.ledger, ready.id)).count("sidecar_exited") == 1
 
     async def test_a_sidecar_hubd_is_releasing_is_not_reported(self, rig: ReconcilerRig) -> None:
         """hubd's own destroy makes the engine report a death too: it matches nothing."""
