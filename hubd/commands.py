@@ -21,7 +21,7 @@ from hubd.config import Config
 from hubd.errors import InvalidRequest, PluginError
 from hubd.plugins.protocol import SidecarOutput
 from hubd.plugins.registry import load_provisioners
-from hubd.presentation import allocation_json, next_step, rfc3339
+from hubd.presentation import allocation_json, next_step, print_table, rfc3339
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from hubd.store.connect import open_database
 from hubd.store.instances import InstanceStore
@@ -337,11 +337,7 @@ def _print_table(rows: Sequence[Any]) -> None:
         )
         for a in rows
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
-    for row in table:
-        print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+    print_table(table[0], table[1:])
 
 
 def _print_show(allocation: Any, history: Sequence[Any], step: str) -> None:

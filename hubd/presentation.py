@@ -124,3 +124,12 @@ def _next_step(allocation: Allocation, now: datetime) -> str:
     if attempt:
         return f"retrying: {verb} {at}, attempt {attempt + 1}{last_error}"
     return f"{verb} {at}{last_error}"
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str = "") -> None:
+    """``rows`` under ``headers`` in columns as wide as their widest cell, two spaces apart."""
+    table = [tuple(headers), *(tuple(r) for r in rows)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
+    for row in table:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print(indent + "  ".join(cells).rstrip())

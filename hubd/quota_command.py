@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hubd.commands import EXIT_OK
+from hubd.presentation import print_table
 from hubd.store.database import Database
 from hubd.store.quotas import Quota, Quotas, QuotaScope, TenantUsage
 
@@ -138,7 +139,7 @@ async def cmd_usage(db: Database, args: argparse.Namespace) -> int:
         )
         for u in found
     ]
-    _print_table(("TENANT", "ACTIVE", "PENDING", "QUOTA", "BUCKET"), rows)
+    print_table(("TENANT", "ACTIVE", "PENDING", "QUOTA", "BUCKET"), rows)
     return EXIT_OK
 
 
@@ -188,12 +189,3 @@ def usage_json(found: Sequence[TenantUsage]) -> list[dict[str, Any]]:
         }
         for u in found
     ]
-
-
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    table = [tuple(headers), *(tuple(r) for r in rows)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
-    for row in table:
-        print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from hubd import quota_command
 from hubd.commands import EXIT_OK
 from hubd.config import Config
-from hubd.presentation import rfc3339
+from hubd.presentation import print_table, rfc3339
 from hubd.store.connect import open_database
 from hubd.store.tenants import (
     APP_ROLE,
@@ -212,7 +211,7 @@ def _wall_note(wall: WallRow) -> str:
 
 def _print_map(found: TenantMap) -> None:
     if found.walls:
-        _print_table(
+        print_table(
             ("ROLE", "SEES", "SINCE", "NOTE"),
             [
                 (
@@ -232,7 +231,7 @@ def _print_map(found: TenantMap) -> None:
             print(f"Use {APP_ROLE} with no wall; each login sees EVERY tenant:")
         else:
             print(f"Use {APP_ROLE} with no wall (no role is walled into a tenant: single-tenant):")
-        _print_table(
+        print_table(
             ("ROLE", "SEES", "THROUGH"),
             [
                 (
@@ -250,13 +249,3 @@ def _print_map(found: TenantMap) -> None:
         print()
         readers = ", ".join(quoted_role(r) for r in found.table_readers)
         print(f"Read hubd's tables directly, past any wall: {readers}")
-
-
-def _print_table(
-    headers: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str = ""
-) -> None:
-    table = [tuple(headers), *(tuple(r) for r in rows)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
-    for row in table:
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        print(indent + "  ".join(cells).rstrip())

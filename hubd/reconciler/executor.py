@@ -69,7 +69,6 @@ class WriteServices(Protocol):
     @property
     def replacement_limit(self) -> ReplacementLimit:
         """How often an allocation's sidecars may fail before it is given up."""
-        ...
 
 
 class Claim(Protocol):
