@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,16 +79,21 @@ def write_config(
     extra: str = "",
     plugin: str = "local",
     plugin_options: str = "",
+    provisioner_keys: str = "",
+    sidecar_args: Sequence[str] = (),
 ) -> Path:
     """A config for tests: short timeouts, the local provisioner running the reference sidecar
-    with ``marker`` in its environment so the test can find (and clean up) its processes."""
-    command = json.dumps([sys.executable, "-m", "hubd.cli", "sidecar"])
+    (with ``sidecar_args`` after ``hubd sidecar``) with ``marker`` in its environment so the
+    test can find (and clean up) its processes. ``provisioner_keys`` are TOML lines of the
+    provisioner's own entry (``idle_timeout = "3s"``)."""
+    command = json.dumps([sys.executable, "-m", "hubd.cli", "sidecar", *sidecar_args])
     path.write_text(
         "\n"
         + daemon_sections(database_url=database_url, state_dir=state_dir, server_port=server_port)
         + f"""[[provisioners]]
 id = "local"
 plugin = "{plugin}"
+{provisioner_keys}
 [provisioners.options]
 command = {command}
 grace = 2

@@ -51,9 +51,11 @@ async def _bind(store: AllocationStore, fence: Fence) -> Allocation | None:
     )
 
 
-async def drive_to(store: AllocationStore, db: Database, status: Status) -> Fence:
+async def drive_to(
+    store: AllocationStore, db: Database, status: Status, *, provisioner_id: str = "fake"
+) -> Fence:
     """A new allocation in ``status``, claimed, with the fence of that claim."""
-    allocation = await store.request(provisioner_id="fake")
+    allocation = await store.request(provisioner_id=provisioner_id)
     fence = await claim_one(store, allocation.id)
     if status is Status.PENDING:
         return fence

@@ -41,6 +41,8 @@ VIEW_COLUMNS = {
     "finished_at",
     "expires_at",
     "end_reason",
+    "idle_timeout",
+    "idle_at",
 }
 
 
@@ -204,6 +206,7 @@ class TestSqlApi:
                 "request",
                 "release",
                 "extend",
+                "touch",
                 "event_cursor",
                 "events_after",
             }

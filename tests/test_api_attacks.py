@@ -497,8 +497,8 @@ class TestTenantsAreWalledOff:
                             assert tenants == {"globex"}
                             assert after == []
                     await conn.execute("RESET ROLE")
-                # Another tenant's id is as unknown as an id no allocation has, to release and
-                # to extend alike; the tenant's own extends, and a lifetime it inflates is
+                # Another tenant's id is as unknown as an id no allocation has, to release, to
+                # extend and to touch alike; the tenant's own extends, and a lifetime it inflates is
                 # refused before it is written.
                 with pytest.raises(asyncpg.NoDataFoundError, match="no allocation"):
                     await acme.fetchrow("SELECT * FROM hubd_v1.release($1)", theirs["id"])
@@ -506,6 +506,10 @@ class TestTenantsAreWalledOff:
                     await acme.fetchrow(
                         "SELECT * FROM hubd_v1.extend($1, interval '1 hour')", theirs["id"]
                     )
+                with pytest.raises(asyncpg.NoDataFoundError, match="no allocation"):
+                    await acme.fetchrow("SELECT * FROM hubd_v1.touch($1)", theirs["id"])
+                touched = await acme.fetchrow("SELECT * FROM hubd_v1.touch($1)", mine["id"])
+                assert touched["id"] == mine["id"]
                 extended = await acme.fetchrow(
                     "SELECT * FROM hubd_v1.extend($1, interval '1 hour')", mine["id"]
                 )

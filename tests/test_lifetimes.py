@@ -14,6 +14,7 @@ import pytest
 from hubd.client import Client
 from hubd.errors import InvalidRequest
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
+from hubd.store.allocations import ProvisionerLimits
 from tests.clikit import run_hubd_async
 from tests.daemonkit import running, sidecar_pids, write_config
 from tests.polling import eventually
@@ -51,7 +52,7 @@ class TestLifetime:
     async def test_a_request_lives_what_it_asks_within_the_maximum(
         self, db: Database, store: AllocationStore
     ) -> None:
-        await store.set_limits({"p": (HOUR, None)})
+        await store.set_limits({"p": ProvisionerLimits(max_lifetime=HOUR)})
         short = await store.request(provisioner_id="p", lifetime=60)
         assert 55 < await seconds_left(db, short.id) <= 60
         default = await store.request(provisioner_id="p")
@@ -65,7 +66,7 @@ class TestLifetime:
     async def test_an_extension_stays_within_the_maximum(
         self, db: Database, store: AllocationStore, ledger: LedgerStore
     ) -> None:
-        await store.set_limits({"p": (HOUR, None)})
+        await store.set_limits({"p": ProvisionerLimits(max_lifetime=HOUR)})
         allocation = await store.request(provisioner_id="p", lifetime=60)
         extended = await store.extend(allocation.id, 1800)
         assert extended.expires_at is not None
@@ -185,7 +186,7 @@ class TestSweep:
     ) -> None:
         served = await store.request(provisioner_id="p")
         orphan = await store.request(provisioner_id="nobody")
-        await store.set_limits({"p": (None, 7200.0)})
+        await store.set_limits({"p": ProvisionerLimits(pending_timeout=7200.0)})
         for allocation in (served, orphan):
             await db.pool.execute(
                 "UPDATE hubd_allocations SET created_at = now() - interval '1 hour' WHERE id = $1",

@@ -36,9 +36,10 @@ how long it waits for the answer (a connection whose peer vanished delivers noth
 nothing either); a connection that closes is known at once."""
 
 _REQUEST: Final = """
-SELECT * FROM hubd_v1.request($1, $2, $3, $4, $5, $6, $7)"""
+SELECT * FROM hubd_v1.request($1, $2, $3, $4, $5, $6, $7, $8)"""
 _RELEASE: Final = "SELECT * FROM hubd_v1.release($1, $2)"
 _EXTEND: Final = "SELECT * FROM hubd_v1.extend($1, $2)"
+_TOUCH: Final = "SELECT * FROM hubd_v1.touch($1)"
 _GET: Final = "SELECT * FROM hubd_v1.allocations WHERE id = $1"
 _LIST: Final = """
 SELECT * FROM hubd_v1.allocations
@@ -147,6 +148,7 @@ class Client:
         idempotency_key: str | None = None,
         ready_when: str | None = None,
         lifetime: timedelta | None = None,
+        idle_timeout: timedelta | None = None,
         conn: asyncpg.Connection | None = None,
     ) -> AllocationInfo:
         """Ask for a sidecar of ``provisioner``; returns the new (pending) allocation.
@@ -158,6 +160,9 @@ class Client:
         ``lifetime`` bounds its life from now (default: the provisioner's ``max_lifetime``, if
         any; longer than that raises :class:`~hubd.errors.InvalidRequest`); at its end it is
         released, ``end_reason`` ``expired``, an ``expiring`` event coming first.
+        ``idle_timeout`` (default: the provisioner's, if any; never longer): once ready, it is
+        released as ``idle`` after that long with no activity from its sidecar or from
+        :meth:`touch` or :meth:`extend`.
         """
         args = (
             provisioner,
@@ -167,6 +172,7 @@ class Client:
             idempotency_key,
             ready_when,
             lifetime,
+            idle_timeout,
         )
         return await self._one("request", _REQUEST, args, conn)
 
@@ -181,6 +187,13 @@ class Client:
         ``max_lifetime`` from its request (:class:`~hubd.errors.InvalidRequest` beyond it);
         one being released or ended is returned as it is."""
         return await self._one("extend", _EXTEND, (allocation_id, lifetime), conn)
+
+    async def touch(
+        self, allocation_id: str, *, conn: asyncpg.Connection | None = None
+    ) -> AllocationInfo:
+        """The application is still using the allocation: its idle clock starts again (where
+        it has an idle timeout). Returns it as it now stands."""
+        return await self._one("touch", _TOUCH, (allocation_id,), conn)
 
     async def release(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import attrs
@@ -57,7 +57,12 @@ class AllocationInfo:
     never."""
     end_reason: str | None = None
     """Once it ends (or a release began): who or what ended it: ``application``, ``operator``,
-    ``expired``, ``unserved``, or a failure's code."""
+    ``expired``, ``idle``, ``unserved``, ``provisioning_timeout``, or a failure's code."""
+    idle_timeout: timedelta | None = None
+    """How long it may show no activity once ready (``None``: for ever)."""
+    idle_at: datetime | None = None
+    """While allocated: when it ends ``idle`` unless its sidecar reports activity or
+    :meth:`Client.touch` / :meth:`Client.extend` is called first."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> AllocationInfo:
@@ -99,6 +104,7 @@ class Event:
     failure_message: str | None
     expires_at: datetime | None = None
     end_reason: str | None = None
+    idle_at: datetime | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Event:

@@ -25,7 +25,15 @@ from hubd.errors import ConfigError
 __all__ = ["load_config"]
 
 _ALL_SECTIONS: Final = (*SECTIONS, "provisioners")
-_PROVISIONER_KEYS: Final = ("id", "plugin", "ready_when", "max_lifetime", "options")
+_PROVISIONER_KEYS: Final = (
+    "id",
+    "plugin",
+    "ready_when",
+    "max_lifetime",
+    "idle_timeout",
+    "provisioning_timeout",
+    "options",
+)
 
 
 def load_config(
@@ -147,17 +155,25 @@ def _parse_provisioners(raw: Any) -> tuple[ProvisionerConfig, ...]:
                 plugin=entry["plugin"],
                 ready_when=ready_when,
                 options=options,
-                max_lifetime=_max_lifetime(f"{where}.max_lifetime", entry.get("max_lifetime", "")),
+                max_lifetime=_positive(f"{where}.max_lifetime", entry.get("max_lifetime", "")),
+                idle_timeout=_positive(f"{where}.idle_timeout", entry.get("idle_timeout", "")),
+                provisioning_timeout=_positive(
+                    f"{where}.provisioning_timeout", entry.get("provisioning_timeout", "")
+                ),
             )
         )
     return tuple(parsed)
 
 
-def _max_lifetime(where: str, raw: object) -> float | None:
-    """A provisioner's ``max_lifetime``: ``""`` for none, else a positive duration."""
+def _positive(where: str, raw: object) -> float | None:
+    """A provisioner's ``max_lifetime``, ``idle_timeout`` or ``provisioning_timeout``: ``""``
+    for none, else a positive duration."""
     if raw == "":
         return None
-    return float(Duration().from_toml(where, raw))
+    seconds = float(Duration().from_toml(where, raw))
+    if seconds <= 0:
+        raise problem(where, f'must be a positive duration or "" for none, not {raw!r}')
+    return seconds
 
 
 def _suggest(name: str, known: list[str] | tuple[str, ...]) -> str:

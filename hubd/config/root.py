@@ -120,6 +120,12 @@ class Config:
                 "plugin": p.plugin,
                 "ready_when": p.ready_when,
                 "max_lifetime": "" if p.max_lifetime is None else format_duration(p.max_lifetime),
+                "idle_timeout": "" if p.idle_timeout is None else format_duration(p.idle_timeout),
+                "provisioning_timeout": (
+                    ""
+                    if p.provisioning_timeout is None
+                    else format_duration(p.provisioning_timeout)
+                ),
                 "options": _redact_options(p.options),
             }
             for p in self.provisioners

@@ -304,7 +304,11 @@ class ReconcilerConfig:
     pending_timeout: float = _duration("10m")
     """How long a request may wait pending before it fails as ``unserved``."""
     expiry_warning: float = _duration("1m")
-    """How long before an allocation's end of life its ``expiring`` event comes."""
+    """How long before an allocation's end of life (or idle end) its ``expiring`` event
+    comes."""
+    provisioning_timeout: float = _duration("15m")
+    """How long an allocation may take from its claim (or a replacement's start) to ready
+    before it is given up as ``provisioning_timeout``, unless its provisioner says otherwise."""
     on_ready: str = _text("")
     """The hook run after a sidecar connects and before its allocation is ready:
     ``"package.module:attr"`` or an entry point in group ``hubd.on_ready``; empty: none
@@ -426,6 +430,11 @@ class ProvisionerConfig:
     max_lifetime: float | None = None
     """The longest one of its allocations may live, from its request (seconds; ``None``: no
     limit)."""
+    idle_timeout: float | None = None
+    """The longest (and default) idle timeout of its allocations: a ready one that shows no
+    activity for that long ends ``idle`` (seconds; ``None``: none)."""
+    provisioning_timeout: float | None = None
+    """From claim to ready at most (seconds; ``None``: ``[reconciler] provisioning_timeout``)."""
 
     def __attrs_post_init__(self) -> None:
         broken = provisioner_problem(self.id, self.plugin, self.ready_when)

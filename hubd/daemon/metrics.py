@@ -182,7 +182,8 @@ class Metrics:
         )
         self.deadlines = Counter(
             "hubd_deadlines",
-            "Deadlines this daemon acted on: allocations expired, failed unserved, warned",
+            "Deadlines this daemon acted on: allocations expired, ended idle, given up not ready "
+            "(provisioning_timeout), failed unserved, warned",
             ["kind"],
             registry=r,
         )

@@ -23,6 +23,7 @@ from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.errors import StoreError
 from hubd.liveness import swept_reconnect_window
 from hubd.reconciler.orphans import OrphanCollector
+from hubd.store.allocations import ProvisionerLimits
 from hubd.store.events import EventStore
 
 __all__ = ["DEADLINE_INTERVAL", "DEAD_INSTANCE_TTLS", "Sweeps"]
@@ -148,7 +149,15 @@ class Sweeps:
         every second at most, sooner when the next deadline the last run saw is nearer. Any
         replica may run it first; a row is moved once."""
         rc, store, metrics = self.config.reconciler, self.running.store, self.metrics
-        limits = {p.id: (p.max_lifetime, rc.pending_timeout) for p in self.config.provisioners}
+        limits = {
+            p.id: ProvisionerLimits(
+                max_lifetime=p.max_lifetime,
+                pending_timeout=rc.pending_timeout,
+                idle_timeout=p.idle_timeout,
+                provisioning_timeout=p.provisioning_timeout or rc.provisioning_timeout,
+            )
+            for p in self.config.provisioners
+        }
         while True:
             raise_if_cancelled()
             try:
@@ -169,13 +178,21 @@ class Sweeps:
             else:
                 for kind, count in (
                     ("expired", swept.expired),
+                    ("idle", swept.idle),
+                    ("provisioning_timeout", swept.provisioning_timeout),
                     ("unserved", swept.unserved),
                     ("expiring", swept.warned),
                 ):
                     if count:
                         metrics.deadlines.labels(kind=kind).inc(count)
-                if swept.expired or swept.unserved:
-                    log.info("deadlines_reached", expired=swept.expired, unserved=swept.unserved)
+                if swept.expired or swept.idle or swept.provisioning_timeout or swept.unserved:
+                    log.info(
+                        "deadlines_reached",
+                        expired=swept.expired,
+                        idle=swept.idle,
+                        provisioning_timeout=swept.provisioning_timeout,
+                        unserved=swept.unserved,
+                    )
                 if swept.next_in is not None:
                     wait = min(wait, max(swept.next_in, DEADLINE_FLOOR))
             await asyncio.sleep(wait)

@@ -46,6 +46,7 @@ import structlog
 from hubd.errors import DatabaseUnavailable, StoreError
 from hubd.redaction import describe_error
 from hubd.routing import Arrivals, ConnectionEvents, Target, not_connected
+from hubd.server.activity import ActivityRecorder
 from hubd.server.batching import Batcher
 from hubd.server.handshake import CloseCode, HandshakeRequest
 from hubd.server.messages import Publish
@@ -126,6 +127,8 @@ class SocketRouter:
             timeout=event_timeout,
             max_waiting=16384,
         )
+        self.activity = ActivityRecorder(connections, timeout=event_timeout)
+        """Where the sidecars' activity reports go."""
         self._closing = False
         self.repair = SocketRepair(
             self._registry,
@@ -378,6 +381,7 @@ class SocketRouter:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._acknowledgements.close()
         await self._clears.close()
+        await self.activity.close()
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -399,7 +403,7 @@ class SocketRouter:
 
     @property
     def batchers(self) -> tuple[Batcher[Any, Any], ...]:
-        return (self._acknowledgements, self._clears)
+        return (self._acknowledgements, self._clears, self.activity.batcher)
 
     @property
     def busy_allocations(self) -> int:

@@ -3,8 +3,9 @@ sidecar's messages one at a time (architecture §4), within the socket's message
 
 A ``heartbeat`` is counted, a ``welcome_ack`` retires the credential that opened the socket, a
 ``publish``, a ``ready`` or a ``not_ready`` is written through the router, fenced on the
-socket's record; a malformed or early one closes the socket with 4003, a peer over its budget is
-closed with 1008. Anything else is ignored and counted.
+socket's record, and an ``activity`` restarts the allocation's idle clock; a malformed or early
+one closes the socket with 4003, a peer over its budget is closed with 1008. Anything else is
+ignored and counted.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ __all__ = ["SessionHandler", "welcome_message"]
 _PUBLISHED: Final = json.dumps({"type": "published"})
 _READY: Final = json.dumps({"type": "ready_recorded"})
 _NOT_READY: Final = json.dumps({"type": "not_ready_recorded"})
+# Whether the activity restarted an idle clock (one runs) or not (none does).
+_ACTIVITY: Final = {
+    True: json.dumps({"type": "activity_recorded", "counted": True}),
+    False: json.dumps({"type": "activity_recorded", "counted": False}),
+}
 _ACKNOWLEDGED: Final[dict[str, Any]] = {"type": "welcome_ack"}
 
 
@@ -124,10 +130,18 @@ class SessionHandler:
             pass
 
     async def _act(self, entry: SocketEntry, data: dict[str, Any], *, acknowledged: bool) -> None:
-        """A ``publish``, a ``ready`` or a ``not_ready``: refused with 4003 when malformed or
-        early, else written, fenced on the socket's record (architecture §4, *Publish and
-        ready*)."""
-        if data["type"] == "publish":
+        """A ``publish``, a ``ready``, a ``not_ready`` or an ``activity``: refused with 4003
+        when malformed or early, else written, fenced on the socket's record (architecture §4,
+        *Publish and ready*, *Activity*)."""
+        if data["type"] == "activity":
+            if not acknowledged:
+                self._protocol_error(entry, ProtocolError("activity before welcome_ack"))
+                return
+            counted = await self._router.activity.record(entry)
+            if counted is not None:
+                self._stats.activity += 1
+                await self._answer(entry, _ACTIVITY[counted])
+        elif data["type"] == "publish":
             publish = parse_publish(data, acknowledged=acknowledged)
             if isinstance(publish, ProtocolError):
                 self._protocol_error(entry, publish)
@@ -199,7 +213,7 @@ class SessionHandler:
         elif kind == "welcome_ack" and not acknowledged:
             self._router.acknowledge(entry)
             return _ACKNOWLEDGED
-        elif kind in ("publish", "ready", "not_ready"):
+        elif kind in ("publish", "ready", "not_ready", "activity"):
             result: dict[str, Any] = data
             return result
         else:

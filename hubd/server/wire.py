@@ -71,6 +71,8 @@ class ServerStats:
     """Declarations of readiness recorded."""
     declared_not_ready: int = 0
     """Declarations that a sidecar can no longer serve, answered."""
+    activity: int = 0
+    """Activity reports answered (each restarted an idle clock, or found none running)."""
     protocol_errors: int = 0
     """Sockets closed with 4003 for a message the hub refused."""
     ignored_messages: int = 0

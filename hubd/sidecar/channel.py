@@ -8,7 +8,9 @@ one JSON object, shaped as the protocol's own messages (architecture §4):
   at once and after every reconnect, over what the options published (metadata merged key by
   key, a key given null removed; the same limits as every publish);
 * ``{"type": "ready"}`` and ``{"type": "not_ready"}``: whether the command can serve, acted on
-  with ``--ready-check command`` only (another check decides otherwise).
+  with ``--ready-check command`` only (another check decides otherwise);
+* ``{"type": "activity"}``: the command is in use (it served a request, say): the allocation's
+  idle clock starts again. Reports closer together than a second go to the hub as one.
 
 A line that is not one of these, or breaks the limits, is logged and dropped: the hub never sees
 it, so a command's mistake cannot make the hub close the sidecar. Lines are read up to 64 KiB;
@@ -40,12 +42,13 @@ MAX_LINE: Final = 64 * 1024
 
 @attrs.frozen(kw_only=True)
 class Said:
-    """What one line said: a publish (``endpoint`` and ``metadata``, ``None``: unchanged) or
-    a readiness (``ready``)."""
+    """What one line said: a publish (``endpoint`` and ``metadata``, ``None``: unchanged), a
+    readiness (``ready``) or activity."""
 
     endpoint: str | None = None
     metadata: Mapping[str, Any] | None = None
     ready: bool | None = None
+    activity: bool = False
 
 
 def parse_line(line: bytes) -> Said:
@@ -59,8 +62,10 @@ def parse_line(line: bytes) -> Said:
     kind = data.get("type")
     if kind in ("ready", "not_ready"):
         return Said(ready=kind == "ready")
+    if kind == "activity":
+        return Said(activity=True)
     if kind != "publish":
-        raise ValueError(f"type {kind!r:.40}: expected publish, ready or not_ready")
+        raise ValueError(f"type {kind!r:.40}: expected publish, ready, not_ready or activity")
     endpoint, metadata = data.get("endpoint"), data.get("metadata")
     if endpoint is None and metadata is None:
         raise ValueError("publish: neither endpoint nor metadata")

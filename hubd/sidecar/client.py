@@ -23,6 +23,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import secrets
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -51,6 +52,7 @@ from hubd.sidecar.settings import SidecarSettings
 from hubd.tokens import reconnect_secret_is_well_formed
 
 __all__ = [
+    "ACTIVITY_SPACING",
     "SUBPROTOCOL",
     "Publication",
     "SidecarClient",
@@ -66,6 +68,10 @@ SUBPROTOCOL: Final = "hubd.sidecar.v2"
 SECRET_HEADER: Final = "Hubd-Reconnect-Secret"  # noqa: S105 -- a header name
 _MAX_MESSAGE_SIZE: Final = 128 * 1024
 """What the sidecar accepts from the hub: a welcome carries a spec of up to 64 KiB."""
+ACTIVITY_SPACING: Final = 1.0
+"""Seconds between two ``activity`` messages at least: the hub writes about once a second per
+allocation anyway."""
+_ACTIVITY: Final = json.dumps({"type": "activity"})
 
 
 class _WireLogger(logging.LoggerAdapter[logging.Logger]):
@@ -132,6 +138,9 @@ class SidecarClient:
         self._settings = settings
         self._announcements = Announcements(publication, ready=ready)
         self._changed = asyncio.Event()
+        # Activity reported and not told yet; when it was last told (the loop's clock).
+        self._active = False
+        self._active_told = -math.inf
         self._on_welcome = on_welcome
         self._backoff = backoff or Backoff()
         self._random = random or secrets.SystemRandom().random
@@ -165,6 +174,9 @@ class SidecarClient:
         """Declarations of readiness the hub answered."""
         self.withdrawn = 0
         """Declarations that the sidecar can no longer serve (``not_ready``) the hub answered."""
+        self.activity_counted: bool | None = None
+        """The hub's last answer to an ``activity``: whether it restarted an idle clock
+        (``None``: none answered yet)."""
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=32)
         """The latest decisions taken after a connection ended, newest last."""
 
@@ -193,6 +205,12 @@ class SidecarClient:
         if self._announcements.set_ready(ready):
             self._log.info("sidecar_ready" if ready else "sidecar_not_ready")
             self._changed.set()
+
+    def report_activity(self) -> None:
+        """The sidecar is in use: its allocation's idle clock starts again. Reports closer
+        together than :data:`ACTIVITY_SPACING` go to the hub as one, at most that late."""
+        self._active = True
+        self._changed.set()
 
     def stop(self) -> None:
         """Close the connection with 1000 and make :meth:`run` return ``EXIT_OK``; idempotent."""
@@ -370,6 +388,14 @@ class SidecarClient:
                 self._changed.clear()
                 for due in self._announcements.due(told, declared=declared, extra=extra):
                     await ws.send(due)
+                wait = welcome.interval
+                if self._active:
+                    since = loop.time() - self._active_told
+                    if since >= ACTIVITY_SPACING:
+                        self._active, self._active_told = False, loop.time()
+                        await ws.send(_ACTIVITY)
+                    else:
+                        wait = min(wait, ACTIVITY_SPACING - since)
                 if receiving is None:
                     # Kept across turns: recv() is safe to cancel, but there is no need to.
                     receiving = loop.create_task(ws.recv(), name="sidecar-receive")
@@ -378,7 +404,7 @@ class SidecarClient:
                 try:
                     done, _ = await asyncio.wait(
                         waiting,
-                        timeout=welcome.interval,
+                        timeout=wait,
                         return_when=asyncio.FIRST_COMPLETED,
                     )
                 finally:
@@ -387,7 +413,7 @@ class SidecarClient:
                     message = receiving.result()  # ConnectionClosed ends the session
                     receiving = None
                     self._answered(message)
-                elif not done:
+                elif not done and not self._active:
                     await ws.send(heartbeat)
         finally:
             if receiving is not None and not receiving.cancel() and not receiving.cancelled():
@@ -411,6 +437,8 @@ class SidecarClient:
         elif kind == "not_ready_recorded":
             self.withdrawn += 1
             self._log.info("sidecar_declared_not_ready")
+        elif kind == "activity_recorded":
+            self.activity_counted = data.get("counted") is True
 
 
 def _text_or_none(value: object) -> str | None:

@@ -48,7 +48,9 @@ async def _main(
     def said(what: Said) -> None:
         """What the command said on its publish descriptor (only ever after the client below
         welcomed the sidecar and started the command)."""
-        if what.ready is None:
+        if what.activity:
+            client.report_activity()
+        elif what.ready is None:
             try:
                 client.publish(endpoint=what.endpoint, metadata=what.metadata)
             except ValueError as exc:

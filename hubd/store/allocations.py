@@ -33,7 +33,7 @@ from hubd.store.values import (
     validate_spec,
 )
 
-__all__ = ["FORGOTTEN", "AllocationStore", "Deadlines"]
+__all__ = ["FORGOTTEN", "AllocationStore", "Deadlines", "ProvisionerLimits"]
 
 SQL = load_queries("allocations.sql")
 LIMITS = load_queries("provisioner_limits.sql")
@@ -42,12 +42,26 @@ FORGOTTEN: Final = "forgotten"
 """The failure code of an allocation an operator forgot (forget_allocation writes it)."""
 
 
+@attrs.frozen(kw_only=True)
+class ProvisionerLimits:
+    """What a provisioner's allocations may ask for and how long each stage may take, in
+    seconds (``None``: no limit): the longest lifetime, the longest (and default) idle
+    timeout, the wait to be claimed, and the time from the claim to ready."""
+
+    max_lifetime: float | None = None
+    pending_timeout: float | None = None
+    idle_timeout: float | None = None
+    provisioning_timeout: float | None = None
+
+
 @attrs.frozen
 class Deadlines:
     """What one deadline sweep moved, and the seconds until the next deadline it knows of
     (``None``: none)."""
 
     expired: int
+    idle: int
+    provisioning_timeout: int
     unserved: int
     warned: int
     next_in: float | None
@@ -80,6 +94,7 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
         idempotency_key: str | None = None,
         ready_when: str | None = None,
         lifetime: float | None = None,
+        idle_timeout: float | None = None,
         conn: asyncpg.Connection | None = None,
     ) -> Allocation:
         """Create a pending allocation, through the function applications call
@@ -89,7 +104,8 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
         transaction it is invisible, and no daemon is woken, until that transaction commits.
         A key already used returns its allocation; one used for another request raises
         :class:`~hubd.errors.IdempotencyConflict`. ``lifetime`` (seconds; default: the
-        provisioner's ``max_lifetime``, if any) bounds its life from now.
+        provisioner's ``max_lifetime``, if any) bounds its life from now; ``idle_timeout``
+        (seconds; default: the provisioner's, if any; never longer) its idleness once ready.
         """
         row = await self._db.fetchrow(
             "request allocation",
@@ -102,6 +118,7 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
                 ready_when=ready_when,
                 instance_id=self.instance_id,
                 lifetime=None if lifetime is None else float(lifetime),
+                idle_timeout=None if idle_timeout is None else float(idle_timeout),
             ),
             conn=conn,
         )
@@ -123,16 +140,26 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
         assert row is not None
         return Allocation.from_row(row)
 
-    async def set_limits(self, limits: Mapping[str, tuple[float | None, float | None]]) -> None:
-        """Record what this daemon's provisioners allow: id → (``max_lifetime``,
-        ``pending_timeout``) seconds, ``None`` for none."""
+    async def touch(self, allocation_id: str) -> Allocation:
+        """The application is still using the allocation: its idle clock starts again."""
+        row = await self._db.fetchrow(
+            "touch allocation",
+            SQL.touch_allocation(allocation_id=validate_allocation_id(allocation_id)),
+        )
+        assert row is not None
+        return Allocation.from_row(row)
+
+    async def set_limits(self, limits: Mapping[str, ProvisionerLimits]) -> None:
+        """Record what this daemon's provisioners allow, by provisioner id."""
         ids = sorted(limits)
         await self._db.execute(
             "set provisioner limits",
             LIMITS.set_limits(
                 provisioner_ids=ids,
-                max_lifetimes=[limits[i][0] for i in ids],
-                pending_timeouts=[limits[i][1] for i in ids],
+                max_lifetimes=[limits[i].max_lifetime for i in ids],
+                pending_timeouts=[limits[i].pending_timeout for i in ids],
+                idle_timeouts=[limits[i].idle_timeout for i in ids],
+                provisioning_timeouts=[limits[i].provisioning_timeout for i in ids],
             ),
         )
 
@@ -154,6 +181,8 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
         assert row is not None
         return Deadlines(
             expired=row["expired"],
+            idle=row["idle"],
+            provisioning_timeout=row["provisioning_timeout"],
             unserved=row["unserved"],
             warned=row["warned"],
             next_in=row["next_in"],

@@ -246,6 +246,21 @@ class ConnectionStore:
             return Declaration(accepted=False)
         return Declaration(accepted=True, seq=row["seq"], withdrawn=row["withdrawn"])
 
+    async def record_activity(self, targets: list[Target]) -> Mapping[Target, bool]:
+        """These generations' sidecars showed activity: each one allocated with an idle clock
+        running goes idle its ``idle_timeout`` from now (written at most about once a second
+        per allocation). Maps each target whose clock runs to ``True``; the others (another
+        generation, not allocated, no idle timeout) are absent."""
+        rows = await self._db.fetch(
+            "record activity",
+            SQL.record_activity(
+                allocation_ids=[t.allocation_id for t in targets],
+                generations=[t.generation for t in targets],
+            ),
+            pool=Pool.SOCKETS,
+        )
+        return {Target(row["id"], row["generation"]): True for row in rows}
+
     async def reassert(self, connection_id: str, target: Target, sidecar_id: str) -> int | None:
         """Write a swept record of a socket that is still open again; its number, or ``None``
         when the allocation moved on or another connection took over meanwhile."""

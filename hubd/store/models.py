@@ -106,8 +106,15 @@ class Allocation:
     """When it must end (its lifetime, or an extension); ``None``: never."""
     expiring: bool = False
     end_reason: str | None = None
-    """Who or what ended it (``application``, ``operator``, ``expired``, ``unserved``); a
-    failure's code is in ``failure_code``."""
+    """Who or what ended it (``application``, ``operator``, ``expired``, ``idle``,
+    ``unserved``, ``provisioning_timeout``); a failure's code is in ``failure_code``."""
+    idle_timeout: float | None = None
+    """Seconds without activity after which a ready allocation ends ``idle``; ``None``: never."""
+    idle_at: datetime | None = None
+    """When it goes idle unless its sidecar or application shows activity (set from its first
+    readiness on)."""
+    starting_since: datetime | None = None
+    """When its provisioning clock started (claimed or replacing, not ready since)."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Allocation:

@@ -93,6 +93,12 @@ CREATE TABLE hubd_allocations (
     expires_at                      timestamptz,
     expiring                        boolean NOT NULL DEFAULT false,
     end_reason                      text,
+    -- The idle timeout (seconds; NULL: none) and when the allocation goes idle unless its
+    -- sidecar or application shows activity; when its provisioning clock started (claimed or
+    -- replacing, not ready yet; hubd_stamp_clocks keeps both clocks).
+    idle_timeout                    double precision CHECK (idle_timeout > 0),
+    idle_at                         timestamptz,
+    starting_since                  timestamptz,
     CONSTRAINT hubd_allocations_exit_message_check CHECK (octet_length(exit_message) <= 8192),
     -- A lease is an id and an expiry together, never one without the other.
     CONSTRAINT hubd_allocations_lease_check CHECK ((lease_id IS NULL) = (lease_expires_at IS NULL)),
@@ -569,7 +575,8 @@ CREATE TABLE hubd_events (
     failure_code    text,
     failure_message text,
     expires_at      timestamptz,
-    end_reason      text
+    end_reason      text,
+    idle_at         timestamptz
 );
 
 -- Events below the horizon have been pruned; a cursor older than it cannot be resumed.
@@ -609,7 +616,8 @@ BEGIN
         kind := 'not_ready';
     ELSIF NEW.expiring AND NOT OLD.expiring THEN
         kind := 'expiring';
-    ELSIF OLD.expires_at IS DISTINCT FROM NEW.expires_at THEN
+    ELSIF OLD.expires_at IS DISTINCT FROM NEW.expires_at
+          OR (OLD.expiring AND NOT NEW.expiring) THEN
         kind := 'extended';
     ELSE
         kind := 'published';
@@ -618,11 +626,11 @@ BEGIN
     at_position := nextval('hubd_event_position');
     INSERT INTO hubd_events (position, allocation_id, tenant_id, session_id, event, status,
         ready, generation, endpoint, metadata, failure_code, failure_message, expires_at,
-        end_reason)
+        end_reason, idle_at)
     VALUES (at_position, NEW.id, NEW.tenant_id, NEW.session_id, kind, NEW.status,
         NEW.connection_ready AND NEW.status = 'allocated', NEW.generation, NEW.endpoint,
         NEW.metadata, NEW.failure_code, NEW.failure_message, NEW.expires_at,
-        coalesce(NEW.end_reason, CASE WHEN terminal THEN NEW.failure_code END));
+        coalesce(NEW.end_reason, CASE WHEN terminal THEN NEW.failure_code END), NEW.idle_at);
     PERFORM pg_notify('hubd_events', json_build_object('position', at_position)::text);
     RETURN NULL;
 END;
@@ -750,7 +758,11 @@ CREATE TABLE hubd_provisioner_limits (
     provisioner_id  text PRIMARY KEY,
     max_lifetime    double precision CHECK (max_lifetime > 0),
     pending_timeout double precision CHECK (pending_timeout > 0),
-    updated_at      timestamptz NOT NULL DEFAULT now()
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    -- The longest (and default) idle timeout of its allocations, and how long one may take
+    -- from its claim to ready before it is given up (seconds; NULL: none).
+    idle_timeout    double precision CHECK (idle_timeout > 0),
+    provisioning_timeout double precision CHECK (provisioning_timeout > 0)
 );
 
 -- Serves the deadline sweep: rows with a lifetime, and rows waiting to be served. Only the
@@ -760,6 +772,66 @@ CREATE INDEX hubd_allocations_expiry_idx ON hubd_allocations (expires_at)
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
 CREATE INDEX hubd_allocations_pending_idx ON hubd_allocations (created_at)
     WHERE status = 'pending' AND created_at IS NOT NULL;
+
+-- Serve the deadline sweep only: no look-up by key names idle_at or starting_since.
+CREATE INDEX hubd_allocations_idle_idx ON hubd_allocations (idle_at)
+    WHERE idle_at IS NOT NULL AND status = 'allocated';
+CREATE INDEX hubd_allocations_starting_idx ON hubd_allocations (starting_since)
+    WHERE starting_since IS NOT NULL;
+
+-- The clocks that follow from a row's own transitions, set in the statement that makes them
+-- whichever statement that is: the provisioning clock starts when a claim takes the row out
+-- of pending or a replacement begins, and stops when it becomes ready or leaves the active
+-- states; the idle clock restarts at every readiness (a replacement sidecar is a fresh one).
+CREATE FUNCTION hubd_stamp_clocks() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.status IN ('provisioning', 'replacing') THEN
+        NEW.starting_since := coalesce(NEW.starting_since, now());
+    ELSIF NEW.status <> 'allocated' THEN
+        NEW.starting_since := NULL;
+    END IF;
+    IF NEW.connection_ready AND NOT OLD.connection_ready THEN
+        NEW.starting_since := NULL;
+        IF NEW.idle_timeout IS NOT NULL THEN
+            -- A warning given for the idle deadline is withdrawn; one for the lifetime stays.
+            NEW.expiring := NEW.expiring AND NEW.expires_at IS NOT NULL
+                AND (OLD.idle_at IS NULL OR NEW.expires_at < OLD.idle_at);
+            NEW.idle_at := now() + make_interval(secs => NEW.idle_timeout);
+        END IF;
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+CREATE TRIGGER hubd_allocations_clocks
+    BEFORE UPDATE ON hubd_allocations
+    FOR EACH ROW
+    WHEN (OLD.status IS DISTINCT FROM NEW.status
+          OR (NEW.connection_ready AND NOT OLD.connection_ready))
+    EXECUTE FUNCTION hubd_stamp_clocks();
+
+-- The idle timeout of an allocation of provisioner that asks for `wanted` seconds: the wanted
+-- one, else the provisioner's idle_timeout, else none (NULL). More than the provisioner's, or
+-- not a positive number of seconds, fails (22023) naming both.
+CREATE FUNCTION hubd_idle_timeout(provisioner text, wanted double precision)
+RETURNS double precision LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    longest double precision;
+BEGIN
+    IF wanted IS NOT NULL AND NOT (wanted > 0 AND wanted <= 315360000) THEN
+        RAISE EXCEPTION 'idle_timeout must be a positive duration of at most 10 years, not % s',
+            wanted USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT l.idle_timeout INTO longest FROM hubd_provisioner_limits AS l
+    WHERE l.provisioner_id = provisioner;
+    IF wanted > longest THEN
+        RAISE EXCEPTION 'idle_timeout % s is longer than provisioner %''s idle_timeout of % s',
+            round(wanted::numeric, 3), quote_literal(provisioner), round(longest::numeric, 3)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN coalesce(wanted, longest);
+END;
+$$;
 
 -- Serves a quota's counts: a tenant's allocations not yet ended, by status. Only a statement
 -- that names a tenant implies the predicate, so a look-up by key on statistics that say the
@@ -873,13 +945,15 @@ $$;
 -- admitted by the tenant's quota (hubd_admit_request, HU429).
 CREATE FUNCTION hubd_request_allocation(provisioner text, tenant text, session text,
     requested_spec jsonb, requested_key text, requested_ready_when text, instance text,
-    requested_lifetime double precision DEFAULT NULL)
+    requested_lifetime double precision DEFAULT NULL,
+    requested_idle_timeout double precision DEFAULT NULL)
 RETURNS SETOF hubd_allocations LANGUAGE plpgsql AS $$
 DECLARE
     wanted_spec jsonb := coalesce(requested_spec, '{}'::jsonb);
     existing hubd_allocations;
     created hubd_allocations;
     deadline timestamptz;
+    idle double precision;
 BEGIN
     PERFORM hubd_check_request(provisioner, tenant, session, wanted_spec, requested_key,
         requested_ready_when);
@@ -891,10 +965,11 @@ BEGIN
         PERFORM hubd_admit_request(tenant);
     END IF;
     deadline := hubd_lifetime_deadline(provisioner, requested_lifetime, now());
+    idle := hubd_idle_timeout(provisioner, requested_idle_timeout);
     INSERT INTO hubd_allocations AS a (id, provisioner_id, tenant_id, session_id, spec,
-        next_attempt_at, idempotency_key, ready_when, expires_at)
+        next_attempt_at, idempotency_key, ready_when, expires_at, idle_timeout)
     VALUES ('al_' || replace(gen_random_uuid()::text, '-', ''), provisioner, tenant, session,
-        wanted_spec, now(), requested_key, requested_ready_when, deadline)
+        wanted_spec, now(), requested_key, requested_ready_when, deadline, idle)
     ON CONFLICT ((coalesce(tenant_id, '')), idempotency_key) WHERE idempotency_key IS NOT NULL
     DO NOTHING
     RETURNING a.* INTO created;
@@ -1016,7 +1091,11 @@ BEGIN
             found.created_at + make_interval(secs => longest), quote_literal(found.provisioner_id),
             round(longest::numeric, 3) USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    UPDATE hubd_allocations AS a SET expires_at = wanted, expiring = false, updated_at = now()
+    -- An extension is the application's activity too: the idle clock starts again.
+    UPDATE hubd_allocations AS a SET expires_at = wanted, expiring = false,
+        idle_at = CASE WHEN a.idle_at IS NOT NULL
+                       THEN now() + make_interval(secs => a.idle_timeout) END,
+        updated_at = now()
     WHERE a.id = found.id
     RETURNING * INTO found;
     INSERT INTO hubd_allocation_ledger
@@ -1024,6 +1103,34 @@ BEGIN
     VALUES (found.id, found.generation, instance, 'extend', found.status, found.status,
         'committed', 'ends at ' || to_char(wanted AT TIME ZONE 'UTC',
             'YYYY-MM-DD"T"HH24:MI:SS"Z"'));
+    RETURN NEXT found;
+END;
+$$;
+
+-- Activity of an allocation's application: its idle clock starts again (from now, where it
+-- has an idle timeout and is not ending), and a warning given for the idle deadline (not the
+-- nearer lifetime's) is withdrawn.
+CREATE FUNCTION hubd_touch_allocation(allocation text)
+RETURNS SETOF hubd_allocations LANGUAGE plpgsql AS $$
+DECLARE
+    found hubd_allocations;
+BEGIN
+    UPDATE hubd_allocations AS a SET
+        idle_at = CASE WHEN a.idle_at IS NOT NULL
+                       THEN now() + make_interval(secs => a.idle_timeout) END,
+        expiring = a.expiring AND a.expires_at IS NOT NULL
+                   AND (a.idle_at IS NULL OR a.expires_at < a.idle_at),
+        updated_at = now()
+    WHERE a.id = allocation AND a.idle_timeout IS NOT NULL
+      AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing')
+    RETURNING * INTO found;
+    IF found.id IS NULL THEN
+        SELECT * INTO found FROM hubd_allocations AS a WHERE a.id = allocation;
+    END IF;
+    IF found.id IS NULL THEN
+        RAISE EXCEPTION 'no allocation %', quote_literal(left(allocation, 80))
+            USING ERRCODE = 'no_data_found';
+    END IF;
     RETURN NEXT found;
 END;
 $$;
@@ -1125,7 +1232,9 @@ SELECT a.id, a.status::text AS status, (a.status = 'allocated' AND a.connection_
     a.ready_when::text AS ready_when, a.endpoint::text AS endpoint, a.metadata::jsonb AS metadata,
     a.failure_code, a.failure_message, a.created_at, a.updated_at, a.finished_at, a.expires_at,
     coalesce(a.end_reason, CASE WHEN a.status IN ('released', 'failed', 'destroy_failed')
-                                THEN a.failure_code END) AS end_reason
+                                THEN a.failure_code END) AS end_reason,
+    make_interval(secs => a.idle_timeout) AS idle_timeout,
+    CASE WHEN a.status = 'allocated' THEN a.idle_at END AS idle_at
 FROM hubd_allocations AS a
 WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
    OR a.tenant_id = (SELECT s.tenant FROM hubd_caller_scope() AS s);
@@ -1133,7 +1242,7 @@ WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
 CREATE VIEW hubd_v1.events WITH (security_barrier) AS
 SELECT e.position, e.at, e.allocation_id, e.tenant_id AS tenant, e.session_id AS session,
     e.event, e.status::text AS status, e.ready, e.generation::integer AS generation, e.endpoint,
-    e.metadata, e.failure_code, e.failure_message, e.expires_at, e.end_reason
+    e.metadata, e.failure_code, e.failure_message, e.expires_at, e.end_reason, e.idle_at
 FROM hubd_events AS e
 WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
    OR e.tenant_id = (SELECT s.tenant FROM hubd_caller_scope() AS s);
@@ -1142,7 +1251,8 @@ WHERE NOT (SELECT s.restricted FROM hubd_caller_scope() AS s)
 -- requests for its tenant: naming none gets its own, naming another is refused.
 CREATE FUNCTION hubd_v1.request(provisioner text, tenant text DEFAULT NULL,
     session text DEFAULT NULL, spec text DEFAULT '{}', idempotency_key text DEFAULT NULL,
-    ready_when text DEFAULT NULL, lifetime interval DEFAULT NULL)
+    ready_when text DEFAULT NULL, lifetime interval DEFAULT NULL,
+    idle_timeout interval DEFAULT NULL)
 RETURNS hubd_v1.allocations LANGUAGE plpgsql SECURITY DEFINER AS $$
 DECLARE
     scope record;
@@ -1161,7 +1271,8 @@ BEGIN
     END IF;
     SELECT r.id INTO made FROM hubd_request_allocation(request.provisioner, for_tenant,
         request.session, hubd_parse_spec(request.spec), request.idempotency_key,
-        request.ready_when, NULL, extract(epoch FROM request.lifetime)::float8) AS r;
+        request.ready_when, NULL, extract(epoch FROM request.lifetime)::float8,
+        extract(epoch FROM request.idle_timeout)::float8) AS r;
     SELECT * INTO result FROM hubd_v1.allocations AS v WHERE v.id = made;
     RETURN result;
 END;
@@ -1202,6 +1313,25 @@ BEGIN
     SELECT r.id INTO extended FROM hubd_extend_allocation(extend.allocation_id,
         extract(epoch FROM extend.lifetime)::float8, NULL) AS r;
     SELECT * INTO result FROM hubd_v1.allocations AS v WHERE v.id = extended;
+    RETURN result;
+END;
+$$;
+
+-- The application is still using the allocation: its idle clock starts again. A walled caller
+-- touches its tenant's allocations only (as release).
+CREATE FUNCTION hubd_v1.touch(allocation_id text)
+RETURNS hubd_v1.allocations LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    touched text;
+    result hubd_v1.allocations;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM hubd_v1.allocations AS v WHERE v.id = touch.allocation_id)
+    THEN
+        RAISE EXCEPTION 'no allocation %', quote_literal(left(touch.allocation_id, 80))
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    SELECT r.id INTO touched FROM hubd_touch_allocation(touch.allocation_id) AS r;
+    SELECT * INTO result FROM hubd_v1.allocations AS v WHERE v.id = touched;
     RETURN result;
 END;
 $$;

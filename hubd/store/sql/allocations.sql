@@ -9,14 +9,21 @@
 -- one path, one set of checks. The wake-up is delivered when the caller's transaction commits.
 -- The :spec arrives as JSON text, so callers' connections need no codec. A key already used
 -- returns its allocation (or fails, HU409, if the request differs). :lifetime seconds (NULL:
--- the provisioner's max_lifetime, if any) bounds its life from now.
+-- the provisioner's max_lifetime, if any) bounds its life from now; :idle_timeout seconds
+-- (NULL: the provisioner's idle_timeout, if any) its idleness once ready.
 SELECT * FROM hubd_request_allocation(:provisioner_id, :tenant_id, :session_id,
-    :spec::text::jsonb, :idempotency_key, :ready_when, :instance_id, :lifetime::float8);
+    :spec::text::jsonb, :idempotency_key, :ready_when, :instance_id, :lifetime::float8,
+    :idle_timeout::float8);
 
 -- name: extend_allocation
 -- The allocation now ends :lifetime seconds from now, within its provisioner's max_lifetime
 -- (22023 beyond it); a release under way or an end is left as it is. Returns the row.
 SELECT * FROM hubd_extend_allocation(:allocation_id, :lifetime::float8, :instance_id);
+
+-- name: touch_allocation
+-- The application is still using the allocation: its idle clock starts again (where it has
+-- one). Returns the row; an unknown id fails (no_data_found).
+SELECT * FROM hubd_touch_allocation(:allocation_id);
 
 -- name: release_allocation
 -- A user's release, through the function applications call too (hubd_v1.release): pending goes
@@ -133,21 +140,33 @@ SELECT u.id, u.generation, (SELECT count(*) FROM notified) AS notified FROM upda
 
 -- name: sweep_deadlines
 -- Every deadline that has come, decided here whichever replica runs it first (a row is moved
--- once: the next run finds it moved). An active allocation whose expires_at has passed ends as
--- a release does (pending: released at once; otherwise releasing under a new generation, due
--- now), with end_reason 'expired' and a ledger row 'expire'. A pending one older than its
--- provisioner's pending_timeout (else :pending_timeout seconds; 0: none) fails as 'unserved',
--- nothing having been bound. One whose end is :warning seconds away or less is marked expiring
--- (an 'expiring' event). At most :batch rows of each, oldest first, skipping rows another
--- statement holds (the next run takes them). Returns how many of each moved, and the seconds
--- until the next deadline known now (NULL: none).
+-- once: the next run finds it moved). An active allocation whose expires_at has passed, or a
+-- ready-once allocated one whose idle_at has (no activity for its idle_timeout), ends as a
+-- release does (pending: released at once; otherwise releasing under a new generation, due
+-- now), with end_reason 'expired' or 'idle' and a ledger row 'expire'. One claimed but not
+-- ready for its provisioner's provisioning_timeout since its provisioning clock started
+-- (starting_since) is given up: releasing under a new generation with give_up set, so it ends
+-- failed, failure and end_reason 'provisioning_timeout', ledger 'give_up'. A pending one older
+-- than its provisioner's pending_timeout (else :pending_timeout seconds; 0: none) fails as
+-- 'unserved', nothing having been bound. One whose nearer end is :warning seconds away or less
+-- is marked expiring (an 'expiring' event). At most :batch rows of each, oldest first,
+-- skipping rows another statement holds (the next run takes them). Returns how many of each
+-- moved, and the seconds until the next end or warning known now (NULL: none).
 WITH limits AS (
-    SELECT l.provisioner_id, l.pending_timeout FROM hubd_provisioner_limits AS l
-), due_to_end AS (
+    SELECT l.provisioner_id, l.pending_timeout, l.provisioning_timeout
+    FROM hubd_provisioner_limits AS l
+), due_expired AS (
     SELECT a.id FROM hubd_allocations AS a
     WHERE a.expires_at IS NOT NULL AND a.expires_at <= now()
       AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing')
     ORDER BY a.expires_at
+    LIMIT :batch
+    FOR NO KEY UPDATE SKIP LOCKED
+), due_idle AS (
+    SELECT a.id FROM hubd_allocations AS a
+    WHERE a.idle_at IS NOT NULL AND a.idle_at <= now() AND a.status = 'allocated'
+      AND a.id <> ALL (ARRAY(SELECT id FROM due_expired))
+    ORDER BY a.idle_at
     LIMIT :batch
     FOR NO KEY UPDATE SKIP LOCKED
 ), ended AS (
@@ -160,18 +179,44 @@ WITH limits AS (
         finished_at = CASE WHEN a.status = 'pending' THEN now() END,
         connection_ready = false,
         initialization_lease_id = NULL,
-        end_reason = coalesce(a.end_reason, 'expired'),
+        end_reason = coalesce(a.end_reason, CASE WHEN a.expires_at <= now() THEN 'expired'
+                                                 ELSE 'idle' END),
         updated_at = now()
-    FROM due_to_end AS d
-    WHERE a.id = d.id AND a.id = ANY (ARRAY(SELECT id FROM due_to_end))
-    RETURNING a.id, a.generation, a.status, a.provisioner_id, a.expires_at
+    WHERE a.id = ANY (ARRAY(SELECT id FROM due_expired) || ARRAY(SELECT id FROM due_idle))
+    RETURNING a.id, a.generation, a.status, a.provisioner_id, a.expires_at, a.idle_at,
+              a.idle_timeout
+), due_starting AS (
+    SELECT a.id FROM hubd_allocations AS a
+    JOIN limits AS l ON l.provisioner_id = a.provisioner_id
+    WHERE a.starting_since IS NOT NULL
+      AND a.starting_since < now() - make_interval(secs => l.provisioning_timeout)
+      AND a.status IN ('provisioning', 'allocated', 'replacing') AND NOT a.connection_ready
+      AND a.id <> ALL (ARRAY(SELECT id FROM due_expired) || ARRAY(SELECT id FROM due_idle))
+    ORDER BY a.starting_since
+    LIMIT :batch
+    FOR NO KEY UPDATE OF a SKIP LOCKED
+), gave_up AS (
+    UPDATE hubd_allocations AS a SET
+        status = 'releasing',
+        generation = a.generation + 1,
+        next_attempt_at = now(),
+        give_up = true,
+        connection_ready = false,
+        initialization_lease_id = NULL,
+        failure_code = 'provisioning_timeout',
+        failure_message = format('not ready within %s s of its claim (provisioning_timeout)',
+            round(extract(epoch FROM now() - a.starting_since)::numeric)),
+        end_reason = coalesce(a.end_reason, 'provisioning_timeout'),
+        updated_at = now()
+    WHERE a.id = ANY (ARRAY(SELECT id FROM due_starting))
+    RETURNING a.id, a.generation, a.provisioner_id, a.failure_message
 ), unserved AS (
     SELECT a.id FROM hubd_allocations AS a
     LEFT JOIN limits AS l ON l.provisioner_id = a.provisioner_id
     WHERE a.status = 'pending' AND a.created_at IS NOT NULL
       AND a.created_at < now() - make_interval(secs => coalesce(l.pending_timeout,
                                                            nullif(:pending_timeout::float8, 0)))
-      AND a.id <> ALL (ARRAY(SELECT id FROM due_to_end))
+      AND a.id <> ALL (ARRAY(SELECT id FROM due_expired))
     ORDER BY a.created_at
     LIMIT :batch
     FOR NO KEY UPDATE OF a SKIP LOCKED
@@ -191,52 +236,85 @@ WITH limits AS (
     FROM unserved AS u
     WHERE a.id = u.id AND a.id = ANY (ARRAY(SELECT id FROM unserved))
     RETURNING a.id, a.generation, a.failure_message
+), warn_life AS (
+    SELECT w.id FROM hubd_allocations AS w
+    WHERE w.expires_at IS NOT NULL
+      AND w.expires_at <= now() + make_interval(secs => :warning::float8)
+      AND w.expires_at > now()
+      AND w.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+      AND NOT w.expiring
+    ORDER BY w.expires_at
+    LIMIT :batch
+    FOR NO KEY UPDATE SKIP LOCKED
+), warn_idle AS (
+    SELECT w.id FROM hubd_allocations AS w
+    WHERE w.idle_at IS NOT NULL
+      AND w.idle_at <= now() + make_interval(secs => :warning::float8)
+      AND w.idle_at > now()
+      AND w.status = 'allocated'
+      AND NOT w.expiring
+      AND w.id <> ALL (ARRAY(SELECT id FROM warn_life))
+    ORDER BY w.idle_at
+    LIMIT :batch
+    FOR NO KEY UPDATE SKIP LOCKED
 ), warned AS (
     UPDATE hubd_allocations AS a SET expiring = true, updated_at = now()
-    WHERE a.id = ANY (ARRAY(
-        SELECT w.id FROM hubd_allocations AS w
-        WHERE w.expires_at IS NOT NULL
-          AND w.expires_at <= now() + make_interval(secs => :warning::float8)
-          AND w.expires_at > now()
-          AND w.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
-          AND NOT w.expiring
-        ORDER BY w.expires_at
-        LIMIT :batch
-        FOR NO KEY UPDATE SKIP LOCKED))
+    WHERE a.id = ANY (ARRAY(SELECT id FROM warn_life) || ARRAY(SELECT id FROM warn_idle))
+      AND a.id <> ALL (ARRAY(SELECT id FROM due_expired) || ARRAY(SELECT id FROM due_idle)
+                       || ARRAY(SELECT id FROM due_starting))
     RETURNING a.id
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
         (allocation_id, generation, instance_id, kind, from_status, to_status, phase,
          error_code, message)
     SELECT e.id, e.generation, :instance_id, 'expire', NULL, e.status, 'committed', NULL,
-           'its lifetime ended at ' || to_char(e.expires_at AT TIME ZONE 'UTC',
-                                              'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+           CASE WHEN e.expires_at <= now()
+                THEN 'its lifetime ended at ' || to_char(e.expires_at AT TIME ZONE 'UTC',
+                                                        'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+                ELSE format('idle since %s (idle_timeout %s s)',
+                            to_char((e.idle_at - make_interval(secs => e.idle_timeout))
+                                    AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
+                            round(e.idle_timeout::numeric, 3)) END
     FROM ended AS e
+    UNION ALL
+    SELECT g.id, g.generation, :instance_id, 'give_up', NULL, 'releasing', 'committed',
+           'provisioning_timeout', g.failure_message
+    FROM gave_up AS g
     UNION ALL
     SELECT f.id, f.generation, :instance_id, 'fail', 'pending', 'failed', 'committed',
            'unserved', f.failure_message
     FROM failed AS f
 ), woken AS (
     SELECT pg_notify('hubd_wake', d.provisioner_id)
-    FROM (SELECT DISTINCT provisioner_id FROM ended WHERE status = 'releasing') AS d
+    FROM (SELECT provisioner_id FROM ended WHERE status = 'releasing'
+          UNION SELECT provisioner_id FROM gave_up) AS d
 )
-SELECT (SELECT count(*) FROM ended) AS expired,
+SELECT (SELECT count(*) FROM ended WHERE expires_at <= now()) AS expired,
+       (SELECT count(*) FROM ended WHERE NOT coalesce(expires_at <= now(), false)) AS idle,
+       (SELECT count(*) FROM gave_up) AS provisioning_timeout,
        (SELECT count(*) FROM failed) AS unserved,
        (SELECT count(*) FROM warned) AS warned,
        (SELECT count(*) FROM woken) AS woken,
        -- The next moment this statement has something to do, among the earliest ends: a warning
        -- not yet given, or an end.
-       extract(epoch FROM (
-           SELECT min(CASE WHEN n.expiring THEN n.expires_at
-                           ELSE n.expires_at - make_interval(secs => :warning::float8) END)
-           FROM (
-               SELECT x.expires_at, x.expiring FROM hubd_allocations AS x
-               WHERE x.expires_at IS NOT NULL
-                 AND x.status IN ('pending', 'provisioning', 'allocated', 'replacing',
-                                  'releasing')
-                 AND x.status <> 'releasing'
-               ORDER BY x.expires_at
-               LIMIT 8) AS n) - now())::float8 AS next_in;
+       extract(epoch FROM least(
+           (SELECT min(CASE WHEN n.expiring THEN n.expires_at
+                            ELSE n.expires_at - make_interval(secs => :warning::float8) END)
+            FROM (
+                SELECT x.expires_at, x.expiring FROM hubd_allocations AS x
+                WHERE x.expires_at IS NOT NULL
+                  AND x.status IN ('pending', 'provisioning', 'allocated', 'replacing',
+                                   'releasing')
+                  AND x.status <> 'releasing'
+                ORDER BY x.expires_at
+                LIMIT 8) AS n),
+           (SELECT min(CASE WHEN n.expiring THEN n.idle_at
+                            ELSE n.idle_at - make_interval(secs => :warning::float8) END)
+            FROM (
+                SELECT x.idle_at, x.expiring FROM hubd_allocations AS x
+                WHERE x.idle_at IS NOT NULL AND x.status = 'allocated'
+                ORDER BY x.idle_at
+                LIMIT 8) AS n)) - now())::float8 AS next_in;
 
 -- name: mark_unconnected
 -- Start-up repair and the repair sweep: allocated rows that read ready, or that nothing will ever

@@ -625,3 +625,48 @@ FROM hubd_sidecar_connections AS c
 LEFT JOIN hubd_instances AS i ON i.id = c.instance_id
 WHERE i.id IS NULL OR i.heartbeat_at <= now() - make_interval(secs => :ttl)
 ORDER BY c.allocation_id;
+
+-- name: record_activity
+-- The sidecars of generations (:allocation_ids[i], :generations[i]) showed activity: each
+-- allocation still allocated at that generation, with an idle clock running, goes idle its
+-- idle_timeout from now, and a warning given for its idle deadline (not a nearer lifetime's)
+-- is withdrawn. A clock restarted within the last second (or the last 5% of a shorter
+-- timeout) is left as it is, unless a warning is out: a sidecar reporting activity many times
+-- a second writes about once a second. The rows are locked in id order, as every multi-row
+-- statement takes them. Returns the generations whose clock runs (restarted now or lately).
+WITH input AS (
+    SELECT DISTINCT i.allocation_id, i.generation
+    FROM unnest(:allocation_ids::text[], :generations::integer[]) AS i (allocation_id, generation)
+    ORDER BY i.allocation_id
+), current AS (
+    SELECT a.id, a.generation, a.stale
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT id, generation,
+               expiring OR idle_at < now() + make_interval(
+                   secs => idle_timeout - least(1.0, idle_timeout * 0.05)) AS stale
+        FROM hubd_allocations
+        WHERE id = i.allocation_id AND generation = i.generation AND status = 'allocated'
+          AND idle_at IS NOT NULL
+        LIMIT 1
+    ) AS a
+), locked AS (
+    SELECT a.id FROM current AS c
+    CROSS JOIN LATERAL (
+        SELECT id FROM hubd_allocations
+        WHERE id = c.id AND generation = c.generation AND status = 'allocated'
+        LIMIT 1
+        FOR NO KEY UPDATE
+    ) AS a
+    WHERE c.stale
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        expiring = a.expiring AND a.expires_at IS NOT NULL AND a.expires_at < a.idle_at,
+        idle_at = now() + make_interval(secs => a.idle_timeout),
+        updated_at = now()
+    FROM locked AS l
+    WHERE a.id = l.id AND a.id = ANY (:allocation_ids::text[])
+    RETURNING a.id
+)
+SELECT c.id, c.generation FROM current AS c
+WHERE NOT c.stale OR c.id IN (SELECT id FROM updated);
