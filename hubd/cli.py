@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="release it this long after the request, e.g. 30m (default: the provisioner's "
         "max_lifetime, if any; never longer)",
     )
+    request.add_argument(
+        "--idle-timeout",
+        type=_positive_seconds,
+        help="once ready, release it after this long unused, e.g. 15m (default: the "
+        "provisioner's idle_timeout, if any; never longer)",
+    )
     request.add_argument("--wait", action="store_true", help="wait until ready or terminal")
     request.add_argument(
         "--timeout",

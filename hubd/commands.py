@@ -70,7 +70,7 @@ async def cmd_migrate(config: Config, _args: argparse.Namespace) -> int:
 def add_alloc_commands(
     alloc_commands: Any, common: argparse.ArgumentParser, *, seconds: Callable[[str], float]
 ) -> None:
-    """``hubd alloc extend`` and ``hubd alloc logs``; ``seconds`` parses a duration."""
+    """``hubd alloc extend``, ``touch`` and ``logs``; ``seconds`` parses a duration."""
     extend = alloc_commands.add_parser(
         "extend",
         help="make a live allocation end later, within its provisioner's max_lifetime",
@@ -80,6 +80,12 @@ def add_alloc_commands(
     extend.add_argument(
         "--lifetime", type=seconds, required=True, help="it ends this long from now, e.g. 1h"
     )
+    touch = alloc_commands.add_parser(
+        "touch",
+        help="an allocation is still in use: its idle clock starts again",
+        parents=[common],
+    )
+    touch.add_argument("id", help="the allocation id (al_…)")
     logs = alloc_commands.add_parser(
         "logs",
         help="what an allocation's sidecar wrote (the kept tail once it died)",
@@ -126,6 +132,7 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
                 idempotency_key=args.idempotency_key,
                 ready_when=args.ready_when,
                 lifetime=args.lifetime,
+                idle_timeout=args.idle_timeout,
             )
             if not args.json:
                 print(allocation.id, flush=True)
@@ -148,6 +155,11 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
             extended = await store.extend(args.id, args.lifetime)
             ends = rfc3339(extended.expires_at) or "never"
             print(f"{extended.id} {extended.status} ends {ends}")
+            return EXIT_OK
+        if command == "touch":
+            touched = await store.touch(args.id)
+            idle = rfc3339(touched.idle_at) if touched.status is Status.ALLOCATED else None
+            print(f"{touched.id} {touched.status} idle at {idle or 'never'}")
             return EXIT_OK
         if command == "forget":
             return await _forget(store, args.id, args.reason)

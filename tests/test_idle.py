@@ -209,6 +209,41 @@ class TestActivity:
             assert ws.close_reason == "activity before welcome_ack"
 
 
+class TestCommandLine:
+    async def test_request_touch_and_show(
+        self, database_url: str, db: Database, store: AllocationStore
+    ) -> None:
+        """``hubd alloc request --idle-timeout`` asks for one, ``alloc show`` shows the clock,
+        ``alloc touch`` restarts it; one longer than the provisioner's is an error."""
+        await store.set_limits({"p": ProvisionerLimits(idle_timeout=10 * MINUTE)})
+        env = {"HUBD_DATABASE_URL": database_url}
+        made = await run_hubd_async(
+            "alloc", "request", "--provisioner", "p", "--idle-timeout", "90s", env=env
+        )  # fmt: skip
+        assert made.code == 0, made.err
+        allocation_id = made.out.strip()
+        refused = await run_hubd_async(
+            "alloc", "request", "--provisioner", "p", "--idle-timeout", "1h", env=env
+        )  # fmt: skip
+        assert refused.code == 2  # refused as invalid input, as an overlong lifetime is
+        assert "longer than provisioner 'p''s idle_timeout of 600" in refused.err
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET status = 'allocated', sidecar_id = 'sc_t', "
+            "token_hash = sha256('t'), connection_ready = true WHERE id = $1",
+            allocation_id,
+        )
+        await age_idle(db, allocation_id, 5)
+        touched = await run_hubd_async("alloc", "touch", allocation_id, env=env)
+        assert touched.code == 0, touched.err
+        assert touched.out.startswith(f"{allocation_id} allocated idle at ")
+        shown = await run_hubd_async("alloc", "show", allocation_id, "--json", env=env)
+        assert shown.code == 0, shown.err
+        data = json.loads(shown.out)
+        assert data["idle_timeout"] == 90.0
+        assert data["idle_at"] is not None
+        assert 80 < (await clocks(db, allocation_id))["idle_in"] <= 90
+
+
 class TestProvisioningTimeout:
     async def test_the_clock_runs_from_the_claim_to_ready(
         self, db: Database, store: AllocationStore

@@ -3,7 +3,8 @@
 Every key has a default, so no file at all runs a single local daemon on the embedded database.
 ``config/hubd.toml`` documents every key with its default value (a test holds the two equal).
 
-:mod:`~hubd.config.sections` holds the typed tables and their rules, :mod:`~hubd.config.root`
+:mod:`~hubd.config.sections` holds the typed tables and their rules,
+:mod:`~hubd.config.provisioners` the ``[[provisioners]]`` entries, :mod:`~hubd.config.root`
 the whole configuration, :mod:`~hubd.config.kinds` the kinds of value a key holds, and
 :mod:`~hubd.config.loading` reads the file and the environment. Every problem is one
 :class:`~hubd.errors.ConfigError` whose message starts with what the operator must fix — the
@@ -15,6 +16,7 @@ Durations and listen addresses are parsed by :mod:`hubd.units`.
 """
 
 from hubd.config.loading import load_config
+from hubd.config.provisioners import ProvisionerConfig
 from hubd.config.root import Config, redact_url
 from hubd.config.sections import (
     AdminConfig,
@@ -27,7 +29,6 @@ from hubd.config.sections import (
     LogLevel,
     OrphanMode,
     OrphansConfig,
-    ProvisionerConfig,
     ReconcilerConfig,
     RuntimeConfig,
     ServerConfig,

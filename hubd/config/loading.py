@@ -13,13 +13,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from hubd.config.kinds import Duration, kind_of, problem, toml_type
+from hubd.config.provisioners import READY_WHEN_CONNECTED, ProvisionerConfig, provisioner_problem
 from hubd.config.root import SECTIONS, Config
-from hubd.config.sections import (
-    READY_WHEN_CONNECTED,
-    ProvisionerConfig,
-    fields_of,
-    provisioner_problem,
-)
+from hubd.config.sections import fields_of
 from hubd.errors import ConfigError
 
 __all__ = ["load_config"]

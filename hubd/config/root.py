@@ -13,6 +13,7 @@ from typing import Any, Final
 import attrs
 
 from hubd.config.kinds import kind_of, problem
+from hubd.config.provisioners import ProvisionerConfig
 from hubd.config.sections import (
     AdminConfig,
     DatabaseConfig,
@@ -20,7 +21,6 @@ from hubd.config.sections import (
     InstanceConfig,
     LogConfig,
     OrphansConfig,
-    ProvisionerConfig,
     ReconcilerConfig,
     RuntimeConfig,
     ServerConfig,

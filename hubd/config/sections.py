@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import urllib.parse
 from typing import Any, Final, Literal
 
@@ -43,14 +42,12 @@ __all__ = [
     "LogLevel",
     "OrphanMode",
     "OrphansConfig",
-    "ProvisionerConfig",
     "ReconcilerConfig",
     "RuntimeConfig",
     "ServerConfig",
     "StateConfig",
     "default_state_dir",
     "fields_of",
-    "provisioner_problem",
 ]
 
 MAX_CONNECTIONS_CEILING: Final = 1 << 20
@@ -304,11 +301,9 @@ class ReconcilerConfig:
     pending_timeout: float = _duration("10m")
     """How long a request may wait pending before it fails as ``unserved``."""
     expiry_warning: float = _duration("1m")
-    """How long before an allocation's end of life (or idle end) its ``expiring`` event
-    comes."""
+    """How long before an allocation's end (lifetime or idle) its ``expiring`` event comes."""
     provisioning_timeout: float = _duration("15m")
-    """How long an allocation may take from its claim (or a replacement's start) to ready
-    before it is given up as ``provisioning_timeout``, unless its provisioner says otherwise."""
+    """From claim (or a replacement's start) to ready at most, unless its provisioner says."""
     on_ready: str = _text("")
     """The hook run after a sidecar connects and before its allocation is ready:
     ``"package.module:attr"`` or an entry point in group ``hubd.on_ready``; empty: none
@@ -405,54 +400,3 @@ class LogConfig:
 
     def __attrs_post_init__(self) -> None:
         check_fields("log", self)
-
-
-_PROVISIONER_ID = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
-
-READY_WHEN_CONNECTED: Final = "connected"
-READY_WHEN: Final = (READY_WHEN_CONNECTED, "declared")
-"""A provisioner's ``ready_when``: the values of the column's domain (``hubd_ready_when``)."""
-
-
-@attrs.frozen(kw_only=True)
-class ProvisionerConfig:
-    """One ``[[provisioners]]`` entry: a plugin instance under an id that allocations name."""
-
-    id: str
-    plugin: str
-    """A built-in name, an entry-point name (group ``hubd.provisioners``) or ``"module:attr"``."""
-    ready_when: str = READY_WHEN_CONNECTED
-    """How its allocations become ready unless requested otherwise: ``"connected"`` (once the
-    sidecar connected) or ``"declared"`` (once the connected sidecar says so, architecture
-    §4)."""
-    # Handed to the plugin as is; a dict is not hashable, so it stays out of the hash.
-    options: dict[str, Any] = attrs.field(factory=dict, hash=False)
-    max_lifetime: float | None = None
-    """The longest one of its allocations may live, from its request (seconds; ``None``: no
-    limit)."""
-    idle_timeout: float | None = None
-    """The longest (and default) idle timeout of its allocations: a ready one that shows no
-    activity for that long ends ``idle`` (seconds; ``None``: none)."""
-    provisioning_timeout: float | None = None
-    """From claim to ready at most (seconds; ``None``: ``[reconciler] provisioning_timeout``)."""
-
-    def __attrs_post_init__(self) -> None:
-        broken = provisioner_problem(self.id, self.plugin, self.ready_when)
-        if broken is not None:
-            name, text = broken
-            raise problem(
-                "provisioners.id" if name == "id" else f"provisioners[id={self.id}].{name}", text
-            )
-
-
-def provisioner_problem(
-    provisioner_id: str, plugin: str, ready_when: object = READY_WHEN_CONNECTED
-) -> tuple[str, str] | None:
-    """The rules of one provisioner entry: ``(key, problem)`` for the first one broken."""
-    if not _PROVISIONER_ID.fullmatch(provisioner_id):
-        return "id", f"{provisioner_id!r} must match ^[a-z0-9][a-z0-9_.-]{{0,63}}$"
-    if not plugin.strip():
-        return "plugin", "must not be empty"
-    if ready_when not in READY_WHEN:
-        return "ready_when", f'must be "connected" or "declared", not {ready_when!r:.40}'
-    return None
