@@ -5,7 +5,9 @@ The redaction processor sees every field a caller passed or bound before renderi
 holds one) reaches the output; only the level and the time are added after it. Records of
 the standard library's loggers (asyncio's accept errors and "exception never retrieved",
 asyncpg, websockets) go through the same processors and renderer, and through a sampling
-filter: a flood of one message is a few lines with a count, never a line per event.
+filter: a flood of one message is a few lines with a count, never a line per event. asyncpg's
+pool, which logs a traceback for every reconnect it fails during an outage, says each in one
+line instead (:class:`QuietReconnects`).
 
 When standard error is the journal (systemd sets ``JOURNAL_STREAM`` to its device and inode),
 every line starts with its syslog priority, ``<3>`` for an error, which journald reads
@@ -29,6 +31,7 @@ from hubd.logstream import CoalescingStream, LineLogger
 from hubd.redaction import REDACTED, scrub
 
 __all__ = [
+    "QuietReconnects",
     "Sampler",
     "configure_logging",
     "flush_logs",
@@ -182,6 +185,7 @@ def configure_logging(
         cache_logger_on_first_use=False,
     )
     _route_stdlib(renderer, output, threshold)
+    _quiet_reconnects()
 
 
 def _shared(logger: LineLogger) -> Any:
@@ -231,6 +235,37 @@ def _route_stdlib(renderer: Any, stream: CoalescingStream, level: int) -> None:
 
 
 _HANDLER_NAME: Final = "hubd"
+
+
+def _quiet_reconnects() -> None:
+    """Install :class:`QuietReconnects` on asyncpg's pool logger, once however often the
+    logging is configured."""
+    pool = logging.getLogger("asyncpg.pool")
+    for old in [f for f in pool.filters if isinstance(f, QuietReconnects)]:
+        pool.removeFilter(old)
+    pool.addFilter(QuietReconnects())
+
+
+class QuietReconnects(logging.Filter):
+    """asyncpg's pool logs a full traceback each time it fails to restore its connection floor,
+    which it does many times during any database restart. An outage is an expected condition,
+    reported by hubd's own warnings: keep asyncpg's record, without the traceback, as a warning
+    that names the error in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            # Imported here: only the driver's pool logs to this filter, so the driver is loaded
+            # already, and a process that never opens a pool (a sidecar) never loads it.
+            from hubd.store.driver_errors import READ_ONLY, UNAVAILABLE
+
+            error = record.exc_info[1]
+            if isinstance(error, (*UNAVAILABLE, *READ_ONLY)):
+                record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
+                record.args = ()
+                record.exc_info = None
+                record.exc_text = None
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 class SamplingFilter(logging.Filter):

@@ -8,6 +8,8 @@ Imports are read from the source (``import`` statements anywhere in a module, th
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +33,15 @@ FORBIDDEN = {
     "sidecar": {"store", "reconciler", "server", "daemon", "plugins", *COMMAND_LINE},
     "daemon": COMMAND_LINE,
 }
+
+# The only layers that may import the PostgreSQL driver: the store (the daemon's one door) and
+# the application's client, which talks to the database on its own.
+DRIVER = "asyncpg"
+DRIVER_LAYERS = {"store", "client"}
+
+# Modules the reconciler's decisions are made of: plain functions over values, which must load
+# without the driver (a reader, a test, or a tool can use them with no database at hand).
+PURE = ("hubd.reconciler.writes", "hubd.reconciler.decisions")
 
 
 def _modules() -> dict[str, Path]:
@@ -149,3 +160,37 @@ def test_every_module_is_small() -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert large == {}
+
+
+def test_the_asyncio_primitives_stand_below_everything() -> None:
+    """Every layer uses ``hubd.aio``, so it may use none of them."""
+    assert GRAPH["hubd.aio"] == set()
+
+
+def _imports_the_driver(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name == DRIVER or name.startswith(f"{DRIVER}.") for name in names):
+            return True
+    return False
+
+
+def test_the_driver_is_imported_only_by_the_store_and_the_client() -> None:
+    importers = {module for module, path in MODULES.items() if _imports_the_driver(path)}
+    assert any(_layer(module) == "store" for module in importers)  # the scan sees imports
+    assert sorted(m for m in importers if _layer(m) not in DRIVER_LAYERS) == []
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_the_pure_modules_load_without_the_driver(module: str) -> None:
+    # A fresh interpreter: this one loaded the driver long ago.
+    check = f"import sys, {module}; print({DRIVER!r} in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "False"

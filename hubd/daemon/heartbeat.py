@@ -13,7 +13,6 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-import asyncpg
 import structlog
 
 from hubd.backoff import Retries
@@ -55,7 +54,7 @@ async def registered(
         # they were released would write a record nobody clears. (Closing is idempotent; the
         # listener's own exit then has nothing left to do.)
         await parts.server.close()
-        with contextlib.suppress(StoreError, OSError, asyncpg.PostgresError):
+        with contextlib.suppress(StoreError):
             # Records and their sidecars' connect deadlines settled at once, so no allocation
             # reads ready behind a socket that is gone; a record a sidecar already wrote on a
             # peer is not this instance's and is left alone.

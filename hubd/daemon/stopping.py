@@ -8,12 +8,12 @@ is cut short.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import structlog
 
+from hubd.aio import run_unless
 from hubd.plugins.protocol import ListsSidecars, Provisioner
 
 __all__ = ["Stopping", "say_what_keeps_running"]
@@ -43,20 +43,7 @@ class Stopping:
     async def unless_hurried(self, work: Coroutine[Any, Any, Any], limit: float) -> bool:
         """Await ``work`` for at most ``limit`` seconds, or until a second stop signal; cancel
         it then. ``True`` when it finished in time (its exceptions propagate)."""
-        task = asyncio.ensure_future(work)
-        hurry = asyncio.ensure_future(self._hurry.wait())
-        try:
-            await asyncio.wait({task, hurry}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for pending in (task, hurry):
-                if not pending.done():
-                    pending.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await pending
-        if task.cancelled():
-            return False
-        task.result()
-        return True
+        return await run_unless(self._hurry, work, limit=limit)
 
 
 async def say_what_keeps_running(provisioners: Mapping[str, Provisioner]) -> None:

@@ -1,15 +1,16 @@
 """Waking the claim loop: LISTEN/NOTIFY as a hint, never as the only path.
 
-A dedicated connection listens for ``hubd_wake`` (new request, release, sidecar connected),
-``hubd_connected`` (a sidecar connected to some replica) and ``hubd_sockets`` (an allocation
-moved to a newer generation or a terminal status: sockets held here may have to close). When
-that connection is lost, or is not listening within :data:`LISTEN_SETUP_TIMEOUT` of its
-connect, it is re-opened with backoff and a full poll follows, since notifications sent
-meanwhile are gone. A self-notification sent through the ordinary pool every
-``selfcheck_interval`` proves the path end to end; when it does not come back in time the
-connection is recycled and readiness reports it. The self-check's statement is freed at its
-timeout whatever the network does: an interrupted statement closes its connection rather than
-wait for a cancellation to be acknowledged (:meth:`hubd.store.database.Database.connection`).
+A dedicated connection of the store's (:func:`hubd.store.notifications.listen`) listens for
+``hubd_wake`` (new request, release, sidecar connected), ``hubd_connected`` (a sidecar connected
+to some replica) and ``hubd_sockets`` (an allocation moved to a newer generation or a terminal
+status: sockets held here may have to close). When that connection is lost, or is not listening
+within :data:`LISTEN_SETUP_TIMEOUT` of its connect, it is re-opened with backoff and a full poll
+follows, since notifications sent meanwhile are gone. A self-notification sent through the
+ordinary pool every ``selfcheck_interval`` proves the path end to end; when it does not come back
+in time the connection is recycled and readiness reports it. The self-check's statement is freed
+at its timeout whatever the network does: an interrupted statement closes its connection rather
+than wait for a cancellation to be acknowledged
+(:meth:`hubd.store.database.Database.connection`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
-import asyncpg
 import structlog
 
+from hubd.aio import run_unless
 from hubd.backoff import Retries
 from hubd.daemon.cancellation import raise_if_cancelled
-from hubd.dburl import connect_options
 from hubd.errors import StoreError
 from hubd.store.channels import (
     CHANNELS,
@@ -35,7 +34,8 @@ from hubd.store.channels import (
     WAKE_CHANNEL,
 )
 from hubd.store.database import Database
-from hubd.store.sessions import SESSION_SETTINGS, init_connection
+from hubd.store.notifications import listen
+from hubd.store.sessions import init_connection
 
 __all__ = ["NotificationListener", "Waker"]
 
@@ -103,7 +103,7 @@ class NotificationListener:
         self.up = asyncio.Event()  # set once the first connection listens
         self._recycle = asyncio.Event()
 
-    def _notified(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
+    def _notified(self, channel: str, payload: str) -> None:
         if channel == WAKE_CHANNEL:
             self._on_wake()
         elif channel == CONNECTED_CHANNEL:
@@ -134,53 +134,41 @@ class NotificationListener:
             raise_if_cancelled()
             self._recycle.clear()
             try:
-                if await _unless(self._recycle, self._listen(retries)):
+                if not await run_unless(self._recycle, self._listen(retries)):
                     log.info("wake_listener_recycled")
                     continue
-            except (
-                OSError,
-                TimeoutError,
-                asyncpg.PostgresError,
-                asyncpg.InterfaceError,
-                asyncpg.InternalClientError,
-            ) as exc:
-                log.warning("wake_listener_connection_lost", error=str(exc) or type(exc).__name__)
+            except StoreError as exc:
+                # The driver's own words: the store's translation names only the kind of outage.
+                cause = exc.__cause__ or exc
+                log.warning(
+                    "wake_listener_connection_lost", error=str(cause) or type(cause).__name__
+                )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(retries.next_delay()):
                     await self._recycle.wait()
 
     async def _listen(self, retries: Retries) -> None:
         """One connection: listen on it until it is lost or stops delivering."""
-        conn: asyncpg.Connection | None = None
         try:
-            lost = asyncio.Event()
-            async with asyncio.timeout(LISTEN_SETUP_TIMEOUT):
-                # The server's end of the session is bounded like the pools' (keepalives and
-                # TCP_USER_TIMEOUT, hubd.store.sessions): a LISTEN backend whose hubd vanished
-                # is ended rather than left to hold back the server's notification queue.
-                conn = await asyncpg.connect(
-                    self._dsn,
-                    timeout=LISTEN_SETUP_TIMEOUT,
-                    server_settings=SESSION_SETTINGS,
-                    **connect_options(self._dsn),
-                )
-                await init_connection(conn)
-                conn.add_termination_listener(_setter(lost))
-                for channel in CHANNELS:
-                    await conn.add_listener(channel, self._notified)
-            self.healthy = True
-            self.up.set()
-            retries.reset()
-            log.info("wake_listener_listening")
-            # Anything notified while we were not listening is lost: poll everything once,
-            # and compare the sockets held here with the database.
-            self._on_wake()
-            self._on_reconnected()
-            await self._watch(lost)
+            async with listen(
+                self._dsn,
+                CHANNELS,
+                self._notified,
+                setup_timeout=LISTEN_SETUP_TIMEOUT,
+                # Looked up here at each connect, so a test can watch the set-up of each one.
+                init=init_connection,
+            ) as lost:
+                self.healthy = True
+                self.up.set()
+                retries.reset()
+                log.info("wake_listener_listening")
+                # Anything notified while we were not listening is lost: poll everything once,
+                # and compare the sockets held here with the database.
+                self._on_wake()
+                self._on_reconnected()
+                await self._watch(lost)
         finally:
             self.healthy = False
-            if conn is not None:
-                conn.terminate()
 
     async def _watch(self, lost: asyncio.Event) -> None:
         """Return when the connection is lost or stops delivering our own notifications."""
@@ -210,25 +198,3 @@ class NotificationListener:
             return False
         finally:
             del self._nonces[nonce]
-
-
-def _setter(event: asyncio.Event) -> Callable[[Any], None]:
-    return lambda _conn: event.set()
-
-
-async def _unless(event: asyncio.Event, work: Coroutine[Any, Any, None]) -> bool:
-    """Run ``work`` to its end, or until ``event`` is set, when it is cancelled and True is
-    returned. Its own exceptions propagate."""
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for each in (task, waiter):
-            each.cancel()
-        # Both are awaited here, so neither outlives this call.
-        await asyncio.gather(task, waiter, return_exceptions=True)
-    if task.done() and not task.cancelled():
-        task.result()  # its exception, if any
-        return False
-    return True

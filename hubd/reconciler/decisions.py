@@ -12,7 +12,7 @@ there and nothing else is (``tests/test_decisions.py`` holds the two together).
 from __future__ import annotations
 
 import enum
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 
@@ -27,10 +27,13 @@ from hubd.reconciler.writes import (
     Park,
     Retry,
 )
-from hubd.store.connection_values import Readiness
 from hubd.store.models import Allocation, EffectRow, Phase, Status
-from hubd.store.transitions import AttemptKind, ParkMode
-from hubd.store.values import Failure
+from hubd.store.values import AttemptKind, Failure, ParkMode
+
+if TYPE_CHECKING:
+    # A type only: hubd.store.connection_values loads the driver (through hubd.store.secrets),
+    # and no decision may need it.
+    from hubd.store.connection_values import Readiness
 
 __all__ = [
     "AUTOMATIC_RECOVERY_DISABLED",

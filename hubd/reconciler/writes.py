@@ -13,8 +13,13 @@ from typing import Any
 import attrs
 
 from hubd.store.models import Status
-from hubd.store.transitions import AttemptKind, ParkMode
-from hubd.store.values import NO_REPLACEMENT_LIMIT, Failure, ReplacementLimit
+from hubd.store.values import (
+    NO_REPLACEMENT_LIMIT,
+    AttemptKind,
+    Failure,
+    ParkMode,
+    ReplacementLimit,
+)
 
 __all__ = [
     "Abandon",

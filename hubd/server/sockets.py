@@ -1,4 +1,4 @@
-"""A socket as the router holds it, and the per-allocation FIFO its steps queue on."""
+"""A socket as the router holds it, and the router's own tracked tasks."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import asyncio
 import itertools
 import os
 import secrets
-from collections.abc import Coroutine, Iterator
 from typing import Any, Protocol
 
 import attrs
 import structlog
 
+from hubd import aio
+from hubd.aio import KeyedFifo  # re-exported: the router and its repair take their turns here
 from hubd.backoff import Retries
 from hubd.errors import StoreError
 from hubd.redaction import describe_error
@@ -103,88 +104,16 @@ class SocketEntry:
     """Its handshake ended without an open socket after its admission was asked for."""
 
 
-@attrs.define(eq=False)
-class _Slot:
-    lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
-    users: int = 0
+def _router_task_failed(name: str, exc: BaseException) -> None:
+    log.error("router_task_failed", task=name, error=describe_error(exc))
 
 
-class KeyedFifo:
-    """One FIFO lock per key, forgotten as soon as nobody holds or waits for it.
-
-    ``asyncio.Lock`` hands itself to waiters in the order they called ``acquire``; callers
-    reach ``acquire`` without yielding after the event they serialize, so the order of the steps
-    is the order of the events.
-    """
+class TrackedTasks(aio.TrackedTasks):
+    """The router's fire-and-forget work (closes, acknowledgements): nobody awaits it, so a
+    failure is logged here, as an error."""
 
     def __init__(self) -> None:
-        self._slots: dict[str, _Slot] = {}
-
-    def hold(self, key: str) -> _Held:
-        """``async with fifo.hold(key):`` runs the block once every earlier holder of ``key``
-        is done."""
-        return _Held(self._slots, key)
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-
-class _Held:
-    """One turn of :class:`KeyedFifo`. A class rather than a generator-based context manager:
-    every connect and every disconnect takes a turn, and this costs less than half as much
-    (0.9 against 2.1 us a turn)."""
-
-    __slots__ = ("_key", "_slot", "_slots")
-
-    def __init__(self, slots: dict[str, _Slot], key: str) -> None:
-        self._slots = slots
-        self._key = key
-
-    async def __aenter__(self) -> None:
-        slot = self._slots.get(self._key)
-        if slot is None:
-            slot = self._slots[self._key] = _Slot()
-        slot.users += 1
-        self._slot = slot
-        try:
-            await slot.lock.acquire()
-        except BaseException:
-            self._leave()
-            raise
-
-    async def __aexit__(self, *_exc: object) -> None:
-        self._slot.lock.release()
-        self._leave()
-
-    def _leave(self) -> None:
-        slot = self._slot
-        slot.users -= 1
-        if slot.users == 0:
-            del self._slots[self._key]
-
-
-class TrackedTasks:
-    """Fire-and-forget work of the router (closes, acknowledgements), kept referenced until
-    done, and logged if it fails."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("router_task_failed", task=task.get_name(), error=describe_error(exc))
-
-    def __iter__(self) -> Iterator[asyncio.Task[None]]:
-        return iter(set(self._tasks))
-
-    def __len__(self) -> int:
-        return len(self._tasks)
+        super().__init__(on_failure=_router_task_failed)
 
 
 async def clear_record(

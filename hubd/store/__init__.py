@@ -1,20 +1,30 @@
-"""The store: hubd's only door to PostgreSQL. Nothing here imports from higher layers."""
+"""The store: hubd's only door to PostgreSQL. Nothing here imports from higher layers.
 
-from hubd.store.allocations import AllocationStore
-from hubd.store.database import Database, connect_database
-from hubd.store.ledger import LedgerStore
-from hubd.store.models import (
-    ACTIVE_STATUSES,
-    TERMINAL_STATUSES,
-    Allocation,
-    EffectRow,
-    Fence,
-    LedgerEntry,
-    Phase,
-    Status,
-)
-from hubd.store.transitions import AttemptKind, ParkMode
-from hubd.store.values import Failure
+The names below are loaded on first use: importing one of the store's driver-free modules
+(:mod:`~hubd.store.values`, :mod:`~hubd.store.models`, :mod:`~hubd.store.connection_values`)
+runs this file first, and must not load the driver with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hubd.store.allocations import AllocationStore
+    from hubd.store.database import Database, connect_database
+    from hubd.store.ledger import LedgerStore
+    from hubd.store.models import (
+        ACTIVE_STATUSES,
+        TERMINAL_STATUSES,
+        Allocation,
+        EffectRow,
+        Fence,
+        LedgerEntry,
+        Phase,
+        Status,
+    )
+    from hubd.store.values import AttemptKind, Failure, ParkMode
 
 __all__ = [
     "ACTIVE_STATUSES",
@@ -33,3 +43,37 @@ __all__ = [
     "Status",
     "connect_database",
 ]
+
+_HOMES = {
+    "AllocationStore": "allocations",
+    "Database": "database",
+    "connect_database": "database",
+    "LedgerStore": "ledger",
+    **dict.fromkeys(
+        (
+            "ACTIVE_STATUSES",
+            "TERMINAL_STATUSES",
+            "Allocation",
+            "EffectRow",
+            "Fence",
+            "LedgerEntry",
+            "Phase",
+            "Status",
+        ),
+        "models",
+    ),
+    **dict.fromkeys(("AttemptKind", "Failure", "ParkMode"), "values"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

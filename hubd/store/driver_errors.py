@@ -4,13 +4,13 @@ Driver errors are translated at the store's boundary only (:func:`translate_erro
 store, a failure is a :class:`~hubd.errors.StoreError`, and :class:`DatabaseUnavailable` means
 "the database cannot answer right now", never "the answer is no". The classes of errors below
 also decide what becomes of the connection a statement failed on
-(:meth:`hubd.store.database.Database.connection`).
+(:meth:`hubd.store.database.Database.connection`), and which of the pool's own log records are an
+outage's, told in one line (:func:`hubd.logs.configure_logging`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -74,27 +74,6 @@ INTERRUPTED: Final[tuple[type[BaseException], ...]] = (
     TimeoutError,
     asyncio.CancelledError,
 )
-
-
-class _QuietReconnects(logging.Filter):
-    """asyncpg's pool logs a full traceback each time it fails to restore its connection floor,
-    which it does many times during any database restart. An outage is an expected condition,
-    reported by hubd's own warnings: keep asyncpg's record, without the traceback, as a warning
-    that names the error in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            error = record.exc_info[1]
-            if isinstance(error, (*UNAVAILABLE, *READ_ONLY)):
-                record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
-                record.args = ()
-                record.exc_info = None
-                record.exc_text = None
-                record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-logging.getLogger("asyncpg.pool").addFilter(_QuietReconnects())
 
 
 def is_unavailable(exc: BaseException) -> bool:

@@ -10,7 +10,6 @@ nothing more. Concurrent claims writing the same transition share a round trip a
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -19,8 +18,16 @@ from hubd.store.database import Database
 from hubd.store.models import Allocation, EffectRow, Fence, Status, effects_json
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Statement, load_queries
-from hubd.store.values import NO_REPLACEMENT_LIMIT, Failure, ReplacementLimit
+from hubd.store.values import (
+    NO_REPLACEMENT_LIMIT,
+    AttemptKind,
+    Failure,
+    ParkMode,
+    ReplacementLimit,
+)
 
+# AttemptKind and ParkMode are the driver-free values' (hubd.store.values); named here too, as
+# the arguments of these transitions.
 __all__ = ["AttemptKind", "Effects", "ParkMode", "TransitionQueries"]
 
 SQL = load_queries("allocations_transitions.sql")
@@ -31,18 +38,6 @@ _SET_FORM: Final = frozenset({SQL.park.name, SQL.mark_released.name})
 
 Effects = Sequence[EffectRow]
 """The rows of the plugin call a transition brackets (``:effects``)."""
-
-
-class AttemptKind(enum.StrEnum):
-    """Which durable attempt counter a retry bumps."""
-
-    ENSURE = "ensure"
-    DESTROY = "destroy"
-
-
-class ParkMode(enum.StrEnum):
-    AWAIT_CONNECTION = "await_connection"
-    RETRY_AFTER_ERROR = "retry_after_error"
 
 
 class TransitionQueries:

@@ -1,7 +1,13 @@
-"""Validation and shaping of values that cross into the store: ids, specs, failures."""
+"""Validation and shaping of values that cross into the store: ids, specs, failures, and the
+words a transition's caller chooses among (which attempt a retry bumps, why a claim parks).
+
+Driver-free, as is :mod:`hubd.store.models`: the reconciler's pure modules import their values
+from here without loading the driver.
+"""
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import secrets
@@ -20,7 +26,9 @@ __all__ = [
     "MAX_SPEC_BYTES",
     "MAX_SPEC_DEPTH",
     "NO_REPLACEMENT_LIMIT",
+    "AttemptKind",
     "Failure",
+    "ParkMode",
     "ReplacementLimit",
     "bounded_code",
     "bounded_message",
@@ -141,6 +149,20 @@ def bounded_message(message: str) -> str:
     if len(cleaned) > MAX_MESSAGE_LENGTH:
         cleaned = cleaned[: MAX_MESSAGE_LENGTH - 1] + "…"
     return cleaned
+
+
+class AttemptKind(enum.StrEnum):
+    """Which durable attempt counter a retry bumps."""
+
+    ENSURE = "ensure"
+    DESTROY = "destroy"
+
+
+class ParkMode(enum.StrEnum):
+    """Why a claim parks: to wait for its sidecar to connect, or to retry after an error."""
+
+    AWAIT_CONNECTION = "await_connection"
+    RETRY_AFTER_ERROR = "retry_after_error"
 
 
 @attrs.frozen

@@ -11,6 +11,7 @@ from typing import Any, Final
 
 import structlog
 
+from hubd.aio import KeyedFifo
 from hubd.plugins.container.engine import (
     EngineFailed,
     EngineSession,
@@ -102,7 +103,9 @@ class ContainerProvisioner:
         self.options = options
         self._settle = settle
         self._host = socketlib.gethostname()
-        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        # One call at a time per sidecar in this process; across processes the engine's
+        # unique names are the arbiter.
+        self._turns = KeyedFifo()
         self._destroyed = Recent(_DESTROYED_KEPT)
 
     def __repr__(self) -> str:
@@ -136,7 +139,7 @@ class ContainerProvisioner:
                 message="sidecar id is not usable as a container name",
                 retryable=False,
             )
-        async with self._exclusive(request.sidecar_id):
+        async with self._turns.hold(request.sidecar_id):
             try:
                 async with self._session(request.ownership, request.token) as engine:
                     try:
@@ -331,7 +334,7 @@ class ContainerProvisioner:
             return Destroyed(removed=False)  # no container can carry that name
         # Before the stop: the watch may see the death before this call returns.
         self._destroyed.add(request.sidecar_id)
-        async with self._exclusive(request.sidecar_id):
+        async with self._turns.hold(request.sidecar_id):
             try:
                 async with self._session(request.ownership) as engine:
                     removed, foreign = await remove_sidecar(
@@ -403,20 +406,6 @@ class ContainerProvisioner:
             async with contextlib.aclosing(written) as chunks:
                 async for chunk in chunks:
                     yield chunk
-
-    @contextlib.asynccontextmanager
-    async def _exclusive(self, sidecar_id: str) -> AsyncIterator[None]:
-        """One call at a time per sidecar in this process; across processes the engine's
-        unique names are the arbiter."""
-        lock, users = self._locks.setdefault(sidecar_id, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._locks[sidecar_id]
 
 
 class _ImageMissing(Exception):

@@ -9,13 +9,14 @@ import re
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 import structlog
 
+from hubd.aio import KeyedFifo
 from hubd.errors import PluginLoadError
 from hubd.plugins.local.options import LocalOptions, check_options, parse_options
 from hubd.plugins.local.outcomes import (
@@ -97,7 +98,9 @@ class LocalProvisioner:
         self._boot_id = boot_id()
         # Children this instance started, with the task that awaits (and so reaps) each one.
         self._children: dict[str, tuple[asyncio.subprocess.Process, asyncio.Task[int]]] = {}
-        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        # One call at a time per sidecar: an ensure and a destroy of one sidecar would race
+        # on its record and its process group.
+        self._turns = KeyedFifo()
 
     def __repr__(self) -> str:
         return f"<LocalProvisioner id={self.id!r} command={list(self.options.command)!r}>"
@@ -127,7 +130,7 @@ class LocalProvisioner:
                 message="sidecar id is not usable as a file name",
                 retryable=False,
             )
-        async with self._exclusive(sidecar_id):
+        async with self._turns.hold(sidecar_id):
             try:
                 record = load_record(self.directory, sidecar_id)
             except CorruptRecord as exc:
@@ -177,7 +180,7 @@ class LocalProvisioner:
                 message="sidecar id is not usable as a file name",
                 retryable=False,
             )
-        async with self._exclusive(sidecar_id):
+        async with self._turns.hold(sidecar_id):
             fallback = Record.from_external_ref(sidecar_id, request.external_ref)
             try:
                 record = load_record(self.directory, sidecar_id) or fallback
@@ -427,16 +430,3 @@ class LocalProvisioner:
             # The group is empty or all zombies, so the exit status is there or imminent.
             await asyncio.wait({entry[1]}, timeout=1.0)
         return Destroyed()
-
-    @contextlib.asynccontextmanager
-    async def _exclusive(self, sidecar_id: str) -> AsyncIterator[None]:
-        """One call at a time per sidecar; the lock is dropped when nobody holds or awaits it."""
-        lock, users = self._locks.setdefault(sidecar_id, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._locks[sidecar_id]
