@@ -253,6 +253,8 @@ _PER_ROW = {
     "updated_at",
     "finished_at",
     "connect_deadline",
+    "starting_since",
+    "idle_at",
 }
 # A ledger row as the transition wrote it, without what belongs to the allocation itself.
 _LEDGER = (
