@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 import hubd.daemon.heartbeat as heartbeat_module
 import hubd.daemon.wakeups as wakeups_module
 import hubd.store.database as database_module
+import hubd.store.notifications as notifications_module
 import hubd.store.sessions as sessions_module
 from hubd.daemon.heartbeat import Heartbeat
 from hubd.daemon.metrics import Metrics
@@ -465,7 +466,7 @@ class TestListenerSetup:
             sources.update({row["name"]: row["source"] for row in rows})
             await sessions_module.init_connection(conn)
 
-        monkeypatch.setattr(wakeups_module, "init_connection", looked_at)
+        monkeypatch.setattr(notifications_module, "init_connection", looked_at)
         listener = _listener(proxy.url(database_url), proxied)
         task = asyncio.create_task(listener.run(), name="listener")
         try:
@@ -502,7 +503,7 @@ class TestListenerSetup:
                 proxy.heal()  # and the next one passes
             await sessions_module.init_connection(conn)
 
-        monkeypatch.setattr(wakeups_module, "init_connection", dropped_after_connect)
+        monkeypatch.setattr(notifications_module, "init_connection", dropped_after_connect)
         reconnects: list[None] = []
         listener = _listener(
             proxy.url(database_url), proxied, on_reconnected=lambda: reconnects.append(None)

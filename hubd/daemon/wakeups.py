@@ -35,7 +35,6 @@ from hubd.store.channels import (
 )
 from hubd.store.database import Database
 from hubd.store.notifications import listen
-from hubd.store.sessions import init_connection
 
 __all__ = ["NotificationListener", "Waker"]
 
@@ -155,8 +154,6 @@ class NotificationListener:
                 CHANNELS,
                 self._notified,
                 setup_timeout=LISTEN_SETUP_TIMEOUT,
-                # Looked up here at each connect, so a test can watch the set-up of each one.
-                init=init_connection,
             ) as lost:
                 self.healthy = True
                 self.up.set()

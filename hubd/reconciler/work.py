@@ -10,15 +10,22 @@ allocations cost no memory.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import structlog
 
+from hubd.aio import TrackedTasks
+
 __all__ = ["LocalWork"]
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
+
+
+def _failed(name: str, exc: BaseException) -> None:
+    log.debug("tracked_task_failed", task=name, error=exc)
 
 
 class LocalWork:
@@ -28,7 +35,9 @@ class LocalWork:
         self._on_settled = on_settled or (lambda: None)
         self._queues: dict[str, asyncio.Task[None]] = {}
         self._inflight: dict[str, int] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # A failure is retrieved there so a task whose awaiter gave up never logs "never
+        # retrieved"; whoever awaited it has already handled the error.
+        self._tasks = TrackedTasks(on_failure=_failed)
 
     @property
     def queue_depth(self) -> int:
@@ -44,34 +53,25 @@ class LocalWork:
 
     async def drain(self) -> None:
         """Wait until every tracked task has settled."""
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
+        await self._tasks.drain()
 
     def spawn(
         self, coro: Coroutine[Any, Any, T], *, allocation_id: str | None, name: str
     ) -> asyncio.Task[T]:
         """Start a tracked task; while it runs, ``allocation_id`` is busy."""
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
+        task = self._tasks.spawn(coro, name=name)
         if allocation_id is not None:
+            task.add_done_callback(functools.partial(self._settled, allocation_id))
             self._inflight[allocation_id] = self._inflight.get(allocation_id, 0) + 1
-
-        def settled(done: asyncio.Task[T]) -> None:
-            self._tasks.discard(done)
-            if allocation_id is not None:
-                remaining = self._inflight[allocation_id] - 1
-                if remaining:
-                    self._inflight[allocation_id] = remaining
-                else:
-                    del self._inflight[allocation_id]
-                    self._on_settled()
-            if not done.cancelled() and done.exception() is not None:
-                # Retrieved here so a task whose awaiter gave up never logs "never retrieved";
-                # whoever awaited it has already handled the error.
-                log.debug("tracked_task_failed", task=done.get_name(), error=done.exception())
-
-        task.add_done_callback(settled)
         return task
+
+    def _settled(self, allocation_id: str, _done: asyncio.Task[Any]) -> None:
+        remaining = self._inflight[allocation_id] - 1
+        if remaining:
+            self._inflight[allocation_id] = remaining
+        else:
+            del self._inflight[allocation_id]
+            self._on_settled()
 
     def enqueue(
         self, allocation_id: str, step: Callable[[], Awaitable[None]], name: str

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hubd.aio import TrackedTasks
 from hubd.routing import TagIndex
 from hubd.server.handshake import CloseCode
-from hubd.server.sockets import SocketEntry, TrackedTasks
+from hubd.server.sockets import SocketEntry
 
 __all__ = ["SocketRegistry"]
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 
+from hubd.aio import KeyedFifo
 from hubd.errors import StoreError
 from hubd.redaction import describe_error
 from hubd.routing import Arrivals, Target
 from hubd.server.handshake import CloseCode
 from hubd.server.registry import SocketRegistry
-from hubd.server.sockets import KeyedFifo, SocketEntry
+from hubd.server.sockets import SocketEntry
 from hubd.store.channels import ConnectedNotice, SocketControl
 from hubd.store.connections import ConnectionStore
 from hubd.store.models import Status

@@ -43,6 +43,7 @@ from typing import Any
 
 import structlog
 
+from hubd.aio import KeyedFifo, TrackedTasks
 from hubd.errors import DatabaseUnavailable, StoreError
 from hubd.redaction import describe_error
 from hubd.routing import Arrivals, ConnectionEvents, Target, not_connected
@@ -54,10 +55,8 @@ from hubd.server.registry import SocketRegistry
 from hubd.server.repair import SocketRepair
 from hubd.server.sockets import (
     REFUSED_RECORD_CLOSES,
-    KeyedFifo,
     SidecarSocket,
     SocketEntry,
-    TrackedTasks,
     acknowledge_secret,
     clear_record,
     new_connection_id,
@@ -68,6 +67,11 @@ from hubd.store.connections import ConnectionStore
 from hubd.store.secrets import Acknowledgement
 
 __all__ = ["SocketRouter"]
+
+
+def _task_failed(name: str, exc: BaseException) -> None:
+    log.error("router_task_failed", task=name, error=describe_error(exc))
+
 
 log = structlog.get_logger(__name__)
 
@@ -115,7 +119,9 @@ class SocketRouter:
         )
         # Clears a record and marks the sidecar lost, retrying within the clear budget.
         self._clear = functools.partial(clear_record, self._clears, budget=clear_budget)
-        self._tasks = TrackedTasks()
+        # The router's fire-and-forget work (closes, acknowledgements): nobody awaits it, so a
+        # failure is logged, as an error.
+        self._tasks = TrackedTasks(on_failure=_task_failed)
         self._registry = SocketRegistry(self._tasks, tag_of=notice_key.tag)
         self._arrivals = Arrivals(tag_of=notice_key.tag)
         self._serial = KeyedFifo()

@@ -1,4 +1,5 @@
-"""A socket as the router holds it, and the router's own tracked tasks."""
+"""A socket as the router holds it, and the statements a socket's life needs that the router
+retries or shares (clearing a record, acknowledging a secret)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from typing import Any, Protocol
 import attrs
 import structlog
 
-from hubd import aio
-from hubd.aio import KeyedFifo  # re-exported: the router and its repair take their turns here
 from hubd.backoff import Retries
 from hubd.errors import StoreError
 from hubd.redaction import describe_error
@@ -24,10 +23,8 @@ from hubd.store.secrets import Acknowledgement
 
 __all__ = [
     "REFUSED_RECORD_CLOSES",
-    "KeyedFifo",
     "SidecarSocket",
     "SocketEntry",
-    "TrackedTasks",
     "acknowledge_secret",
     "clear_record",
     "new_connection_id",
@@ -102,18 +99,6 @@ class SocketEntry:
     """Set once the websocket is open: until then a close is only marked (closed_by_hub)."""
     abandoned: bool = False
     """Its handshake ended without an open socket after its admission was asked for."""
-
-
-def _router_task_failed(name: str, exc: BaseException) -> None:
-    log.error("router_task_failed", task=name, error=describe_error(exc))
-
-
-class TrackedTasks(aio.TrackedTasks):
-    """The router's fire-and-forget work (closes, acknowledgements): nobody awaits it, so a
-    failure is logged here, as an error."""
-
-    def __init__(self) -> None:
-        super().__init__(on_failure=_router_task_failed)
 
 
 async def clear_record(

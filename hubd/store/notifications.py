@@ -11,7 +11,7 @@ it is lost or silent (reconnect, poll, self-check) is the caller's: :mod:`hubd.d
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,11 +31,11 @@ async def listen(
     on_notify: Callable[[str, str], None],
     *,
     setup_timeout: float,
-    init: Callable[[asyncpg.Connection], Awaitable[None]] = init_connection,
 ) -> AsyncIterator[asyncio.Event]:
     """A new connection to ``dsn``, listening on ``channels`` for the block: each notification
     calls ``on_notify(channel, payload)``; the event yielded is set when the connection is lost.
-    ``init`` sets each new connection up, as the pools' are.
+    Each new connection is set up as the pools' are (``init_connection``, looked up at each
+    connect, so a test can watch the set-up of each one).
 
     Connecting and subscribing take at most ``setup_timeout`` seconds, a connect that answered
     and a subscription the network swallowed included. Their driver errors, and a set-up past its
@@ -57,7 +57,7 @@ async def listen(
                     server_settings=SESSION_SETTINGS,
                     **connect_options(dsn),
                 )
-                await init(conn)
+                await init_connection(conn)
                 conn.add_termination_listener(lambda _conn: lost.set())
                 for channel in channels:
                     await conn.add_listener(channel, notified)
