@@ -61,6 +61,9 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
             instance_id="bench",
             lease_duration=60.0,
             exclude=[],
+            room=None,
+            listed=[],
+            rooms=[],
         )
         return tuple(bound.args)
 

@@ -1,11 +1,17 @@
 """A claim shares the due work among the tenants that have some (hubd_due_allocations): a burst
-of one tenant does not queue another's request behind it."""
+of one tenant does not queue another's request behind it, nor hold every claim slot while
+another tenant is in sight (Reconciler.most_per_tenant)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 
+from hubd.routing import MemoryRouter
 from hubd.store import AllocationStore, Database
+from tests.polling import scaled
+from tests.reconcilerkit import Gate, ScriptedProvisioner, make_reconciler
 
 
 async def request(store: AllocationStore, tenant: str | None, count: int = 1) -> list[str]:
@@ -81,3 +87,80 @@ class TestSharing:
         assert len(one) == len(two) == 4
         assert not set(one) & set(two)
         assert sorted(one + two) == sorted(made[:8])
+
+
+class TestBound:
+    async def test_a_tenant_at_its_bound_leaves_the_slots_to_the_others(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """A tenant takes no more than its room: a with none left takes nothing and b gets the
+        slots; with room for one, a takes one, and b (not listed) the default room of three."""
+        burst = await request(store, "a", 20)
+        late = await request(store, "b", 2)
+        async with db.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(
+                "SELECT id FROM hubd_due_allocations($1::text[], $2, $3, $4, $5)",
+                [],
+                4,
+                3,
+                ["a"],
+                [0],
+            )
+            assert [row["id"] for row in rows] == late
+        async with db.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(
+                "SELECT id FROM hubd_due_allocations($1::text[], $2, $3, $4, $5)",
+                [],
+                4,
+                3,
+                ["a"],
+                [1],
+            )
+            assert [row["id"] for row in rows] == [burst[0], late[0], late[1]]
+
+    async def test_a_burst_leaves_a_quarter_of_the_slots_to_another_tenant(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """While another tenant is in sight, a's burst claims two of the four slots and no
+        more, however many of its rows are due: b's request, made while those claims still
+        run, is claimed at once instead of waiting for one of them to end."""
+        provisioner = ScriptedProvisioner("p")
+        reconciler = make_reconciler(db, MemoryRouter(), provisioner)
+        assert reconciler.settings.max_concurrent_claims == 4
+        await request(store, "b")
+        assert await reconciler.claim_batch() == 1
+        await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
+        release = asyncio.Event()
+        provisioner.ensure_script.extend(Gate(release=release) for _ in range(3))
+        await request(store, "a", 20)
+        assert await reconciler.claim_batch() == 2
+        assert reconciler.holding_back
+        assert reconciler.free_capacity == 0
+        (late,) = await request(store, "b")
+        try:
+            assert await reconciler.claim_batch() == 1
+            leased = await db.pool.fetch(
+                "SELECT tenant_id, count(*) AS n FROM hubd_allocations "
+                "WHERE lease_expires_at > now() GROUP BY tenant_id ORDER BY tenant_id"
+            )
+            assert [(row["tenant_id"], row["n"]) for row in leased] == [("a", 2), ("b", 1)]
+            assert (await store.get(late)).lease_id is not None
+        finally:
+            release.set()
+            await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
+
+    async def test_one_tenant_may_take_every_slot(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """With one tenant in sight nothing is held back: a burst fills all four slots."""
+        provisioner = ScriptedProvisioner("p")
+        reconciler = make_reconciler(db, MemoryRouter(), provisioner)
+        release = asyncio.Event()
+        provisioner.ensure_script.extend(Gate(release=release) for _ in range(4))
+        await request(store, "a", 20)
+        try:
+            assert await reconciler.claim_batch() == 4
+            assert not reconciler.holding_back
+        finally:
+            release.set()
+            await asyncio.wait_for(reconciler.wait_claims(), scaled(10))

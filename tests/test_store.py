@@ -784,6 +784,9 @@ class TestClaims:
                 instance_id="test",
                 lease_duration=60.0,
                 exclude=[],
+                room=None,
+                listed=[],
+                rooms=[],
             )
             oldest = await conn.fetch(
                 "SELECT id FROM hubd_allocations WHERE next_attempt_at IS NOT NULL "
@@ -947,6 +950,9 @@ class TestClaims:
                 instance_id="test",
                 lease_duration=60.0,
                 exclude=[],
+                room=None,
+                listed=[],
+                rooms=[],
             )
             bounds = {
                 "release": release,

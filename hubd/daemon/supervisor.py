@@ -157,15 +157,16 @@ class Supervisor:
         moment for a quarter of the slots to be free, so the next claim statement leases
         several rows rather than one per claim that ends. Bounded by ``GATHER_SECONDS``, a
         cool-down in the manner of River's fetch cool-down: at most that much latency, and
-        only while a backlog lasts."""
+        only while a backlog lasts. While slots are held back from the busiest tenant
+        (``Reconciler.holding_back``), a notification ends it: new work is due, perhaps another
+        tenant's, which those slots can take now."""
         wanted = max(1, reconciler.settings.max_concurrent_claims // 4)
         loop = asyncio.get_running_loop()
         until = loop.time() + GATHER_SECONDS
         while reconciler.free_capacity < wanted and not self.stopping.requested.is_set():
             left = until - loop.time()
-            if left <= 0:
+            if left <= 0 or (await self.waker.wait(left) and reconciler.holding_back):
                 return
-            await self.waker.wait(left)
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -52,6 +52,9 @@ __all__ = ["HookContext", "Reconciler", "ReconcilerSettings"]
 
 log = structlog.get_logger(__name__)
 
+TENANTS_IN_SIGHT = 60.0
+"""Seconds a tenant stays in sight after its last claim here (``Reconciler.rooms``)."""
+
 
 class Reconciler:
     """The allocation state machine of architecture §1-§3, carried out under leases and fences."""
@@ -87,6 +90,9 @@ class Reconciler:
         self._on_settled = on_settled or (lambda: None)
         self._admitted = 0
         self._claims: set[asyncio.Task[None]] = set()
+        # Claims in progress by tenant ('' for none), and when each tenant was last claimed for.
+        self._held: dict[str, int] = {}
+        self._seen: dict[str, float] = {}
         self._renewer = LeaseRenewer(
             renew_many=lambda leases: store.renew_leases(leases, self.settings.lease_duration),
             clock=self._clock,
@@ -137,32 +143,71 @@ class Reconciler:
 
     # -- claims ----------------------------------------------------------------------------------
 
-    @property
-    def free_capacity(self) -> int:
-        """Claims this reconciler may still admit: local work that outlived its claim (a late
-        query or plugin call) keeps holding a slot until it settles."""
+    def _free_slots(self) -> int:
+        # Local work that outlived its claim (a late query or plugin call) holds its slot.
         retained = self._work.busy() - frozenset(self._active)
         return max(0, self.settings.max_concurrent_claims - self._admitted - len(retained))
+
+    @property
+    def free_capacity(self) -> int:
+        """Claims this reconciler may still admit for the tenant holding the most, by which the
+        dispatcher sizes its batches; a claim statement offers every free slot to the others."""
+        free = self._free_slots()
+        if not self._held:
+            return free
+        busiest = max(self._held, key=self._held.__getitem__)
+        room, rooms = self.rooms()
+        return min(free, max(0, rooms.get(busiest, free if room is None else room)))
+
+    def rooms(self) -> tuple[int | None, dict[str, int]]:
+        """How many more claims each tenant ('' for none) may hold here: the room of a tenant
+        not in the mapping, ``None`` for no bound, and the mapping. While another tenant is in
+        sight (claimed for within ``TENANTS_IN_SIGHT``), half the slots stay out of a tenant's
+        reach: its burst would otherwise hold every slot, and the other tenant's request would
+        wait for one of the burst's claims to end, then share the daemon with all of them."""
+        slots = self.settings.max_concurrent_claims
+        now = self._clock.monotonic()
+        for tenant, at in list(self._seen.items()):
+            if now - at > TENANTS_IN_SIGHT:
+                del self._seen[tenant]
+        if not self._seen or slots < 2:
+            return None, {}
+        most = slots // 2
+        return most, {
+            tenant: (most if self._seen.keys() - {tenant} else slots) - self._held.get(tenant, 0)
+            for tenant in self._seen.keys() | self._held.keys()
+        }
+
+    @property
+    def holding_back(self) -> bool:
+        """Whether slots are kept from a tenant now: two tenants or more are in sight."""
+        return len(self.rooms()[1]) > 1
 
     async def claim_batch(self) -> int:
         """Claim as many due allocations as there is capacity for, in one statement, and start
         a tracked task for each claim; how many were claimed. The tasks run on their own: the
         reconciler's ``on_settled`` callback says when capacity frees up."""
-        claimed = await self._claim(self.free_capacity)
+        claimed = await self._claim(self._free_slots(), shared=True)
+        now = self._clock.monotonic()
         for row, started, token in claimed:
             self._admitted += 1
+            tenant = row.allocation.tenant_id or ""
+            self._held[tenant] = self._held.get(tenant, 0) + 1
+            self._seen[tenant] = now
             claim = self._work.spawn(
                 self._reconcile_claim(row, started, token),
                 allocation_id=None,
                 name=f"claim {row.allocation.id}",
             )
             self._claims.add(claim)
-            claim.add_done_callback(self._claim_ended)
+            claim.add_done_callback(functools.partial(self._claim_ended, tenant))
         return len(claimed)
 
-    def _claim_ended(self, task: asyncio.Task[None]) -> None:
+    def _claim_ended(self, tenant: str, task: asyncio.Task[None]) -> None:
         self._claims.discard(task)
         self._release_admission()
+        if held := self._held.pop(tenant) - 1:
+            self._held[tenant] = held
         # Only now is the allocation out of the active set (and so claimable here), and its slot
         # free: a wake-up sent when its local work settled came a moment too early for both.
         self._on_settled()
@@ -193,10 +238,12 @@ class Reconciler:
         finally:
             self._admitted -= 1
 
-    async def _claim(self, capacity: int) -> list[tuple[Claimed, float, str | None]]:
-        """Lease up to ``capacity`` due allocations; each with its lease id, the moment the
-        claim statement started (the lease's local deadline counts from there) and, for a
-        pending row the statement bound, the raw token of the identity it bound."""
+    async def _claim(
+        self, capacity: int, *, shared: bool = False
+    ) -> list[tuple[Claimed, float, str | None]]:
+        """Lease up to ``capacity`` due allocations (``shared``: each tenant within its room);
+        each with its lease id, the moment the claim statement started (the lease's local
+        deadline counts from there) and the raw token of the identity it bound, if any."""
         if capacity < 1:
             return []
         lease_ids = [self._create_lease_id() for _ in range(capacity)]
@@ -214,6 +261,7 @@ class Reconciler:
             ready_when={pid: self.settings.ready_when_of(pid) for pid in s.provisioners},
             connect_timeout=self.settings.connect_timeout,
         )
+        room, rooms = self.rooms() if shared else (None, None)
         self._admitted += capacity
         query: asyncio.Task[list[Claimed]] | None = None
         try:
@@ -224,6 +272,8 @@ class Reconciler:
                     lease_duration=self.settings.lease_duration,
                     exclude=self.busy_allocations(),
                     binds=binds,
+                    room=room,
+                    rooms=rooms,
                 ),
                 allocation_id=None,
                 name="claim",

@@ -8,7 +8,7 @@ the row, and every fenced write of the claim (:mod:`hubd.store.transitions`) che
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from hubd.store.database import Database, Pool
 from hubd.store.models import Allocation, Claimed, InitialBinds
@@ -33,11 +33,14 @@ class ClaimQueries:
         lease_duration: float,
         exclude: Iterable[str] = (),
         binds: InitialBinds | None = None,
+        room: int | None = None,
+        rooms: Mapping[str, int] | None = None,
     ) -> list[Claimed]:
         """Lease up to ``len(lease_ids)`` due active allocations whose ids are not in
         ``exclude``, oldest first, in one statement; each with the lease id it was given. With
         ``binds``, the pending rows among them whose provisioner it names are bound in the same
-        statement (``Claimed.ensure_intent`` says which)."""
+        statement (``Claimed.ensure_intent`` says which). No tenant ('' for none) gets more
+        rows than its room: ``rooms[tenant]``, else ``room`` (``None``: no bound)."""
         if not lease_ids:
             return []
         if binds is not None and not (
@@ -63,6 +66,9 @@ class ClaimQueries:
                 instance_id=self.instance_id,
                 lease_duration=float(lease_duration),
                 exclude=sorted(set(exclude)),
+                room=room,
+                listed=list(rooms or {}),
+                rooms=list((rooms or {}).values()),
             ),
         )
         return [

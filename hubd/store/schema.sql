@@ -210,12 +210,17 @@ $$;
 -- delays another's request by at most a turn, not by the burst. The tenants are found by a walk
 -- that skips from one to the next in the due index (one descent each: the cost grows with the
 -- tenants that have scheduled rows, not with the rows), each with its earliest scheduled time;
--- of those with something due, the `wanted` earliest take part, and each locks its share of the
--- claim (at least one row) in its own due order, skipping rows another claimer holds, so
--- concurrent claimers on several replicas take different rows. The turns are then taken in
--- order; a share a tenant could not fill leaves its slots to the next statement of the
--- dispatcher, which claims again at once while slots are free. A row locked beyond `wanted`
--- (fewer than one share per tenant's worth) is released with the statement.
+-- of those with something due and room left, the `wanted` earliest take part, and each locks
+-- its share of the claim (at least one row, at most its room) in its own due order,
+-- skipping rows another claimer holds, so concurrent claimers on several replicas take
+-- different rows. The turns are then taken in order; a share a tenant could not fill leaves its
+-- slots to the next statement of the dispatcher, which claims again at once while slots are
+-- free. A row locked beyond `wanted` (fewer than one share per tenant's worth) is released with
+-- the statement.
+-- A tenant's room is how many more claims the claimer lets it hold: rooms[i] for listed[i] (''
+-- for no tenant), `room` for any other (NULL: no bound). The claimer keeps some slots out of a
+-- bursting tenant's reach, so another tenant's request finds a slot free instead of waiting for
+-- one of the burst's claims to end (docs/performance.md, "Fair claiming among tenants").
 -- Statistics lag a burst: a table analyzed while nearly empty makes "few rows are due" look
 -- true, and the planner then fetches every due row and sorts them; the settings leave the index
 -- walks the only plan, in this function alone.
@@ -223,7 +228,8 @@ $$;
 -- claimers still exclude each other, but a row is no longer skipped while another transaction
 -- merely references it (a ledger row, a connection record or a secret written for it holds FOR
 -- KEY SHARE until its commit), which left a row due with nothing to announce it until the poll.
-CREATE FUNCTION hubd_due_allocations(exclude text[], wanted integer)
+CREATE FUNCTION hubd_due_allocations(exclude text[], wanted integer, room integer DEFAULT NULL,
+    listed text[] DEFAULT '{}', rooms integer[] DEFAULT '{}')
 RETURNS TABLE (id text, next_attempt_at timestamptz)
 LANGUAGE sql VOLATILE
 SET enable_seqscan = off
@@ -251,8 +257,13 @@ AS $$
             LIMIT 1
         ) AS following
     ), taking_part AS MATERIALIZED (
-        SELECT t.tenant FROM tenants AS t
-        WHERE t.earliest <= now()
+        SELECT t.tenant, r.n AS room FROM tenants AS t
+        CROSS JOIN LATERAL (
+            SELECT coalesce((
+                SELECT l.n FROM unnest(listed, rooms) AS l (tenant, n)
+                WHERE l.tenant = t.tenant LIMIT 1), room, wanted) AS n
+        ) AS r
+        WHERE t.earliest <= now() AND r.n > 0
         ORDER BY t.earliest, t.tenant
         LIMIT wanted
     ), share AS (
@@ -270,7 +281,7 @@ AS $$
               AND (a.lease_expires_at IS NULL OR a.lease_expires_at <= now())
               AND a.id <> ALL (exclude)
             ORDER BY coalesce(a.tenant_id, ''), a.next_attempt_at, a.id
-            LIMIT s.n
+            LIMIT least(s.n, p.room)
             FOR NO KEY UPDATE OF a SKIP LOCKED
         ) AS l
     )

@@ -8,7 +8,9 @@
 -- Lease up to one due active row per lease id in :lease_ids, oldest first, skipping rows not
 -- in :exclude and rows another claimer has locked: one statement fills every free
 -- claim slot. Each row gets the lease id at its position. hubd_due_allocations (schema.sql)
--- picks and locks the rows, walking hubd_allocations_due_idx in order.
+-- picks and locks the rows, walking hubd_allocations_due_idx in order; no tenant gets more
+-- than its room: :rooms[i] for :listed[i] ('' for no tenant), :room for any other (NULL: no
+-- bound).
 -- A claimed row whose step is to destroy its bound sidecar (replacing, releasing) gets the
 -- destroy's intent here, under the new lease, with the effect id at its position in
 -- :effect_ids (destroy_effect_id): the claim is the write that makes the call due. A claim
@@ -23,7 +25,8 @@
 -- that call due too.
 WITH due AS (
     SELECT id, row_number() OVER (ORDER BY next_attempt_at, id) AS slot
-    FROM hubd_due_allocations(:exclude::text[], cardinality(:lease_ids::text[])) AS locked
+    FROM hubd_due_allocations(:exclude::text[], cardinality(:lease_ids::text[]), :room::integer,
+                              :listed::text[], :rooms::integer[]) AS locked
 ), claimed AS (
     UPDATE hubd_allocations AS a SET
         lease_id = leases.lease_id,
