@@ -91,11 +91,6 @@ def _check_listen(key: str, value: str) -> tuple[str, int]:
         raise problem(key, str(exc)) from None
 
 
-# ---------------------------------------------------------------------------------------------
-# Sections
-# ---------------------------------------------------------------------------------------------
-
-
 @attrs.frozen(kw_only=True)
 class DatabaseConfig:
     """``[database]``: where the single source of truth lives."""
@@ -266,9 +261,13 @@ class AdminConfig:
     """``[admin]``: ``/healthz``, ``/readyz`` and ``/metrics``, on loopback by default."""
 
     listen: str = _text("127.0.0.1:9465")
+    tenant_labels: int = _integer(20)
+    """Tenants without a quota row of their own that ``/metrics`` names: the most active."""
 
     def __attrs_post_init__(self) -> None:
         _check_listen("admin.listen", self.listen)
+        if not 0 <= self.tenant_labels <= 1000:
+            raise problem("admin.tenant_labels", f"must be 0 to 1000, not {self.tenant_labels}")
 
     @property
     def host(self) -> str:

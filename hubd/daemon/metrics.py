@@ -19,12 +19,13 @@ from prometheus_client.registry import Collector
 from hubd.routing import Target
 from hubd.server.wire import ServerStats
 from hubd.store.channels import CONNECTED_CHANNEL, SOCKETS_CHANNEL
+from hubd.store.counts import LIMITS, TenantCount
 
 # Every counter would also export a `_created` twin (its creation time) that no dashboard uses
 # and every scrape pays for.
 cast(Callable[[], None], disable_created_metrics)()  # the library does not annotate it
 
-__all__ = ["HandshakeSlots", "Metrics"]
+__all__ = ["HandshakeSlots", "Metrics", "tenant_label"]
 
 _PLUGIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -193,6 +194,8 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self._tenants = _TenantCollector()
+        r.register(self._tenants)
 
     def bind_gauges(
         self,
@@ -227,6 +230,11 @@ class Metrics:
     def set_allocation_counts(self, counts: Mapping[str, int], statuses: list[str]) -> None:
         for status in statuses:
             self.allocations.labels(status=status).set(counts.get(status, 0))
+
+    def set_tenant_counts(self, counts: Iterable[TenantCount]) -> None:
+        """The per-tenant gauges and refusal counters from the last count: a tenant that left
+        the labelled set is gone from the next scrape, not frozen at its last value."""
+        self._tenants.counts = tuple(counts)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -386,3 +394,51 @@ class _BatcherCollector(Collector):
         yield statements
         yield requests
         yield waiting
+
+
+def tenant_label(key: str) -> str:
+    """The ``tenant`` label of a per-tenant key (:class:`~hubd.store.counts.TenantCount`): the
+    tenant itself, with one more ``_`` in front when it begins with one, so that no tenant's
+    label is one of the groups' (``_none``, ``_other``, ``_default``)."""
+    if key.startswith("tenant:"):
+        tenant = key.removeprefix("tenant:")
+        return "_" + tenant if tenant.startswith("_") else tenant
+    return {"untenanted": "_none"}.get(key, "_" + key)
+
+
+class _TenantCollector(Collector):
+    """Rebuilt from the last count at every scrape, so the label set is exactly the last
+    count's: bounded by the quota rows and ``admin.tenant_labels``, never by the tenants."""
+
+    def __init__(self) -> None:
+        self.counts: tuple[TenantCount, ...] = ()
+
+    def collect(self) -> Iterator[Metric]:
+        active = GaugeMetricFamily(
+            "hubd_tenant_active_allocations",
+            "Allocations not yet ended, by tenant (each with a quota row, the most active "
+            "others up to admin.tenant_labels, _other for the rest, _none without a tenant)",
+            labels=["tenant"],
+        )
+        pending = GaugeMetricFamily(
+            "hubd_tenant_pending_allocations",
+            "Allocations waiting for a sidecar, by tenant (labelled as the active ones)",
+            labels=["tenant"],
+        )
+        refusals = CounterMetricFamily(
+            "hubd_quota_refusals",
+            "Requests refused by a quota (HU429), by the quota row that refused (its tenant, "
+            "_none, _default) and the limit",
+            labels=["tenant", "limit"],
+        )
+        for count in self.counts:
+            label = tenant_label(count.key)
+            if count.active is not None and count.pending is not None:
+                active.add_metric([label], count.active)
+                pending.add_metric([label], count.pending)
+            if count.refusals is not None:
+                for limit in LIMITS:
+                    refusals.add_metric([label, limit], count.refusals.get(limit, 0))
+        yield active
+        yield pending
+        yield refusals

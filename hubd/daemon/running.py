@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import os
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -40,7 +39,7 @@ from hubd.store.channels import (
     parse_sockets_payload,
 )
 from hubd.store.connections import ConnectionStore
-from hubd.store.counts import status_counts
+from hubd.store.counts import metric_counts
 from hubd.store.database import connections_opened
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
@@ -319,8 +318,15 @@ class Running:
             poll_interval=rc.poll_interval,
         )
         statuses = [str(status) for status in Status]
+
+        async def count() -> Mapping[Status, int]:
+            # The per-tenant counts ride in the statuses' transaction, at their pace.
+            found = await metric_counts(db, tenant_labels=config.admin.tenant_labels)
+            metrics.set_tenant_counts(found.tenants)
+            return found.statuses
+
         counts = AllocationCounts(
-            count=functools.partial(status_counts, db),
+            count=count,
             publish=lambda found: metrics.set_allocation_counts(found, statuses),
             max_age=rc.poll_interval,
             timeout=COUNT_TIMEOUT,

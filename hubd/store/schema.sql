@@ -735,7 +735,9 @@ $$;
 -- waiting for a sidecar, and requests refilled at rate per second up to burst (a token bucket).
 -- tenant_key: 'tenant:' and the tenant, 'untenanted' for requests with no tenant, 'default' for
 -- every tenant with no row of its own (each counted on its own). NULL: no such limit. Only hubd
--- reads it: an application role has no privilege on it.
+-- reads it: an application role has no privilege on it. counter_id names the row's refusal
+-- counters (hubd_refusal_counter): a number, not the tenant, since every role may read relation
+-- names in pg_class.
 CREATE TABLE hubd_tenant_quotas (
     tenant_key  text PRIMARY KEY,
     max_active  integer,
@@ -743,6 +745,7 @@ CREATE TABLE hubd_tenant_quotas (
     rate        double precision,
     burst       integer,
     updated_at  timestamptz NOT NULL DEFAULT now(),
+    counter_id  bigint GENERATED ALWAYS AS IDENTITY,
     CONSTRAINT hubd_tenant_quotas_key_check CHECK (tenant_key IN ('default', 'untenanted')
         OR (tenant_key LIKE 'tenant:_%' AND length(tenant_key) <= 207)),
     CONSTRAINT hubd_tenant_quotas_counts_check CHECK (max_active >= 0 AND max_pending >= 0),
@@ -759,6 +762,52 @@ CREATE TABLE hubd_tenant_usage (
     refilled_at timestamptz NOT NULL,
     admitted    bigint NOT NULL DEFAULT 0
 );
+
+-- A refusal raises in the caller's transaction, which rolls back, so a count written there would
+-- vanish with it: each quota row counts its refusals in sequences of its own, whose nextval no
+-- rollback undoes (docs/operations.md, "Tenants in the metrics"). This names the one counting
+-- quota row `counter`'s refusals by quota_limit ('max_active', 'max_pending' or 'rate'), the
+-- limit named in the refusal's DETAIL.
+CREATE FUNCTION hubd_refusal_counter(counter bigint, quota_limit text)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT 'hubd_quota_refusals_' || counter::text || '_' || quota_limit
+$$;
+
+-- A quota row's counters come and go with it, owned by hubd's owner (SECURITY DEFINER) whoever
+-- set the quota, and readable by no other role: their values say how often a tenant was
+-- refused. A quota cleared and set again counts from zero (Prometheus reads a reset).
+CREATE FUNCTION hubd_quota_counters() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    quota_limit text;
+BEGIN
+    FOREACH quota_limit IN ARRAY ARRAY['max_active', 'max_pending', 'rate'] LOOP
+        IF TG_OP = 'INSERT' THEN
+            EXECUTE format('CREATE SEQUENCE %I.%I', TG_TABLE_SCHEMA,
+                hubd_refusal_counter(NEW.counter_id, quota_limit));
+            EXECUTE format('REVOKE ALL ON SEQUENCE %I.%I FROM PUBLIC', TG_TABLE_SCHEMA,
+                hubd_refusal_counter(NEW.counter_id, quota_limit));
+        ELSE
+            EXECUTE format('DROP SEQUENCE IF EXISTS %I.%I', TG_TABLE_SCHEMA,
+                hubd_refusal_counter(OLD.counter_id, quota_limit));
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END;
+$$;
+
+CREATE TRIGGER hubd_tenant_quotas_counters AFTER INSERT OR DELETE ON hubd_tenant_quotas
+    FOR EACH ROW EXECUTE FUNCTION hubd_quota_counters();
+
+-- Counts one refusal where the refusal's rollback cannot undo it. Never fails the refusal it
+-- counts: a counter dropped at that moment (its quota cleared meanwhile) goes uncounted.
+CREATE FUNCTION hubd_count_refusal(counter bigint, quota_limit text)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM nextval(to_regclass(hubd_refusal_counter(counter, quota_limit)));
+EXCEPTION WHEN OTHERS THEN
+    NULL;
+END;
+$$;
 
 -- What each provisioner's daemons allow (docs/operations.md, "Lifetimes"): the longest an
 -- allocation may live (max_lifetime seconds, from its request) and how long one may wait
@@ -860,7 +909,8 @@ CREATE INDEX hubd_allocations_tenant_idx ON hubd_allocations (tenant_id, status)
 -- see every request committed before; a REPEATABLE READ or SERIALIZABLE caller that raced
 -- another fails to serialize (40001) instead of counting without it. Concurrent requests, on
 -- any number of replicas and connections, never admit past a limit. A refusal rolls back with
--- the caller's transaction (or savepoint): the bucket keeps its token.
+-- the caller's transaction (or savepoint): the bucket keeps its token. Each refusal is counted
+-- first, against the row that refused (hubd_count_refusal).
 CREATE FUNCTION hubd_admit_request(tenant text)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -893,6 +943,7 @@ BEGIN
     WHERE u.tenant_key = key
     RETURNING u.tokens INTO left_over;
     IF quota.rate IS NOT NULL AND left_over < 0 THEN
+        PERFORM hubd_count_refusal(quota.counter_id, 'rate');
         RAISE EXCEPTION '% asked faster than its quota of % requests a second (burst %): '
             'retry in % s', who, quota.rate, quota.burst, ceil(-left_over / quota.rate * 10) / 10
             USING ERRCODE = 'HU429', DETAIL = format('limit=rate retry_after=%s',
@@ -913,11 +964,13 @@ BEGIN
           AND a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
     END IF;
     IF active_now >= quota.max_active THEN
+        PERFORM hubd_count_refusal(quota.counter_id, 'max_active');
         RAISE EXCEPTION '% % % allocations not yet ended, its quota''s max_active: release '
             'one and retry', who, has, active_now
             USING ERRCODE = 'HU429', DETAIL = 'limit=max_active';
     END IF;
     IF pending_now >= quota.max_pending THEN
+        PERFORM hubd_count_refusal(quota.counter_id, 'max_pending');
         RAISE EXCEPTION '% % % allocations waiting for a sidecar, its quota''s max_pending: '
             'retry once one is provisioned', who, has, pending_now
             USING ERRCODE = 'HU429', DETAIL = 'limit=max_pending';
