@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from hubd.api_key_command import add_arguments as add_api_key_arguments
+from hubd.api_key_command import cmd_api_key
 from hubd.commands import (
     EXIT_FAILED,
     EXIT_OK,
@@ -265,7 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     add_tenant_arguments(tenant, common, _Parser)
-
+    api_keys = commands.add_parser(
+        "api-key", help="the HTTP API's keys (docs/http.md)", parents=[common]
+    )
+    add_api_key_arguments(api_keys, common)
     return parser
 
 
@@ -396,7 +401,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return EXIT_USAGE
         config = dev_config(config)
     level = config.log.level
-    if args.command in ("alloc", "tenant") and level in ("info", "warning"):
+    if args.command in ("alloc", "tenant", "api-key") and level in ("info", "warning"):
         # A command's output is its answer; the daemon's routine news would only bury it.
         level = "warning"
     configure_logging(fmt=config.log.format, level=level)
@@ -413,6 +418,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return asyncio.run(cmd_alloc(config, args))
         if args.command == "tenant":
             return asyncio.run(cmd_tenant(config, args))
+        if args.command == "api-key":
+            return asyncio.run(cmd_api_key(config, args))
     except IdempotencyConflict as exc:
         # Not a usage error: the request was well formed, and the key is taken.
         _say_error(f"hubd: {exc}")

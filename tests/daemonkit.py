@@ -297,6 +297,14 @@ class DaemonProcess:
         raise AssertionError("hubd has not said where its admin listener is")
 
     @property
+    def http_url(self) -> str:
+        """Where the HTTP API answers (``[http] listen`` set)."""
+        for line in self.lines:
+            if line.get("event") == "hubd_running" and line.get("http"):
+                return f"http://{line['http']}"
+        raise AssertionError("hubd has not said where its HTTP API is")
+
+    @property
     def sidecar_url(self) -> str:
         for line in self.lines:
             if line.get("event") == "hubd_running":

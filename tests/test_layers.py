@@ -19,18 +19,19 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hubd"
 MAX_LINES = 450
 
 # What each layer must never import. The store is the bottom of the daemon (SQL and the values
-# it returns), the reconciler and the listener stand beside each other on top of it, and the
-# daemon wires them; the configuration is read by everyone and reads none of them. The command
-# line's modules sit on top of all of it.
-COMMAND_LINE = {"commands", "tenant_command", "cli"}
+# it returns), the reconciler, the listener and the HTTP API stand beside each other on top of
+# it, and the daemon wires them; the configuration is read by everyone and reads none of them.
+# The command line's modules sit on top of all of it.
+COMMAND_LINE = {"commands", "tenant_command", "api_key_command", "cli"}
 FORBIDDEN = {
-    "store": {"config", "plugins", "reconciler", "server", "daemon", *COMMAND_LINE},
-    "config": {"store", "plugins", "reconciler", "server", "daemon", *COMMAND_LINE},
-    "reconciler": {"server", "daemon", *COMMAND_LINE},
-    "server": {"reconciler", "plugins", "daemon", *COMMAND_LINE},
-    "plugins": {"store", "reconciler", "server", "daemon", *COMMAND_LINE},
-    "client": {"store", "reconciler", "server", "daemon", "plugins", *COMMAND_LINE},
-    "sidecar": {"store", "reconciler", "server", "daemon", "plugins", *COMMAND_LINE},
+    "store": {"config", "plugins", "reconciler", "server", "http", "daemon", *COMMAND_LINE},
+    "config": {"store", "plugins", "reconciler", "server", "http", "daemon", *COMMAND_LINE},
+    "reconciler": {"server", "http", "daemon", *COMMAND_LINE},
+    "server": {"reconciler", "plugins", "http", "daemon", *COMMAND_LINE},
+    "http": {"reconciler", "plugins", "server", "daemon", *COMMAND_LINE},
+    "plugins": {"store", "reconciler", "server", "http", "daemon", *COMMAND_LINE},
+    "client": {"store", "reconciler", "server", "http", "daemon", "plugins", *COMMAND_LINE},
+    "sidecar": {"store", "reconciler", "server", "http", "daemon", "plugins", *COMMAND_LINE},
     "daemon": COMMAND_LINE,
 }
 

@@ -11,21 +11,19 @@ import asyncio
 import builtins
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
 import asyncpg
 
-from hubd.client.faults import CAUGHT, ClientClosed
+from hubd.client.faults import CAUGHT, ClientClosed, translated
 from hubd.client.follow import CLOSE_TIMEOUT, Follower
 from hubd.client.values import AllocationInfo, Event
 from hubd.errors import (
-    API_SQLSTATES,
     AllocationNotFound,
     DatabaseUnavailable,
     HubdError,
-    StoreError,
 )
 
 __all__ = ["AllocationEnded", "Client", "ClientClosed", "settled"]
@@ -44,6 +42,7 @@ _GET: Final = "SELECT * FROM hubd_v1.allocations WHERE id = $1"
 _LIST: Final = """
 SELECT * FROM hubd_v1.allocations
 WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR tenant = $2)
+  AND ($4::text IS NULL OR session = $4)
 ORDER BY created_at DESC, id LIMIT $3"""
 _SNAPSHOT: Final = """
 SELECT * FROM hubd_v1.allocations
@@ -51,6 +50,10 @@ WHERE status NOT IN ('released', 'failed', 'destroy_failed')
   AND ($1::text IS NULL OR tenant = $1)
 ORDER BY created_at, id"""
 _CURSOR: Final = "SELECT hubd_v1.event_cursor()"
+_PAGE: Final = "SELECT * FROM hubd_v1.events_after($1, NULL, $2, $3)"
+# The wall of a walled client (docs/api.md): for one transaction, or for a follower's session.
+_WALL_LOCAL: Final = "SELECT set_config('hubd.wall', $1, true)"
+_WALL: Final = "SELECT set_config('hubd.wall', $1, false)"
 
 
 class AllocationEnded(HubdError):
@@ -60,29 +63,6 @@ class AllocationEnded(HubdError):
         reason = f": {info.failure_code}: {info.failure_message}" if info.failure_code else ""
         super().__init__(f"allocation {info.id} is {info.status}{reason}")
         self.info = info
-
-
-@contextlib.contextmanager
-def _translated(what: str) -> Iterator[None]:
-    try:
-        yield
-    except asyncpg.PostgresError as exc:
-        mapped = API_SQLSTATES.get(exc.sqlstate or "")
-        if mapped is not None:
-            raise mapped(f"{what}: {exc}") from exc
-        if exc.sqlstate == "42501":
-            raise StoreError(
-                f"{what}: {exc} (the role needs hubd_app: GRANT hubd_app TO <role>)"
-            ) from exc
-        if exc.sqlstate == "3F000":
-            raise StoreError(
-                f"{what}: no hubd_v1 schema here: is this hubd's database, migrated?"
-            ) from exc
-        raise StoreError(f"{what}: {exc.__class__.__name__}: {exc}") from exc
-    except (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError) as exc:
-        raise DatabaseUnavailable(
-            f"{what}: database unavailable ({exc.__class__.__name__})"
-        ) from exc
 
 
 async def _setup(conn: asyncpg.Connection) -> None:
@@ -97,20 +77,48 @@ class Client:
     so the allocation commits (and the daemon hears of it) with your own transaction.
     """
 
-    def __init__(self, pool: asyncpg.Pool, *, owns_pool: bool = False) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        owns_pool: bool = False,
+        wall: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """``wall``: act as a caller walled into that tenant (see :meth:`for_tenant`).
+        ``timeout``: how long each call of ``request``, ``get``, ``list``, ``release``,
+        ``extend``, ``touch``, ``cursor`` and ``events_page`` may take, the wait for a
+        connection included; past it the call raises :class:`~hubd.errors.DatabaseUnavailable`
+        and its connection is closed (a statement on a connection the network lost would
+        otherwise wait for TCP to give up, minutes later). ``None``: as long as it takes."""
         self._pool = pool
         self._owns_pool = owns_pool
+        self._wall = wall
+        self._timeout = timeout
         self._closed = False
         self._followers: set[Follower] = set()
 
+    def for_tenant(self, tenant: str) -> Client:
+        """A client on the same pool whose every statement runs walled into ``tenant``
+        (``hubd.wall``, docs/api.md): it sees, requests and follows that tenant's allocations
+        alone, as a role walled into it would. A caller walled into another tenant stays in its
+        own. Closing it ends its followers, not the pool."""
+        return Client(self._pool, wall=tenant, timeout=self._timeout)
+
     @classmethod
-    async def connect(cls, dsn: str, *, max_size: int = 4) -> Client:
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        max_size: int = 4,
+        timeout: float | None = None,  # noqa: ASYNC109 -- a bound on each later call
+    ) -> Client:
         """A client on a pool of its own: one connection at first, at most ``max_size``
-        (each event follower holds one while it follows)."""
-        with _translated("connect"):
+        (each event follower holds one while it follows); ``timeout`` as in the constructor."""
+        with translated("connect"):
             pool = await asyncpg.create_pool(dsn, min_size=1, max_size=max_size, init=_setup)
         assert pool is not None
-        return cls(pool, owns_pool=True)
+        return cls(pool, owns_pool=True, timeout=timeout)
 
     async def close(self) -> None:
         """End every follower (:meth:`events`, :meth:`watch`, :meth:`wait_ready`) at once, each
@@ -216,31 +224,50 @@ class Client:
         return info
 
     async def list(
-        self, *, status: str | None = None, tenant: str | None = None, limit: int = 100
+        self,
+        *,
+        status: str | None = None,
+        tenant: str | None = None,
+        session: str | None = None,
+        limit: int = 100,
     ) -> list[AllocationInfo]:
-        """Allocations, newest first, of one status and tenant when given."""
-        with _translated("list"):
-            rows = await self._pool.fetch(_LIST, status, tenant, limit)
+        """Allocations, newest first, of one status, tenant and session when given."""
+        with translated("list"):
+            async with self._statement(None) as conn:
+                rows = await conn.fetch(_LIST, status, tenant, limit, session)
         return [AllocationInfo.from_row(row) for row in rows]
+
+    async def events_page(
+        self, *, after: int, allocation_id: str | None = None, limit: int = 500
+    ) -> builtins.list[Event]:
+        """The events after position ``after``, oldest first, at most ``limit``: one read of
+        the feed, for a caller that waits for more on its own (:meth:`events` follows it)."""
+        with translated("events"):
+            async with self._statement(None) as conn:
+                rows = await conn.fetch(_PAGE, after, allocation_id, limit)
+        return [Event.from_row(row) for row in rows]
 
     async def snapshot(
         self, *, tenant: str | None = None
     ) -> tuple[builtins.list[AllocationInfo], int]:
         """Every active allocation (of ``tenant`` when given) and the event cursor of the same
         instant: follow :meth:`events` from that cursor and nothing is missed or seen twice."""
-        with _translated("snapshot"):
+        with translated("snapshot"):
             async with (
                 self._pool.acquire() as conn,
                 conn.transaction(isolation="repeatable_read", readonly=True),
             ):
+                if self._wall is not None:
+                    await conn.execute(_WALL, self._wall)
                 rows = await conn.fetch(_SNAPSHOT, tenant)
                 cursor = await conn.fetchval(_CURSOR)
         return [AllocationInfo.from_row(row) for row in rows], int(cursor)
 
     async def cursor(self) -> int:
         """The position of the newest event: :meth:`events` from here sees only what follows."""
-        with _translated("cursor"):
-            return int(await self._pool.fetchval(_CURSOR))
+        with translated("cursor"):
+            async with self._statement(None) as conn:
+                return int(await conn.fetchval(_CURSOR))
 
     async def events(
         self,
@@ -263,6 +290,7 @@ class Client:
             tenant=tenant,
             allocation_id=allocation_id,
             health_interval=health_interval,
+            wall=self._wall,
         )
         async with self._following(follower):
             while True:
@@ -276,7 +304,11 @@ class Client:
         (break out to stop); :class:`~hubd.errors.AllocationNotFound` if unknown. Waits on
         notifications, not by polling. Close it when done (``contextlib.aclosing``)."""
         follower = Follower(
-            self._pool, cursor=0, allocation_id=allocation_id, health_interval=health_interval
+            self._pool,
+            cursor=0,
+            allocation_id=allocation_id,
+            health_interval=health_interval,
+            wall=self._wall,
         )
         async with self._following(follower):
             yield await follower.state(allocation_id)
@@ -338,12 +370,54 @@ class Client:
     async def _maybe(
         self, what: str, sql: str, args: tuple[Any, ...], conn: asyncpg.Connection | None
     ) -> AllocationInfo | None:
-        with _translated(what):
-            if conn is not None:
-                row = await conn.fetchrow(sql, *args)
-            else:
-                row = await self._pool.fetchrow(sql, *args)
+        with translated(what):
+            async with self._statement(conn) as on:
+                row = await on.fetchrow(sql, *args)
         return AllocationInfo.from_row(row) if row is not None else None
+
+    @contextlib.asynccontextmanager
+    async def _statement(self, conn: asyncpg.Connection | None) -> AsyncIterator[Any]:
+        """Where one statement runs: ``conn`` (the caller's, whose own transaction holds the
+        wall it set), else a connection of the pool, walled for the statement's transaction
+        when this client is."""
+        if conn is not None and self._wall is None:
+            yield conn
+        elif conn is not None:
+            # A savepoint within the caller's transaction, or one of its own: a local setting
+            # outside a transaction would hold for this statement's implicit one only.
+            async with conn.transaction():
+                await conn.execute(_WALL_LOCAL, self._wall)
+                yield conn
+        elif self._wall is None:
+            async with self._acquired() as acquired:
+                yield acquired
+        else:
+            async with self._acquired() as acquired, acquired.transaction():
+                await acquired.execute(_WALL_LOCAL, self._wall)
+                yield acquired
+
+    @contextlib.asynccontextmanager
+    async def _acquired(self) -> AsyncIterator[Any]:
+        """A connection of the pool, closed at once when this client's ``timeout`` runs out
+        before the block ends: what waits on it then fails as the connection lost."""
+        if self._timeout is None:
+            async with self._pool.acquire() as conn:
+                yield conn
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        try:
+            conn = await self._pool.acquire(timeout=self._timeout)
+        except TimeoutError:
+            raise DatabaseUnavailable(
+                f"no database connection within {self._timeout:g} s"
+            ) from None
+        guard = loop.call_at(deadline, conn.terminate)
+        try:
+            yield conn
+        finally:
+            guard.cancel()
+            await self._pool.release(conn)
 
 
 def settled(info: AllocationInfo) -> bool:

@@ -1,5 +1,6 @@
-"""What a follower makes of a failure: a fault of its connection, read again on a new one, or
-the database's answer, raised to the application.
+"""What the client makes of a failure: a fault of the connection, or the database's answer,
+raised to the application as :mod:`hubd.errors` name it (:func:`translated`); a follower reads
+again on a new connection after a fault.
 
 A follower (:mod:`hubd.client.follow`) must not die of a connection fault, whatever form the
 driver gives it: the backend terminated (``AdminShutdownError`` mid-statement,
@@ -13,13 +14,15 @@ an unknown allocation), a role without the privileges or a database without the 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Final
 
 import asyncpg
 
-from hubd.errors import API_SQLSTATES, HubdError, StoreError
+from hubd.errors import API_SQLSTATES, DatabaseUnavailable, HubdError, StoreError
 
-__all__ = ["CAUGHT", "ClientClosed", "is_fault", "refusal"]
+__all__ = ["CAUGHT", "ClientClosed", "is_fault", "refusal", "translated"]
 
 
 class ClientClosed(HubdError):
@@ -63,4 +66,21 @@ def refusal(exc: BaseException, what: str) -> StoreError:
         return mapped(f"{what}: {exc}")
     if sqlstate == "42501":
         return StoreError(f"{what}: {exc} (the role needs hubd_app: GRANT hubd_app TO <role>)")
+    if sqlstate == "3F000":
+        return StoreError(f"{what}: no hubd_v1 schema here: is this hubd's database, migrated?")
     return StoreError(f"{what}: {exc.__class__.__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Raise what ``what`` failed with as :mod:`hubd.errors` say: a connection's trouble as
+    :class:`~hubd.errors.DatabaseUnavailable`, the database's answer as :func:`refusal` maps it."""
+    try:
+        yield
+    except (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError) as exc:
+        # Before PostgresError, of which a connection lost mid-statement is one.
+        raise DatabaseUnavailable(
+            f"{what}: database unavailable ({exc.__class__.__name__})"
+        ) from exc
+    except asyncpg.PostgresError as exc:
+        raise refusal(exc, what) from exc

@@ -67,6 +67,7 @@ _EVENTS_AFTER: Final = """
 SELECT w.watermark, e.* FROM (SELECT hubd_v1.event_cursor() AS watermark) AS w
 LEFT JOIN hubd_v1.events_after($1, $2, $3, $4) AS e ON true
 ORDER BY e.position"""
+_WALL: Final = "SELECT set_config('hubd.wall', $1, false)"
 _STATE: Final = """
 SELECT v.*, hubd_v1.event_cursor() AS feed_cursor FROM hubd_v1.allocations AS v WHERE v.id = $1"""
 
@@ -109,8 +110,11 @@ class Follower:
         allocation_id: str | None = None,
         health_interval: float,
         batch: int = 500,
+        wall: str | None = None,
     ) -> None:
+        """``wall``: read as a caller walled into that tenant (``hubd.wall``, docs/api.md)."""
         self.cursor = cursor
+        self._wall = wall
         self.connections = 0
         """How many connections it has listened on (each loss opens one more)."""
         self._pool = pool
@@ -252,6 +256,9 @@ class Follower:
                     conn = await self._pool.acquire()
                     session = _Session(conn, loop.time(), self._woken_by)
                     conn.add_termination_listener(session.terminated)
+                    if self._wall is not None:
+                        # For the connection's session: the pool resets it on release.
+                        await conn.execute(_WALL, self._wall)
                     await conn.add_listener(CHANNEL, self._on_notify)
             except CAUGHT as exc:
                 if conn is not None:

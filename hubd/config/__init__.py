@@ -15,6 +15,7 @@ dotted key, or the environment variable::
 Durations and listen addresses are parsed by :mod:`hubd.units`.
 """
 
+from hubd.config.http import HttpConfig
 from hubd.config.loading import load_config
 from hubd.config.provisioners import ProvisionerConfig
 from hubd.config.root import Config, redact_url
@@ -43,6 +44,7 @@ __all__ = [
     "DatabaseConfig",
     "EventLoop",
     "EventsConfig",
+    "HttpConfig",
     "InstanceConfig",
     "LogConfig",
     "LogFormat",

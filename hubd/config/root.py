@@ -12,6 +12,7 @@ from typing import Any, Final
 
 import attrs
 
+from hubd.config.http import HttpConfig
 from hubd.config.kinds import kind_of, problem
 from hubd.config.provisioners import ProvisionerConfig
 from hubd.config.sections import (
@@ -70,6 +71,7 @@ class Config:
     state: StateConfig = attrs.field(factory=StateConfig)
     server: ServerConfig = attrs.field(factory=ServerConfig)
     admin: AdminConfig = attrs.field(factory=AdminConfig)
+    http: HttpConfig = attrs.field(factory=HttpConfig)
     reconciler: ReconcilerConfig = attrs.field(factory=ReconcilerConfig)
     instance: InstanceConfig = attrs.field(factory=InstanceConfig)
     orphans: OrphansConfig = attrs.field(factory=OrphansConfig)
@@ -140,6 +142,7 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
     "state": StateConfig,
     "server": ServerConfig,
     "admin": AdminConfig,
+    "http": HttpConfig,
     "reconciler": ReconcilerConfig,
     "instance": InstanceConfig,
     "orphans": OrphansConfig,

@@ -44,6 +44,7 @@ from hubd.daemon.sweeps import Sweeps
 from hubd.daemon.systemd import notify
 from hubd.daemon.wakeups import Waker
 from hubd.errors import DatabaseUnavailable, StoreError
+from hubd.http import HttpApi, serving
 from hubd.plugins.protocol import Provisioner
 from hubd.plugins.registry import load_provisioners
 from hubd.reconciler.engine import Reconciler
@@ -75,6 +76,8 @@ class Daemon:
         self._on_started = on_started
         self._on_stopping = on_stopping
         self._stopping = Stopping()
+        self.http: HttpApi | None = None
+        """The HTTP API once it listens (``None``: not configured)."""
         self._waker = Waker()
         self._verify_soon = asyncio.Event()
         """Set when the sockets held here must be compared with the database soon."""
@@ -187,6 +190,8 @@ class Daemon:
             # The admin listener answers once start-up repair is done, and stays up while the
             # stop hook runs.
             await stack.enter_async_context(self._admin_listening(running))
+            # The HTTP API answers from here on, and stops before the sidecar sockets close.
+            self.http = await stack.enter_async_context(serving(cfg.http, dsn, db))
             # The stop hook runs once the background tasks have ended, with every listener still
             # up: it may need sidecars and the reconciler to finish what it asks for.
             stack.push_async_callback(self._run_stop_hook)
@@ -221,6 +226,7 @@ class Daemon:
             instance_id=self.instance_id,
             sidecar_url=running.hub_ws_url,
             admin=f"http://{self.config.admin.host}:{running.admin.port}",
+            http=None if self.http is None else f"{self.config.http.host}:{self.http.port}",
             provisioners=sorted(running.provisioners),
             event_loop=loop_name(asyncio.get_running_loop()),
         )

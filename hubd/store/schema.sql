@@ -1209,6 +1209,21 @@ CREATE TABLE hubd_sweep_locks (
 -- Which tenant a database role is walled into, or that it sees every tenant (an operator's
 -- role). A role with no row, and no row for the login it came from, sees every tenant: the
 -- single-tenant behaviour. Names, not OIDs: a role dropped and created again keeps its wall.
+-- A key is 'hubd_' || id || '.' || secret; only sha256(secret) is kept. A key sees one tenant
+-- (tenant_id) or every tenant (every_tenant, an operator's). Revoked keys stay, so a revoked
+-- id is never handed out again and the listing says when it went.
+CREATE TABLE hubd_api_keys (
+    id           text PRIMARY KEY CHECK (id ~ '^[0-9a-f]{16}$'),
+    secret_hash  hubd_sha256 NOT NULL,
+    tenant_id    text,
+    every_tenant boolean NOT NULL DEFAULT false,
+    name         text NOT NULL DEFAULT '' CHECK (length(name) <= 200),
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    revoked_at   timestamptz,
+    CONSTRAINT hubd_api_keys_scope_check CHECK ((tenant_id IS NULL) = every_tenant),
+    CONSTRAINT hubd_api_keys_tenant_check CHECK (length(tenant_id) BETWEEN 1 AND 200)
+);
+
 CREATE TABLE hubd_tenant_roles (
     role_name    text PRIMARY KEY,
     tenant_id    text,
@@ -1222,11 +1237,15 @@ CREATE TABLE hubd_tenant_roles (
 -- into one. The caller is the role it SET ROLE to, else the login; a login walled into a
 -- tenant stays walled after a SET ROLE to a role with no row (hubd_app itself, say). Neither
 -- value can be forged: SET ROLE checks membership, and only a superuser changes session_user.
--- EXECUTE for hubd_app, harmless by design: it tells a caller its own wall.
+-- EXECUTE for hubd_app, harmless by design: it tells a caller its own wall. The setting
+-- hubd.wall narrows a caller that sees every tenant to that tenant (the HTTP API sets it per
+-- request); a walled caller stays walled into its own whatever it sets.
 CREATE FUNCTION hubd_caller_scope(OUT restricted boolean, OUT tenant text)
 LANGUAGE sql STABLE SECURITY DEFINER AS $$
-    SELECT coalesce(chosen.every_tenant = false, false), chosen.tenant_id
-    FROM (SELECT 1) AS one
+    SELECT coalesce(chosen.every_tenant = false, false) OR n.narrowed IS NOT NULL,
+        CASE WHEN coalesce(chosen.every_tenant = false, false) THEN chosen.tenant_id
+             ELSE n.narrowed END
+    FROM (SELECT nullif(current_setting('hubd.wall', true), '') AS narrowed) AS n
     LEFT JOIN LATERAL (
         SELECT r.every_tenant, r.tenant_id FROM hubd_tenant_roles AS r
         WHERE r.role_name IN (nullif(current_setting('role'), 'none'), session_user)
