@@ -11,6 +11,8 @@ from typing import Any
 
 import attrs
 
+from bench import http
+
 __all__ = ["Measures", "profile_summary", "render", "round_ratios", "storm_ratios"]
 
 _COMPARE: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le}
@@ -219,6 +221,40 @@ class Measures:
             _get(results, "fairness", "fifo", "a_rate"),
             unit="alloc/s",
         )
+        # Deadlines under load (bench.deadlines): how late a lifetime or an idle timeout ended
+        # after its moment (its end's event on the database clock), one replica of two paused
+        # in one round and killed and restarted in the other, the rounds pooled.
+        for kind, quantile, goal in (
+            ("expired", "p50", None),
+            ("expired", "p99", 1000),
+            ("expired", "max", None),
+            ("idle", "p99", 1000),
+        ):
+            label = "lifetime" if kind == "expired" else "idle timeout"
+            ends = _count(_get(results, "deadlines", kind, "n"))
+            row(
+                f"deadline_{kind}_{quantile}",
+                f"{label} end, lateness {quantile}, {ends} under load, a replica paused, restarted",
+                _get(results, "deadlines", kind, f"{quantile}_ms"),
+                None,
+                None if goal is None else Target(on="hubd", op="<=", value=goal),
+                "ms",
+            )
+        for what in ("twice", "never"):
+            counts = [_get(results, "deadlines", kind, what) for kind in ("expired", "idle")]
+            row(
+                f"deadline_{what}",
+                f"deadlines that fired {what} (lifetimes and idle timeouts)",
+                None if None in counts else sum(counts),
+                None,
+                Target(on="hubd", op="<=", value=0),
+                "allocations",
+            )
+        # The HTTP API (bench.http): HTTP's figures beside SQL's on one daemon; stream delivery
+        # and the wait's answer from the feed's commit time; idle streams' memory.
+        for key, label, ours, base, goal, unit in http.measures(results.get("http")):
+            target = None if goal is None else Target(on="hubd", op="<=", value=goal)
+            row(key, label, ours, base, target, unit)
         small, large = size.small_rows, size.large_rows
         for name, label in (
             ("claim", "claim statement (16 slots)"),

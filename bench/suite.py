@@ -16,7 +16,12 @@ What runs, in order, on one PostgreSQL (the embedded one in a temporary director
 4. fair claiming (``bench.fairness``): on a fresh daemon of the default claim count, one
    tenant's request → ready latency alone and under another tenant's burst of ten times as
    many, with the fair claim and with the former FIFO one;
-5. for every socket count, a fresh daemon and a fresh bare websockets server: RSS per idle
+5. deadlines under load (``bench.deadlines``): on two fresh replicas, how late lifetimes and
+   idle timeouts end while other requests come and go and one replica is paused, then killed
+   and restarted, and whether any ended twice or never;
+6. the HTTP API (``bench.http``): on a fresh daemon serving it, request → ready through HTTP
+   against SQL, event stream delivery and the wait's answer after commit, idle streams' memory;
+7. for every socket count, a fresh daemon and a fresh bare websockets server: RSS per idle
    socket and the reconnect storm.
 
 See docs/performance.md for what each measure means and a recorded run.
@@ -45,7 +50,7 @@ from typing import Any
 import asyncpg
 import attrs
 
-from bench import baselines, fairness, phases, scale
+from bench import baselines, deadlines, fairness, http, phases, scale
 from bench.procs import DaemonProcess, FarmClient, raise_open_files, server_processes
 from bench.report import Measures, profile_summary, render
 from bench.watch import Watcher, xact_commit
@@ -363,6 +368,30 @@ class Run:
         finally:
             await self.watcher.unmute()
 
+    async def deadlines_phase(self) -> dict[str, Any]:
+        """``bench.deadlines`` at this run's size, the watcher muted as for fairness."""
+        await self.watcher.mute()
+        try:
+            return await deadlines.measure(
+                self.dsn,
+                self.farm,
+                self.workdir,
+                deadlines.LOADS[self.args.size],
+                root=self.daemon_root,
+            )
+        finally:
+            await self.watcher.unmute()
+
+    async def http_phase(self) -> dict[str, Any]:
+        """``bench.http`` at this run's size, the watcher muted as for fairness."""
+        await self.watcher.mute()
+        try:
+            return await http.measure(
+                self.dsn, self.farm, self.workdir, http.LOADS[self.args.size], root=self.daemon_root
+            )
+        finally:
+            await self.watcher.unmute()
+
     async def socket_phase(self, n: int) -> dict[str, Any]:
         # The bare server's sockets stay open (idle, in their own process) while hubd's are
         # measured, so that each of its storms can run just before one of hubd's.
@@ -563,6 +592,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 -- t
                         combine=combine_claims,
                     )
             await bench_run.step("fairness", bench_run.fairness_phase)
+            await bench_run.step("deadlines", bench_run.deadlines_phase)
+            await bench_run.step("http", bench_run.http_phase)
             await bench_run.step(
                 "statements",
                 lambda: scale.statement_costs(
@@ -619,7 +650,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["floor", "pgqueuer", "statements", "claims", "fairness", "sockets"],
+        choices=[
+            "floor",
+            "pgqueuer",
+            "statements",
+            "claims",
+            "fairness",
+            "deadlines",
+            "http",
+            "sockets",
+        ],
         help="run only these parts (repeatable; the table then has gaps)",
     )
     parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))

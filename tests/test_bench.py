@@ -15,7 +15,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from bench import fairness, procs
+from bench import deadlines, fairness, http, procs
 from bench.report import render, round_ratios, storm_ratios
 from hubd.store import AllocationStore, Database
 from tests.clikit import hubd_env
@@ -52,6 +52,13 @@ EVERY_MEASURE = {
     "fairness_fair_p99",
     "fairness_fifo_p99",
     "fairness_burst_rate",
+    "deadline_expired_p50",
+    "deadline_expired_p99",
+    "deadline_expired_max",
+    "deadline_idle_p99",
+    "deadline_twice",
+    "deadline_never",
+    *(key for key, *_ in http.measures(None)),
     "claim_cost",
     "renewal_cost",
     "status_count_cost",
@@ -82,6 +89,13 @@ WITH_BASELINE = EVERY_MEASURE - {
     "dial_ready_p99",
     "fairness_alone_p50",
     "fairness_alone_p99",
+    "deadline_expired_p50",
+    "deadline_expired_p99",
+    "deadline_expired_max",
+    "deadline_idle_p99",
+    "deadline_twice",
+    "deadline_never",
+    *(key for key, *_ in http.measures(None) if "_sse" in key or "_idle" in key),
     "loss_rate_30",
     "storm_cpu_postgres_30",
     "storm_cpu_bench_30",
@@ -164,6 +178,25 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
         assert fair[scenario]["b_n"] == fair["load"]["requests"] * fair["load"]["rounds"]
     for scenario in ("fair", "fifo"):
         assert fair[scenario]["a_n"] == fair["load"]["burst"] * fair["load"]["rounds"]
+    # Deadlines: both rounds, every lifetime and idle timeout ended once, none missed.
+    ends = report["results"]["deadlines"]
+    assert list(ends["rounds"]) == list(deadlines.ROUNDS)
+    for kind, share in (("expired", 1), ("idle", 4)):
+        assert ends[kind]["n"] == ends["load"]["n"] // share * len(deadlines.ROUNDS)
+        assert (ends[kind]["twice"], ends[kind]["never"]) == (0, 0)
+    for each in ends["rounds"].values():
+        assert sum(each["moved_by"].values()) == ends["load"]["n"] + ends["load"]["n"] // 4
+    # The HTTP API: every sample each way, every stream event delivered, every idle stream
+    # open and heartbeating at the end.
+    api = report["results"]["http"]
+    for way in ("http", "sql"):
+        assert api["latency"][way]["ready"]["n"] == api["load"]["samples"]
+        assert len(api["burst"][way]["rounds"]) == api["load"]["bursts"]
+    for part in ("sse", "sse_beside_idle"):
+        assert api[part]["events"] > 0
+        assert api[part]["missed"] == 0
+    assert api["idle"]["with_heartbeat"] == api["idle"]["n"]
+    assert api["idle"]["lost"] == 0
     floor = report["results"]["floor"]
     assert floor["rate"] == statistics.median(each["rate"] for each in floor["rounds"])
     assert len(floor["rounds"]) == 2
@@ -289,6 +322,33 @@ def test_a_scenario_pools_tenant_b_over_its_rounds() -> None:
     assert summary["a_n"] == 30
     assert summary["b_during_burst"] == 150
     assert "a_rate" not in fairness.summarize([{"b_ms": [1.0], "b_claim_ms": [0.5]}])
+
+
+def test_a_deadline_round_counts_ends_twice_never_and_in_the_fault() -> None:
+    """Lateness per kind from each allocation's first end event; one with two ``expire``
+    ledger rows counts twice, one with no end never, one ready twice ready again; those due
+    within the fault apart."""
+    rows = [
+        {"id": "a", "idle_kind": False, "due_at": 10.0, "late": 0.2, "readies": 1},
+        {"id": "b", "idle_kind": False, "due_at": 20.0, "late": 0.5, "readies": 1},
+        {"id": "c", "idle_kind": False, "due_at": None, "late": None, "readies": None},
+        {"id": "d", "idle_kind": True, "due_at": 12.0, "late": 0.1, "readies": 2},
+    ]
+    expires = [("a", "in_1"), ("b", "in_1"), ("b", "in_2"), ("d", "in_2")]
+    figures = deadlines._figures(rows, expires, 15.0, 25.0)  # type: ignore[arg-type]
+    assert figures["expired"] == {
+        "n": 3,
+        "late_ms": [200.0, 500.0],
+        "fault_ms": [500.0],
+        "never": 1,
+        "twice": 1,
+        "ready_again": 0,
+    }
+    summary = deadlines.summarize([figures, figures])
+    assert (summary["expired"]["n"], summary["expired"]["twice"]) == (6, 2)
+    assert (summary["expired"]["p99_ms"], summary["expired"]["fault_n"]) == (500.0, 2)
+    assert (summary["idle"]["never"], summary["idle"]["max_ms"]) == (0, 100.0)
+    assert summary["idle"]["ready_again"] == 2
 
 
 def _alive(pid: int) -> bool:
