@@ -20,10 +20,11 @@ from hubd.plugins.protocol import EnsureRequest
 from hubd.reconciler.engine import Reconciler
 from hubd.reconciler.settings import Hook, ReconcilerSettings
 from hubd.server import SidecarServer, SocketRouter
-from hubd.store import Allocation, AllocationStore, Database, LedgerStore
+from hubd.store import Allocation, AllocationStore, Database, Fence, LedgerStore
 from hubd.store.channels import read_notice_key
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
+from hubd.store.transitions import Transition
 from tests.reconcilerkit import ScriptedProvisioner
 from tests.wskit import Sidecar, dial, welcome_of
 
@@ -90,13 +91,11 @@ class PausingAllocations(AllocationStore):
         super().__init__(db, instance_id=instance_id)
         self.pauses = Pauses()
 
-    async def park(self, *args: Any, **kw: Any) -> Allocation | None:
-        await self.pauses.at("park")
-        return await super().park(*args, **kw)
-
-    async def mark_connection_ready(self, *args: Any, **kw: Any) -> Allocation | None:
-        await self.pauses.at("mark_ready")
-        return await super().mark_connection_ready(*args, **kw)
+    async def write(self, fence: Fence, transition: Transition) -> Allocation | None:
+        pause = {"park": "park", "mark_connection_ready": "mark_ready"}.get(transition.name)
+        if pause is not None:
+            await self.pauses.at(pause)
+        return await super().write(fence, transition)
 
 
 @attrs.define(eq=False)

@@ -6,6 +6,7 @@ import hashlib
 import secrets
 from collections.abc import Iterable
 
+from hubd.reconciler.writes import Abandon, BindInitial, MarkAllocated
 from hubd.store import Allocation, AllocationStore, Database, Failure, Fence, Status
 from tests.pgtime import age_row
 
@@ -41,13 +42,15 @@ async def claim_one(store: AllocationStore, allocation_id: str) -> Fence:
 
 
 async def _bind(store: AllocationStore, fence: Fence) -> Allocation | None:
-    return await store.bind_initial_sidecar(
+    return await store.write(
         fence,
-        sidecar_id="sc_" + secrets.token_hex(16),
-        token_hash=token_hash(),
-        connect_timeout=120,
-        api_version="1",
-        binding_fingerprint="fp",
+        BindInitial(
+            sidecar_id="sc_" + secrets.token_hex(16),
+            token_hash=token_hash(),
+            connect_timeout=120,
+            api_version="1",
+            binding_fingerprint="fp",
+        ).transition(),
     )
 
 
@@ -67,16 +70,19 @@ async def drive_to(
     assert bound is not None
     if status is Status.PROVISIONING:
         return fence
-    allocated = await store.mark_allocated(fence, external_ref="ref-1")
+    allocated = await store.write(fence, MarkAllocated(external_ref="ref-1").transition())
     assert allocated is not None
     if status is Status.ALLOCATED:
         return fence
     assert status is Status.REPLACING, status
-    replaced = await store.begin_replacement(
+    replaced = await store.write(
         fence,
-        expected_status=Status.ALLOCATED,
-        delay=0,
-        failure=Failure("sidecar_connect_failed", "test"),
+        Abandon(
+            release=False,
+            expected=Status.ALLOCATED,
+            delay=0,
+            failure=Failure("sidecar_connect_failed", "test"),
+        ).transition(),
     )
     assert replaced is not None
     return await claim_one(store, allocation.id)

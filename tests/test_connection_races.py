@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 import structlog
 
+from hubd.reconciler.writes import MarkReady, Park
 from hubd.routing import Target
 from hubd.store import AllocationStore, Database, Fence, LedgerStore, ParkMode, Status
 from hubd.store.connection_values import Disconnect, RecordOutcome, RecordRequest
@@ -84,7 +85,7 @@ class TestRacingStatements:
         await InstanceStore(db).register("in_a", "a", 1, None)
         sidecar, fence = await sidecar_in(store, db)
         seen = await ConnectionStore(db, instance_id="in_a").readiness(sidecar.target, 20)
-        ready = await store.mark_connection_ready(fence, connection_seq=seen.connection_seq)
+        ready = await store.write(fence, MarkReady(connection_seq=seen.connection_seq).transition())
         assert ready is not None
         assert ready.ready  # reads ready with no record at all: a repair candidate
         async with record_held_open(
@@ -112,7 +113,7 @@ class TestRacingStatements:
         own = ConnectionStore(db, instance_id="in_a")
         recorded = await own.record("cn_a", sidecar.target, sidecar.sidecar_id)
         assert recorded.seq is not None
-        ready = await store.mark_connection_ready(fence, connection_seq=recorded.seq)
+        ready = await store.write(fence, MarkReady(connection_seq=recorded.seq).transition())
         assert ready is not None
         assert ready.ready
         async with db.pool.acquire() as conn:
@@ -162,7 +163,7 @@ class TestRacingStatements:
         a = ConnectionStore(db, instance_id="in_a")
         record = await a.record("cn_a", sidecar.target, sidecar.sidecar_id)
         assert record.seq is not None
-        ready = await store.mark_connection_ready(fence, connection_seq=record.seq)
+        ready = await store.write(fence, MarkReady(connection_seq=record.seq).transition())
         assert ready is not None
         async with record_held_open(
             database_url, "cn_b", sidecar.target, sidecar.sidecar_id, "in_b"
@@ -196,7 +197,7 @@ class TestRacingStatements:
                 "cn_a_" + sidecar.allocation_id, sidecar.target, sidecar.sidecar_id
             )
             assert record.seq is not None
-            assert await store.mark_connection_ready(fence, connection_seq=record.seq)
+            assert await store.write(fence, MarkReady(connection_seq=record.seq).transition())
             sidecars.append(sidecar)
         moved, left = sidecars
         closed = [Disconnect(s.allocation_id, "cn_a_" + s.allocation_id) for s in sidecars]
@@ -440,8 +441,11 @@ async def parked(store: AllocationStore, db: Database) -> tuple[Sidecar, Fence]:
     """An allocated sidecar whose claim parked it to wait for its connect (no lease held)."""
     sidecar, fence = await sidecar_in(store, db)
     current = await store.get(sidecar.allocation_id)
-    written = await store.park(
-        fence, mode=ParkMode.AWAIT_CONNECTION, delay=60, connection_seq=current.connection_seq
+    written = await store.write(
+        fence,
+        Park(
+            mode=ParkMode.AWAIT_CONNECTION, delay=60, connection_seq=current.connection_seq
+        ).transition(),
     )
     assert written is not None
     assert written.lease_id is None
@@ -652,12 +656,14 @@ class TestParkOrReady:
         connections = ConnectionStore(db, instance_id="in_a")
         assert (await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)).seq
         current = await store.get(sidecar.allocation_id)
-        ready = await store.park(
+        ready = await store.write(
             fence,
-            mode=ParkMode.AWAIT_CONNECTION,
-            delay=60,
-            connection_seq=current.connection_seq,
-            ready_within=20,
+            Park(
+                mode=ParkMode.AWAIT_CONNECTION,
+                delay=60,
+                connection_seq=current.connection_seq,
+                ready_within=20,
+            ).transition(),
         )
         assert ready is not None
         assert ready.ready
@@ -668,12 +674,14 @@ class TestParkOrReady:
         assert history[-1].kind == "mark_ready"
 
         before = await store.get(waiting.allocation_id)
-        parked_row = await store.park(
+        parked_row = await store.write(
             waiting_fence,
-            mode=ParkMode.AWAIT_CONNECTION,
-            delay=60,
-            connection_seq=before.connection_seq,
-            ready_within=20,
+            Park(
+                mode=ParkMode.AWAIT_CONNECTION,
+                delay=60,
+                connection_seq=before.connection_seq,
+                ready_within=20,
+            ).transition(),
         )
         assert parked_row is not None
         assert not parked_row.ready
@@ -701,12 +709,14 @@ class TestParkOrReady:
                 )
                 assert (await closer.fetchrow(gone.sql, *gone.args))["connection_id"] == "cn_a"
                 park = asyncio.create_task(
-                    store.park(
+                    store.write(
                         fence,
-                        mode=ParkMode.AWAIT_CONNECTION,
-                        delay=60,
-                        connection_seq=seen,
-                        ready_within=20,
+                        Park(
+                            mode=ParkMode.AWAIT_CONNECTION,
+                            delay=60,
+                            connection_seq=seen,
+                            ready_within=20,
+                        ).transition(),
                     )
                 )
                 await blocked_on_a_lock(database_url)

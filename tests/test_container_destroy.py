@@ -25,6 +25,7 @@ from hubd.plugins.protocol import (
 )
 from hubd.reconciler.clock import ManualClock
 from hubd.reconciler.orphans import OrphanCollector
+from hubd.reconciler.writes import MarkReleased
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from tests import containerkit
 from tests import test_container_provisioner as kit
@@ -166,7 +167,7 @@ class TestOrphanSweep:
         fence = await drive_to(store, db, Status.RELEASING)
         row = await store.get(fence.allocation_id)
         assert row.sidecar_id is not None
-        assert await store.mark_released(fence) is not None
+        assert await store.write(fence, MarkReleased().transition()) is not None
         return ensure_request(row.sidecar_id, allocation_id=row.id, generation=row.generation)
 
     async def test_orphan_under_another_name_removed_for_good_counted_once(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncpg
 
+from hubd.reconciler.writes import MarkReleased
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from tests.faultkit import broken, install_observer, violations
 from tests.storekit import drive_to
@@ -26,7 +27,7 @@ class TestChecker:
         """Claims, fenced transitions, a release and a terminal write leave no violation."""
         await install_observer(database_url)
         fence = await drive_to(store, db, Status.RELEASING)
-        assert await store.mark_released(fence) is not None
+        assert await store.write(fence, MarkReleased().transition()) is not None
         await drive_to(store, db, Status.REPLACING)
         assert broken(await violations(database_url)) == {}
 
@@ -40,7 +41,7 @@ class TestChecker:
         interleave = await drive_to(store, db, Status.ALLOCATED)
         stale = await drive_to(store, db, Status.ALLOCATED)
         final = await drive_to(store, db, Status.RELEASING)
-        assert await store.mark_released(final) is not None
+        assert await store.write(final, MarkReleased().transition()) is not None
         update = "UPDATE hubd_allocations SET {} WHERE id = $1"
         await run(
             database_url,

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from hubd.reconciler.writes import Retry
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from hubd.store.allocations import SQL as ALLOCATIONS
 from hubd.store.models import Phase
@@ -65,7 +66,7 @@ class TestForgetInTheStore:
         assert forgotten.sidecar_id == before.sidecar_id
         assert forgotten.external_ref == before.external_ref
         # The claim's writes, renewal and effects all match nothing now.
-        assert await store.schedule_retry(fence, expected_status=status, delay=0) is None
+        assert await store.write(fence, Retry(expected=status, delay=0).transition()) is None
         assert not await store.renew_lease(fence.allocation_id, fence.lease_id, 60)
         assert not await ledger.record_effect(
             fence, effect_id="ef_late", kind="destroy", phase=Phase.INTENT, status=status
@@ -166,7 +167,7 @@ class TestForgetRacesAClaim:
             forgotten = await operator.fetchrow(forget.sql, *forget.args)
             assert forgotten["status"] == "failed"
             late = asyncio.create_task(
-                store.schedule_retry(fence, expected_status=Status.ALLOCATED, delay=0)
+                store.write(fence, Retry(expected=Status.ALLOCATED, delay=0).transition())
             )
             await blocked_on_a_lock(database_url)
         assert await late is None
@@ -202,7 +203,9 @@ class TestForgetRacesAClaim:
         assert forgotten.status is Status.FAILED
         assert forgotten.generation == fence.generation + 1
         assert forgotten.external_ref == "ref-1"
-        assert await store.schedule_retry(fence, expected_status=Status.ALLOCATED, delay=0) is None
+        assert (
+            await store.write(fence, Retry(expected=Status.ALLOCATED, delay=0).transition()) is None
+        )
         history = await LedgerStore(db, instance_id="in_test").history(fence.allocation_id)
         assert [(e.kind, e.from_status) for e in history[-2:]] == [
             ("mark_allocated", "provisioning"),

@@ -11,6 +11,7 @@ from hubd.plugins.local import LocalProvisioner
 from hubd.plugins.protocol import Accepted, Destroyed, EnsureRequest, check_destroy_result
 from hubd.reconciler.clock import ManualClock
 from hubd.reconciler.orphans import OrphanCollector, Verdict, judge
+from hubd.reconciler.writes import MarkReleased
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from tests import test_local_provisioner as local_kit
 from tests.storekit import drive_to
@@ -93,7 +94,7 @@ class TestSweep:
         kept_pid = await start_for(provisioner, out, kept.id, kept.sidecar_id, kept.generation)
         gone_pid = await start_for(provisioner, out, gone.id, gone.sidecar_id, gone.generation)
         # Released while its sidecar lingered (a destroy that reported success too early).
-        assert await store.mark_released(gone_fence) is not None
+        assert await store.write(gone_fence, MarkReleased().transition()) is not None
         clock = ManualClock()
         sweeper = collector(store, ledger, clock)
         first = await sweeper.sweep(provisioner)
@@ -124,7 +125,7 @@ class TestSweep:
         assert row.sidecar_id is not None
         pid = await start_for(provisioner, out, row.id, row.sidecar_id, row.generation)
         stranger = await start_for(provisioner, out, "al_" + "f" * 32, "sc_stranger", 1)
-        assert await store.mark_released(fence) is not None
+        assert await store.write(fence, MarkReleased().transition()) is not None
         clock = ManualClock()
         outcomes: list[str] = []
         dry = collector(

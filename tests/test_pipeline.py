@@ -8,17 +8,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from hubd.errors import InvalidRequest
+from hubd.reconciler.writes import AcceptAndPark, BindInitial, MarkAllocated, MarkReleased, Park
 from hubd.store import Allocation, AllocationStore, Database, Fence, Status, connect_database
 from hubd.store.models import EffectRow, Phase
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound
-from hubd.store.transitions import SQL, ParkMode
-from hubd.store.values import Failure
+from hubd.store.transitions import SQL
+from hubd.store.values import Failure, ParkMode
 from tests.polling import eventually
 from tests.storekit import claim_one, drive_to, token_hash
 from tests.test_connection_races import blocked_on_a_lock
@@ -41,13 +43,15 @@ async def bind(
     digest: bytes | None = None,
     sidecar_id: str | None = None,
 ) -> Allocation | None:
-    return await store.bind_initial_sidecar(
+    return await store.write(
         fence,
-        sidecar_id=sidecar_id or "sc_" + secrets.token_hex(8),
-        token_hash=token_hash() if digest is None else digest,
-        connect_timeout=120,
-        api_version="1",
-        binding_fingerprint="fp",
+        BindInitial(
+            sidecar_id=sidecar_id or "sc_" + secrets.token_hex(8),
+            token_hash=token_hash() if digest is None else digest,
+            connect_timeout=120,
+            api_version="1",
+            binding_fingerprint="fp",
+        ).transition(),
     )
 
 
@@ -314,7 +318,7 @@ async def test_a_set_form_batch_is_one_statement_and_a_pipelined_one_a_statement
     db: Database, store: AllocationStore
 ) -> None:
     fences = await releasing_claims(store, db, 8)
-    results = await asyncio.gather(*(store.mark_released(f) for f in fences))
+    results = await asyncio.gather(*(store.write(f, MarkReleased().transition()) for f in fences))
     assert [r.id if r else None for r in results] == [f.allocation_id for f in fences]
     assert all(r is not None and r.status is Status.RELEASED for r in results)
     released = store.pipelines[MARK_RELEASED]
@@ -338,14 +342,14 @@ async def test_a_set_form_writes_each_row_of_a_batch_as_it_writes_a_row_alone(
     alone = await releasing_claims(store, db, 2)
     since = await last_seq(db)
     results = await asyncio.gather(
-        *(store.mark_released(f, effects=destroyed(i)) for i, f in enumerate(together))
+        *(store.write(f, MarkReleased().transition(destroyed(i))) for i, f in enumerate(together))
     )
     assert all(r is not None for r in results)
     pipeline = store.pipelines[MARK_RELEASED]
     assert pipeline.executions < 4
     for i, fence in enumerate(alone):
         before = pipeline.executions
-        assert await store.mark_released(fence, effects=destroyed(i)) is not None
+        assert await store.write(fence, MarkReleased().transition(destroyed(i))) is not None
         assert pipeline.executions == before + 1
     expected = await written(db, alone[0], since)
     assert expected[0]["status"] == "released"
@@ -386,7 +390,7 @@ async def test_a_row_whose_fence_fails_in_a_set_form_batch_is_absent_and_the_res
         async with db.connection("spoil") as conn:
             await conn.execute(spoil, target.allocation_id)
     since = await last_seq(db)
-    results = await asyncio.gather(*(store.mark_released(f) for f in asked))
+    results = await asyncio.gather(*(store.write(f, MarkReleased().transition()) for f in asked))
     assert store.pipelines[MARK_RELEASED].executions < 4
     assert results[1] is None
     assert all(r is not None for i, r in enumerate(results) if i != 1)
@@ -443,7 +447,7 @@ async def test_a_set_form_batch_behind_a_takeover_writes_nothing_for_it(
             "UPDATE hubd_allocations SET lease_id = 'ls_of_another_replica' WHERE id = $1",
             x.allocation_id,
         )
-        asked = [asyncio.create_task(store.mark_released(f)) for f in (x, y)]
+        asked = [asyncio.create_task(store.write(f, MarkReleased().transition())) for f in (x, y)]
         await blocked_on_a_lock(database_url)
     x_write, y_write = await asyncio.gather(*asked)
     pipeline = store.pipelines[MARK_RELEASED]
@@ -459,39 +463,34 @@ async def test_a_set_form_batch_behind_a_takeover_writes_nothing_for_it(
     assert (await written(db, x, since))[1] == []
 
 
-PARKS = {
+def accepting(**accepted: Any) -> Callable[[Park], AcceptAndPark]:
+    return lambda park: AcceptAndPark(accepted=MarkAllocated(**accepted), park=park)
+
+
+def awaiting(**park: Any) -> Park:
+    return Park(mode=ParkMode.AWAIT_CONNECTION, delay=30.0, **park)
+
+
+PARKS: dict[str, Park | AcceptAndPark] = {
     # The lifecycle's park: the ensure accepted, the sidecar not yet connected.
-    "accept and await": {"accept": True, "external_ref": "ref-1", "connection_seq": 0},
+    "accept and await": accepting(external_ref="ref-1")(awaiting(connection_seq=0)),
     # The same, the acceptance saying where the sidecar serves and what it is.
-    "accept with endpoint": {
-        "accept": True,
-        "external_ref": "ref-1",
-        "endpoint": "10.0.0.7:8080",
-        "metadata": {"pod": "p", "ports": [8080]},
-        "connection_seq": 0,
-    },
+    "accept with endpoint": accepting(
+        external_ref="ref-1", endpoint="10.0.0.7:8080", metadata={"pod": "p", "ports": [8080]}
+    )(awaiting(connection_seq=0)),
     # A connect or disconnect recorded since the claim's look: due now, as a follow-up.
-    "connection moved": {"accept": True, "external_ref": "ref-1", "connection_seq": 5},
+    "connection moved": accepting(external_ref="ref-1")(awaiting(connection_seq=5)),
     # The sidecar already holds a live record: ready in the park itself.
-    "accept and ready": {
-        "accept": True,
-        "external_ref": "ref-1",
-        "endpoint": "10.0.0.7:8080",
-        "metadata": {"pod": "p"},
-        "connection_seq": 0,
-        "ready_within": 20.0,
-    },
+    "accept and ready": accepting(
+        external_ref="ref-1", endpoint="10.0.0.7:8080", metadata={"pod": "p"}
+    )(awaiting(connection_seq=0, ready_within=20.0)),
     # Looked for a record, found none: parked.
-    "no record": {
-        "accept": True,
-        "external_ref": "ref-1",
-        "connection_seq": 0,
-        "ready_within": 20.0,
-    },
-    "retry after error": {
-        "mode": ParkMode.RETRY_AFTER_ERROR,
-        "failure": Failure("plugin_failed", "ensure failed"),
-    },
+    "no record": accepting(external_ref="ref-1")(awaiting(connection_seq=0, ready_within=20.0)),
+    "retry after error": Park(
+        mode=ParkMode.RETRY_AFTER_ERROR,
+        delay=30.0,
+        failure=Failure("plugin_failed", "ensure failed"),
+    ),
 }
 
 
@@ -499,7 +498,7 @@ PARKS = {
 async def test_a_park_writes_each_row_of_a_batch_as_it_writes_a_row_alone(
     db: Database, store: AllocationStore, case: str
 ) -> None:
-    kwargs: dict[str, Any] = {"mode": ParkMode.AWAIT_CONNECTION, "delay": 30.0, **PARKS[case]}
+    park = PARKS[case]
     fences = [await drive_to(store, db, Status.PROVISIONING) for _ in range(4)]
     if case == "accept and ready":
         async with db.connection("record") as conn:
@@ -521,19 +520,21 @@ async def test_a_park_writes_each_row_of_a_batch_as_it_writes_a_row_alone(
     )
     together, alone = fences[:3], fences[3]
     pipeline_results = await asyncio.gather(
-        *(store.park(f, effects=effects, **kwargs) for f in together)
+        *(store.write(f, park.transition(effects)) for f in together)
     )
     assert all(r is not None for r in pipeline_results)
     parks = store.pipelines["park"]
     assert parks.executions < 3
     before = parks.executions
-    assert await store.park(alone, effects=effects, **kwargs) is not None
+    assert await store.write(alone, park.transition(effects)) is not None
     assert parks.executions == before + 1
     expected = await written(db, alone, since)
     ready, due_now = expected[0]["connection_ready"], expected[1][-1]["kind"] == "follow_up"
     assert ready == (case == "accept and ready")
     assert due_now == (case == "connection moved")
-    assert expected[0]["endpoint"] == PARKS[case].get("endpoint")
+    assert expected[0]["endpoint"] == (
+        park.accepted.endpoint if isinstance(park, AcceptAndPark) else None
+    )
     # Each row's schedule is its own (its connect deadline, now()): whether it has one is what
     # the form decides.
     expected[0]["next_attempt_at"] = expected[0]["next_attempt_at"] is not None
@@ -571,14 +572,17 @@ async def test_a_park_in_a_set_form_batch_fenced_by_a_connect_that_commits_meanw
         )
         asked = [
             asyncio.create_task(
-                store.park(
+                store.write(
                     f,
-                    mode=ParkMode.AWAIT_CONNECTION,
-                    delay=30.0,
-                    accept=True,
-                    external_ref="ref-1",
-                    connection_seq=0,
-                    ready_within=20.0,
+                    AcceptAndPark(
+                        accepted=MarkAllocated(external_ref="ref-1"),
+                        park=Park(
+                            mode=ParkMode.AWAIT_CONNECTION,
+                            delay=30.0,
+                            connection_seq=0,
+                            ready_within=20.0,
+                        ),
+                    ).transition(),
                 )
             )
             for f in (x, y)

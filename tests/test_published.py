@@ -14,11 +14,12 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
+from hubd.reconciler.writes import Abandon, Park
 from hubd.store import AllocationStore, Database, Failure, Status
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import LedgerStore
-from hubd.store.transitions import ParkMode
+from hubd.store.values import ParkMode
 from tests.polling import eventually
 from tests.wskit import (
     INSTANCE_ID,
@@ -270,11 +271,14 @@ class TestPublish:
         sidecar, fence = await sidecar_in(store, db)
         async with dial(hub.url, sidecar.headers()) as ws:
             await welcomed(ws)
-            replaced = await store.begin_replacement(
+            replaced = await store.write(
                 fence,
-                expected_status=Status.ALLOCATED,
-                delay=0,
-                failure=Failure("sidecar_connect_failed", "test"),
+                Abandon(
+                    release=False,
+                    expected=Status.ALLOCATED,
+                    delay=0,
+                    failure=Failure("sidecar_connect_failed", "test"),
+                ).transition(),
             )
             assert replaced is not None
             with contextlib.suppress(ConnectionClosed):
@@ -372,12 +376,14 @@ class TestDeclaredReadiness:
         assert record.seq is not None
         readiness = await peer.readiness(sidecar.target, 20)
         assert not readiness.connected
-        parked = await store.park(
+        parked = await store.write(
             fence,
-            mode=ParkMode.AWAIT_CONNECTION,
-            delay=60,
-            connection_seq=readiness.connection_seq,
-            ready_within=20,
+            Park(
+                mode=ParkMode.AWAIT_CONNECTION,
+                delay=60,
+                connection_seq=readiness.connection_seq,
+                ready_within=20,
+            ).transition(),
         )
         assert parked is not None
         assert not parked.connection_ready

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from hubd.reconciler.writes import Abandon, AcceptAndPark, MarkAllocated, Park
 from hubd.store import AllocationStore, Database, Failure, Fence, Status
-from hubd.store.transitions import ParkMode
+from hubd.store.values import ParkMode
 from tests.daemonkit import DaemonProcess, write_config
 from tests.polling import eventually
 from tests.wskit import Hub, Sidecar, dial, running_hub, sidecar_in, welcome_of
@@ -66,18 +67,21 @@ async def accept(
     """The provisioner's acceptance, as the claim writes it: ``mark_allocated`` (before an
     on-ready hook) or ``park`` with ``accept`` (the common path)."""
     if how == "mark_allocated":
-        done = await store.mark_allocated(
-            fence, external_ref="ref-1", endpoint="http://provisioner:1", metadata=metadata
+        done = await store.write(
+            fence,
+            MarkAllocated(
+                external_ref="ref-1", endpoint="http://provisioner:1", metadata=metadata
+            ).transition(),
         )
     else:
-        done = await store.park(
+        done = await store.write(
             fence,
-            mode=ParkMode.AWAIT_CONNECTION,
-            delay=60,
-            accept=True,
-            external_ref="ref-1",
-            endpoint="http://provisioner:1",
-            metadata=metadata,
+            AcceptAndPark(
+                accepted=MarkAllocated(
+                    external_ref="ref-1", endpoint="http://provisioner:1", metadata=metadata
+                ),
+                park=Park(mode=ParkMode.AWAIT_CONNECTION, delay=60),
+            ).transition(),
         )
     assert done is not None
     assert done.status is Status.ALLOCATED
@@ -161,11 +165,14 @@ class TestEitherOrder:
         sidecar, fence = await sidecar_in(store, db, Status.PROVISIONING)
         await publish(hub, sidecar, metadata=SIDECAR)
         assert await patch_of(db, sidecar.allocation_id) == SIDECAR
-        replaced = await store.begin_replacement(
+        replaced = await store.write(
             fence,
-            expected_status=Status.PROVISIONING,
-            delay=0,
-            failure=Failure("ensure_failed", "test"),
+            Abandon(
+                release=False,
+                expected=Status.PROVISIONING,
+                delay=0,
+                failure=Failure("ensure_failed", "test"),
+            ).transition(),
         )
         assert replaced is not None
         assert await patch_of(db, sidecar.allocation_id) is None

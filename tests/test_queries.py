@@ -17,6 +17,7 @@ from hubd.store.database import Database, Pool
 from hubd.store.queries import load_queries, parse_queries, translate
 
 STORE = Path(hubd.store.__file__).parent
+WRITES = STORE.parent / "reconciler" / "writes.py"
 
 
 def sql_files() -> list[str]:
@@ -31,25 +32,42 @@ def strip_comments(sql: str) -> str:
     return "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
 
 
+def _loaded(tree: ast.Module) -> dict[str, str]:
+    """The names a module assigns ``load_queries(...)`` to, with the file each loads."""
+    loaded: dict[str, str] = {}
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == "load_queries"
+        ):
+            (target,) = node.targets
+            (argument,) = node.value.args
+            assert isinstance(target, ast.Name)
+            assert isinstance(argument, ast.Constant)
+            loaded[target.id] = argument.value
+    return loaded
+
+
 def references() -> dict[str, dict[str, set[str]]]:
     """For each ``.sql`` file loaded by a store module: the statement names referenced as
-    attributes of the name it is loaded into, per module."""
+    attributes of the name it is loaded into, per module; the store's modules and the write
+    values (``hubd/reconciler/writes.py``, which name the transitions' statements and import
+    their file's queries from :mod:`hubd.store.transitions`)."""
+    trees = {
+        path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(STORE.glob("*.py"))
+    }
+    by_module = {f"hubd.store.{path.stem}": _loaded(tree) for path, tree in trees.items()}
+    trees[WRITES] = ast.parse(WRITES.read_text(encoding="utf-8"))
     found: dict[str, dict[str, set[str]]] = {}
-    for module in sorted(STORE.glob("*.py")):
-        tree = ast.parse(module.read_text(encoding="utf-8"))
-        loaded: dict[str, str] = {}
+    for module, tree in trees.items():
+        loaded = _loaded(tree)
         for node in tree.body:
-            if (
-                isinstance(node, ast.Assign)
-                and isinstance(node.value, ast.Call)
-                and isinstance(node.value.func, ast.Name)
-                and node.value.func.id == "load_queries"
-            ):
-                (target,) = node.targets
-                (argument,) = node.value.args
-                assert isinstance(target, ast.Name)
-                assert isinstance(argument, ast.Constant)
-                loaded[target.id] = argument.value
+            if isinstance(node, ast.ImportFrom) and node.module in by_module:
+                for alias in node.names:
+                    if alias.name in by_module[node.module]:
+                        loaded[alias.asname or alias.name] = by_module[node.module][alias.name]
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Attribute)
@@ -145,6 +163,34 @@ class TestTranslation:
         """An unclosed quote would hide every parameter after it: it fails the load."""
         with pytest.raises(ValueError, match="unterminated"):
             translate("SELECT 'oops, :x")
+
+
+class TestFragments:
+    TEXT = (
+        "-- fragment: fence\n-- what it says\nid = :id AND lease = :lease\n\n"
+        "-- name: one\nUPDATE t SET x = :x WHERE {fence} AND '{fence}' <> ''\n"
+    )
+
+    def test_a_fragment_is_put_in_where_named_and_is_no_statement(self) -> None:
+        """Its text (without its comments) stands where ``{name}`` was, before translation; a
+        ``{name}`` inside a literal is text."""
+        queries = parse_queries("t.sql", self.TEXT)
+        assert queries.names() == {"one"}
+        one = queries["one"]
+        assert one.sql == "UPDATE t SET x = $1 WHERE id = $2 AND lease = $3 AND '{fence}' <> ''"
+        assert one.params == ("x", "id", "lease")
+
+    def test_an_unknown_fragment_is_refused(self) -> None:
+        with pytest.raises(ValueError, match=r"t\.sql: one: no fragment \{ghost\}"):
+            parse_queries("t.sql", "-- name: one\nSELECT 1 WHERE {ghost}")
+
+    def test_the_transitions_fence_is_written_once(self) -> None:
+        """Each transition that is not in set form is fenced by the one fragment."""
+        text = (STORE / "sql" / "allocations_transitions.sql").read_text(encoding="utf-8")
+        assert text.count("lease_expires_at > clock_timestamp()") == 3  # fence, two set forms
+        queries = load_queries("allocations_transitions.sql")
+        for name in queries.names() - {"park", "mark_released"}:
+            assert "lease_expires_at > clock_timestamp()" in queries[name].sql, name
 
 
 class TestBinding:

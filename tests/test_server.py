@@ -29,6 +29,7 @@ from hubd.config import ServerConfig
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.running import wake_listener
 from hubd.errors import DatabaseUnavailable
+from hubd.reconciler.writes import Abandon, MarkReady, MarkReleased
 from hubd.routing import SidecarNotConnected, Target
 from hubd.server import HandshakeRequest, SidecarServer, SocketRouter
 from hubd.server.connection import SidecarConnection
@@ -238,11 +239,14 @@ class TestHandshake:
     ) -> None:
         """A sidecar of a replaced generation is refused with 409, token checked or not."""
         old, fence = await sidecar_in(store, db, Status.PROVISIONING)
-        replaced = await store.begin_replacement(
+        replaced = await store.write(
             fence,
-            expected_status=Status.PROVISIONING,
-            delay=0,
-            failure=Failure("sidecar_connect_failed", "test"),
+            Abandon(
+                release=False,
+                expected=Status.PROVISIONING,
+                delay=0,
+                failure=Failure("sidecar_connect_failed", "test"),
+            ).transition(),
         )
         assert replaced is not None
         assert replaced.generation == old.generation + 1
@@ -257,7 +261,7 @@ class TestHandshake:
         """An allocation that is releasing, replacing or finished accepts no sidecar: 409."""
         if status is Status.RELEASED:
             sidecar, fence = await sidecar_in(store, db, Status.RELEASING)
-            assert await store.mark_released(fence) is not None
+            assert await store.write(fence, MarkReleased().transition()) is not None
         else:
             sidecar, _ = await sidecar_in(store, db, status)
         refused = await rejection(hub.url, sidecar.headers())
@@ -452,7 +456,9 @@ class TestRouter:
             await eventually(lambda: len(hub.events.connected) == 1)
             seen = await hub.connections.readiness(sidecar.target, 20)
             assert seen.connected
-            ready = await store.mark_connection_ready(fence, connection_seq=seen.connection_seq)
+            ready = await store.write(
+                fence, MarkReady(connection_seq=seen.connection_seq).transition()
+            )
             assert ready is not None
             assert ready.ready
         await eventually(lambda: len(hub.events.disconnected) == 1)
@@ -475,8 +481,9 @@ class TestRouter:
                 assert await conn.fetchval("SELECT $1::timestamptz <= now()", woken.next_attempt_at)
             # What the reconciler does next: claim the woken allocation and record it ready.
             seen = await hub.connections.readiness(sidecar.target, 20)
-            again = await store.mark_connection_ready(
-                await claim_one(store, sidecar.allocation_id), connection_seq=seen.connection_seq
+            again = await store.write(
+                await claim_one(store, sidecar.allocation_id),
+                MarkReady(connection_seq=seen.connection_seq).transition(),
             )
             assert again is not None
             assert again.ready
@@ -794,7 +801,7 @@ class TestConnectionStore:
         """A finished allocation's record is refused as retired."""
         connections = ConnectionStore(db, instance_id=INSTANCE_ID)
         sidecar, fence = await sidecar_in(store, db, Status.RELEASING)
-        assert await store.mark_released(fence) is not None
+        assert await store.write(fence, MarkReleased().transition()) is not None
         assert (
             await connections.record("cn_a", sidecar.target, sidecar.sidecar_id)
         ).outcome is RecordOutcome.RETIRED
@@ -815,7 +822,7 @@ class TestConnectionStore:
             sidecar.sidecar_id,
             INSTANCE_ID,
         )
-        assert await store.mark_released(fence) is not None
+        assert await store.write(fence, MarkReleased().transition()) is not None
         assert await records_of(db, sidecar.allocation_id) == []
 
     async def test_fencing_transition_removes_the_older_record(
@@ -913,7 +920,9 @@ class TestInstanceStore:
         await peer.record("cn_3", moved.target, moved.sidecar_id)  # reconnected to a peer
         for sidecar, claim in ((mine, fence), (moved, moved_fence)):
             readiness = await here.readiness(sidecar.target, 20)
-            assert await store.mark_connection_ready(claim, connection_seq=readiness.connection_seq)
+            assert await store.write(
+                claim, MarkReady(connection_seq=readiness.connection_seq).transition()
+            )
         assert await here.release_instance(connect_timeout=60) == [mine.target]
         lost = await store.get(mine.allocation_id)
         assert not lost.ready

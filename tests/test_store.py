@@ -12,6 +12,20 @@ import attrs
 import pytest
 
 from hubd.errors import AllocationNotFound, DatabaseUnavailable, InvalidRequest
+from hubd.reconciler.writes import (
+    Abandon,
+    AcceptAndPark,
+    BeginInitialization,
+    BindInitial,
+    BindReplacement,
+    FailNow,
+    MarkAllocated,
+    MarkDestroyFailed,
+    MarkReady,
+    MarkReleased,
+    Park,
+    Retry,
+)
 from hubd.routing import Target
 from hubd.store import (
     AllocationStore,
@@ -43,50 +57,75 @@ FAIL = Failure("boom", "it broke")
 TRANSITIONS: dict[str, tuple[Status | None, Transition]] = {
     "bind_initial_sidecar": (
         Status.PENDING,
-        lambda s, f: s.bind_initial_sidecar(
+        lambda s, f: s.write(
             f,
-            sidecar_id="sc_x",
-            token_hash=token_hash(),
-            connect_timeout=60,
-            api_version="1",
-            binding_fingerprint="fp",
+            BindInitial(
+                sidecar_id="sc_x",
+                token_hash=token_hash(),
+                connect_timeout=60,
+                api_version="1",
+                binding_fingerprint="fp",
+            ).transition(),
         ),
     ),
     "bind_replacement_sidecar": (
         Status.REPLACING,
-        lambda s, f: s.bind_replacement_sidecar(
-            f, sidecar_id="sc_y", token_hash=token_hash(), connect_timeout=60
+        lambda s, f: s.write(
+            f,
+            BindReplacement(
+                sidecar_id="sc_y", token_hash=token_hash(), connect_timeout=60
+            ).transition(),
         ),
     ),
-    "mark_allocated": (Status.PROVISIONING, lambda s, f: s.mark_allocated(f, external_ref="r")),
-    "begin_initialization": (Status.ALLOCATED, lambda s, f: s.begin_initialization(f)),
+    "mark_allocated": (
+        Status.PROVISIONING,
+        lambda s, f: s.write(f, MarkAllocated(external_ref="r").transition()),
+    ),
+    "begin_initialization": (
+        Status.ALLOCATED,
+        lambda s, f: s.write(f, BeginInitialization().transition()),
+    ),
     "mark_connection_ready": (
         Status.ALLOCATED,
-        lambda s, f: s.mark_connection_ready(f, connection_seq=0),
+        lambda s, f: s.write(f, MarkReady(connection_seq=0).transition()),
     ),
     "schedule_retry": (
         Status.REPLACING,
-        lambda s, f: s.schedule_retry(
-            f, expected_status=Status.REPLACING, delay=2, attempt=AttemptKind.DESTROY, failure=FAIL
+        lambda s, f: s.write(
+            f,
+            Retry(
+                expected=Status.REPLACING, delay=2, attempt_kind=AttemptKind.DESTROY, failure=FAIL
+            ).transition(),
         ),
     ),
-    "park": (None, lambda s, f: s.park(f, mode=ParkMode.AWAIT_CONNECTION, delay=30)),
+    "park": (
+        None,
+        lambda s, f: s.write(f, Park(mode=ParkMode.AWAIT_CONNECTION, delay=30).transition()),
+    ),
     "begin_replacement": (
         Status.PROVISIONING,
-        lambda s, f: s.begin_replacement(
-            f, expected_status=Status.PROVISIONING, delay=1, failure=FAIL
+        lambda s, f: s.write(
+            f,
+            Abandon(
+                release=False, expected=Status.PROVISIONING, delay=1, failure=FAIL
+            ).transition(),
         ),
     ),
     "begin_unrecoverable_release": (
         Status.ALLOCATED,
-        lambda s, f: s.begin_unrecoverable_release(f, failure=FAIL),
+        lambda s, f: s.write(
+            f, Abandon(release=True, expected=Status.ALLOCATED, delay=0, failure=FAIL).transition()
+        ),
     ),
     "fail_without_infrastructure": (
         Status.PENDING,
-        lambda s, f: s.fail_without_infrastructure(f, expected_status=Status.PENDING, failure=FAIL),
+        lambda s, f: s.write(f, FailNow(expected=Status.PENDING, failure=FAIL).transition()),
     ),
-    "mark_destroy_failed": (Status.RELEASING, lambda s, f: s.mark_destroy_failed(f, failure=FAIL)),
-    "mark_released": (Status.RELEASING, lambda s, f: s.mark_released(f)),
+    "mark_destroy_failed": (
+        Status.RELEASING,
+        lambda s, f: s.write(f, MarkDestroyFailed(failure=FAIL).transition()),
+    ),
+    "mark_released": (Status.RELEASING, lambda s, f: s.write(f, MarkReleased().transition())),
 }
 
 # A status each transition does not accept, to prove the status guard.
@@ -280,7 +319,7 @@ class TestRequestAndRelease:
         released = await store.release(fence.allocation_id)
         assert released.status is Status.RELEASING
         assert released.generation == fence.generation + 1
-        assert await store.mark_allocated(fence, external_ref="late") is None
+        assert await store.write(fence, MarkAllocated(external_ref="late").transition()) is None
         assert await store.release(fence.allocation_id) == released  # idempotent
 
     async def test_release_of_terminal_is_a_no_op(self, store: AllocationStore) -> None:
@@ -702,7 +741,7 @@ class TestClaims:
     async def test_not_due_not_claimed(self, store: AllocationStore, db: Database) -> None:
         """A row scheduled in the future, or leased, is not claimable until then."""
         fence = await drive_to(store, db, Status.ALLOCATED)
-        await store.park(fence, mode=ParkMode.AWAIT_CONNECTION, delay=30)
+        await store.write(fence, Park(mode=ParkMode.AWAIT_CONNECTION, delay=30).transition())
         assert await claim_next(store, lease_id=new_lease(), lease_duration=60) is None
         await age_row(db, fence.allocation_id, 121)
         assert (await claim_one(store, fence.allocation_id)).generation == fence.generation
@@ -720,7 +759,7 @@ class TestClaims:
         second = await claim_one(store, allocation.id)
         assert second.lease_id != first.lease_id
         assert await store.renew_lease(allocation.id, second.lease_id, 60)
-        assert await store.mark_allocated(first, external_ref=None) is None
+        assert await store.write(first, MarkAllocated(external_ref=None).transition()) is None
 
     async def test_renewal_extends_by_database_clock(
         self, store: AllocationStore, db: Database
@@ -1243,8 +1282,8 @@ class TestTransitions:
     ) -> None:
         """The ledger tells the story of an allocation oldest first with from/to statuses."""
         fence = await drive_to(store, db, Status.ALLOCATED)
-        await store.begin_initialization(fence)
-        ready = await store.mark_connection_ready(fence, connection_seq=0)
+        await store.write(fence, BeginInitialization().transition())
+        ready = await store.write(fence, MarkReady(connection_seq=0).transition())
         assert ready is not None
         assert ready.ready
         assert ready.lease_id is None
@@ -1274,7 +1313,9 @@ class TestTransitions:
         assert record.seq == row.connection_seq + 1
         leased = await store.get(fence.allocation_id)
         assert leased.lease_id == fence.lease_id
-        follow_up = await store.mark_connection_ready(fence, connection_seq=row.connection_seq)
+        follow_up = await store.write(
+            fence, MarkReady(connection_seq=row.connection_seq).transition()
+        )
         assert follow_up is not None
         assert not follow_up.connection_ready
         assert follow_up.lease_id is None
@@ -1283,16 +1324,20 @@ class TestTransitions:
         assert await connections.disconnect(fence.allocation_id, "cn_1", connect_timeout=30)
         lost = await store.get(fence.allocation_id)
         assert lost.lease_id == again.lease_id, "a disconnect never touches a claim's lease"
-        stale = await store.park(
-            again, mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=record.seq
+        stale = await store.write(
+            again,
+            Park(mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=record.seq).transition(),
         )
         assert stale is not None
         assert stale.next_attempt_at is not None
         assert stale.connect_deadline is not None
         assert stale.next_attempt_at < stale.connect_deadline
         third = await claim_one(store, fence.allocation_id)
-        parked = await store.park(
-            third, mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=lost.connection_seq
+        parked = await store.write(
+            third,
+            Park(
+                mode=ParkMode.AWAIT_CONNECTION, delay=30, connection_seq=lost.connection_seq
+            ).transition(),
         )
         assert parked is not None
         assert parked.next_attempt_at == parked.connect_deadline
@@ -1384,23 +1429,27 @@ class TestTransitions:
         """A replacement conditioned on an incomplete initialization does nothing once the
         initialization marker is gone, and replaces while it is recorded."""
         fence = await drive_to(store, db, Status.ALLOCATED)
-        conditional = {
-            "expected_status": Status.ALLOCATED,
-            "delay": 1.0,
-            "failure": Failure("sidecar_initialization_uncertain", "x"),
-            "only_if_initialization_incomplete": True,
-        }
-        assert await store.begin_replacement(fence, **conditional) is None
-        started = await store.begin_initialization(fence)
+        conditional = Abandon(
+            release=False,
+            expected=Status.ALLOCATED,
+            delay=1.0,
+            failure=Failure("sidecar_initialization_uncertain", "x"),
+            only_if_initialization_incomplete=True,
+        )
+        assert await store.write(fence, conditional.transition()) is None
+        started = await store.write(fence, BeginInitialization().transition())
         assert started is not None
         assert started.initialization_lease_id == fence.lease_id
         assert (
-            await store.begin_replacement(
-                fence, **conditional, expected_initialization_lease_id=new_lease()
+            await store.write(
+                fence,
+                attrs.evolve(
+                    conditional, expected_initialization_lease_id=new_lease()
+                ).transition(),
             )
             is None
         )
-        replaced = await store.begin_replacement(fence, **conditional)
+        replaced = await store.write(fence, conditional.transition())
         assert replaced is not None
         assert replaced.status is Status.REPLACING
         assert replaced.generation == fence.generation + 1
@@ -1410,12 +1459,14 @@ class TestTransitions:
     async def test_retry_bumps_named_counter(self, store: AllocationStore, db: Database) -> None:
         """A destroy retry bumps the destroy counter, records the failure and drops the lease."""
         fence = await drive_to(store, db, Status.REPLACING)
-        retried = await store.schedule_retry(
+        retried = await store.write(
             fence,
-            expected_status=Status.REPLACING,
-            delay=4,
-            attempt=AttemptKind.DESTROY,
-            failure=Failure("destroy_failed", "nope"),
+            Retry(
+                expected=Status.REPLACING,
+                delay=4,
+                attempt_kind=AttemptKind.DESTROY,
+                failure=Failure("destroy_failed", "nope"),
+            ).transition(),
         )
         assert retried is not None
         assert retried.destroy_attempts == 1
@@ -1426,11 +1477,11 @@ class TestTransitions:
         """wake makes a parked row due now; the reconnect repair schedules only an unleased
         allocated row that reads ready without a live record."""
         fence = await drive_to(store, db, Status.ALLOCATED)
-        await store.park(fence, mode=ParkMode.AWAIT_CONNECTION, delay=30)
+        await store.write(fence, Park(mode=ParkMode.AWAIT_CONNECTION, delay=30).transition())
         assert await store.wake(fence.allocation_id, fence.generation + 1) is False
         assert await store.wake(fence.allocation_id, fence.generation) is True
         again = await claim_one(store, fence.allocation_id)
-        ready = await store.mark_connection_ready(again, connection_seq=0)
+        ready = await store.write(again, MarkReady(connection_seq=0).transition())
         assert ready is not None
         assert ready.ready
         async with db.pool.acquire() as conn:
@@ -1573,26 +1624,29 @@ class TestLedger:
         intent = EffectRow(
             effect_id=new_effect_id(), kind="ensure", phase=Phase.INTENT, status=Status.PROVISIONING
         )
-        bound = await store.bind_initial_sidecar(
+        bound = await store.write(
             fence,
-            sidecar_id="sc_" + "a" * 32,
-            token_hash=token_hash(),
-            connect_timeout=120,
-            api_version="1",
-            binding_fingerprint="fp",
-            effects=[intent],
+            BindInitial(
+                sidecar_id="sc_" + "a" * 32,
+                token_hash=token_hash(),
+                connect_timeout=120,
+                api_version="1",
+                binding_fingerprint="fp",
+            ).transition([intent]),
         )
         assert bound is not None
         outcome = attrs.evolve(intent, phase=Phase.COMMITTED, duration_ms=1.5)
-        parked = await store.park(
+        parked = await store.write(
             fence,
-            mode=ParkMode.AWAIT_CONNECTION,
-            delay=30,
-            connection_seq=bound.connection_seq,
-            ready_within=20,
-            accept=True,
-            external_ref="ref-9",
-            effects=[outcome],
+            AcceptAndPark(
+                accepted=MarkAllocated(external_ref="ref-9"),
+                park=Park(
+                    mode=ParkMode.AWAIT_CONNECTION,
+                    delay=30,
+                    connection_seq=bound.connection_seq,
+                    ready_within=20,
+                ),
+            ).transition([outcome]),
         )
         assert parked is not None
         assert parked.status is Status.ALLOCATED
@@ -1631,7 +1685,7 @@ class TestLedger:
         before = await ledger.history(fence.allocation_id)
         await expire_lease(db, fence.allocation_id)
         outcome = attrs.evolve(intent, phase=Phase.COMMITTED)
-        assert await store.mark_released(fence, effects=[outcome]) is None
+        assert await store.write(fence, MarkReleased().transition([outcome])) is None
         assert await ledger.history(fence.allocation_id) == before
         await age_row(db, fence.allocation_id, 1)
         claimed = await store.claim_due(lease_ids=[new_lease()], lease_duration=LEASE_SECONDS)
@@ -1686,11 +1740,14 @@ class TestLedger:
         """A failure message carrying a token is stored with the token redacted."""
         canary = "hubd_sc_" + "ab" * 32
         fence = await drive_to(store, db, Status.PROVISIONING)
-        await store.begin_replacement(
+        await store.write(
             fence,
-            expected_status=Status.PROVISIONING,
-            delay=1,
-            failure=Failure("ensure_failed", f"plugin said {canary} and Bearer {canary}"),
+            Abandon(
+                release=False,
+                expected=Status.PROVISIONING,
+                delay=1,
+                failure=Failure("ensure_failed", f"plugin said {canary} and Bearer {canary}"),
+            ).transition(),
         )
         async with db.pool.acquire() as conn:
             dump = await conn.fetchval(

@@ -1,7 +1,7 @@
 """The executor: one function carries out every durable write a claim decides on.
 
-:func:`apply` maps a write value (:mod:`hubd.reconciler.writes`) to its one fenced statement
-and runs it on the path its kind calls for, then tells the router and the log what changed:
+:func:`apply` runs the fenced statement a write value (:mod:`hubd.reconciler.writes`) names,
+on the path its kind calls for, then tells the router and the log what changed:
 
 - a write the claim goes on from (bind, mark allocated, begin initialization) or that ends the
   allocation (fail, destroy failed, released) must match its fence, or the claim is lost;
@@ -20,7 +20,7 @@ The executor knows the claim it writes for only as a :class:`Claim`: the claim's
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypedDict
+from typing import Any, Protocol
 
 import attrs
 from structlog.typing import FilteringBoundLogger
@@ -31,11 +31,9 @@ from hubd.reconciler.observer import ReconcilerObserver
 from hubd.reconciler.writes import (
     Abandon,
     AcceptAndPark,
-    BeginInitialization,
     BindInitial,
     BindReplacement,
     FailNow,
-    MarkAllocated,
     MarkDestroyFailed,
     MarkReady,
     MarkReleased,
@@ -49,7 +47,7 @@ from hubd.store.models import Allocation, Fence
 from hubd.store.transitions import Effects
 from hubd.store.values import ReplacementLimit
 
-__all__ = ["Claim", "WriteServices", "apply", "statement"]
+__all__ = ["Claim", "WriteServices", "apply"]
 
 Statement = Coroutine[Any, Any, Allocation | None]
 
@@ -102,125 +100,6 @@ class Claim(Protocol):
     async def queue_step(self, step: Callable[[], Awaitable[None]]) -> None: ...
 
 
-def statement(
-    store: AllocationStore, fence: Fence, write: Write, effects: Effects = ()
-) -> Statement:
-    """The fenced statement that carries ``write`` out, with ``effects`` (not yet awaited)."""
-    if effects and (
-        isinstance(write, BeginInitialization | MarkReady)
-        or (isinstance(write, Abandon) and write.release)
-    ):
-        # No plugin call's outcome leads to these (a release is never decided from an ensure,
-        # which runs in provisioning); their statements take no effects.
-        raise ValueError(f"{type(write).__name__} brackets no plugin call")
-    match write:
-        case BindInitial():
-            return store.bind_initial_sidecar(
-                fence,
-                sidecar_id=write.sidecar_id,
-                token_hash=write.token_hash,
-                connect_timeout=write.connect_timeout,
-                api_version=write.api_version,
-                binding_fingerprint=write.binding_fingerprint,
-                ready_when=write.ready_when,
-                effects=effects,
-            )
-        case BindReplacement():
-            return store.bind_replacement_sidecar(
-                fence,
-                sidecar_id=write.sidecar_id,
-                token_hash=write.token_hash,
-                connect_timeout=write.connect_timeout,
-                effects=effects,
-            )
-        case MarkAllocated():
-            return store.mark_allocated(
-                fence,
-                external_ref=write.external_ref,
-                endpoint=write.endpoint,
-                metadata=write.metadata,
-                effects=effects,
-            )
-        case BeginInitialization():
-            return store.begin_initialization(fence)
-        case MarkReady():
-            return store.mark_connection_ready(fence, connection_seq=write.connection_seq)
-        case Retry():
-            return store.schedule_retry(
-                fence,
-                expected_status=write.expected,
-                delay=write.delay,
-                attempt=write.attempt_kind,
-                failure=write.failure,
-                clear_initialization=write.clear_initialization,
-                effects=effects,
-            )
-        case Park() | AcceptAndPark():
-            accept = write.accepted if isinstance(write, AcceptAndPark) else None
-            park = write.park if isinstance(write, AcceptAndPark) else write
-            return store.park(
-                fence,
-                mode=park.mode,
-                delay=park.delay,
-                failure=park.failure,
-                connection_seq=park.connection_seq,
-                ready_within=park.ready_within,
-                accept=accept is not None,
-                external_ref=None if accept is None else accept.external_ref,
-                endpoint=None if accept is None else accept.endpoint,
-                metadata=None if accept is None else accept.metadata,
-                effects=effects,
-            )
-        case Abandon(release=True):
-            return store.begin_unrecoverable_release(
-                fence, failure=write.failure, **_abandon_guard(write)
-            )
-        case Abandon():
-            return store.begin_replacement(
-                fence,
-                expected_status=write.expected,
-                delay=write.delay,
-                failure=write.failure,
-                limit=write.limit,
-                effects=effects,
-                **_abandon_guard(write),
-            )
-        case FailNow():
-            return store.fail_without_infrastructure(
-                fence, expected_status=write.expected, failure=write.failure, effects=effects
-            )
-        case MarkDestroyFailed():
-            return store.mark_destroy_failed(fence, failure=write.failure, effects=effects)
-        case MarkReleased():
-            return store.mark_released(fence, effects=effects)
-
-
-class _AbandonGuard(TypedDict):
-    only_if_initialization_incomplete: bool
-    expected_initialization_lease_id: str | None
-    expected_connection_seq: int | None
-
-
-def _abandon_guard(write: Abandon) -> _AbandonGuard:
-    """The guards a replacement and a release share, as the store takes them."""
-    return _AbandonGuard(
-        only_if_initialization_incomplete=write.only_if_initialization_incomplete,
-        expected_initialization_lease_id=write.expected_initialization_lease_id,
-        expected_connection_seq=write.expected_connection_seq,
-    )
-
-
-_WHAT: dict[type[Write], str] = {
-    BindInitial: "bind sidecar",
-    BindReplacement: "bind sidecar",
-    MarkAllocated: "mark allocated",
-    BeginInitialization: "begin initialization",
-    FailNow: "fail",
-    MarkDestroyFailed: "mark destroy failed",
-    MarkReleased: "mark released",
-}
-
-
 async def apply(claim: Claim, write: Write, effects: Effects = ()) -> None:
     """Carry ``write`` out for ``claim``, with the ledger rows ``effects``. Raises
     :class:`~hubd.errors.LeaseLost` when a write the claim goes on from matches nothing; a final
@@ -259,10 +138,10 @@ async def _carry_out(claim: Claim, write: Write, effects: Effects) -> None:
 async def _must_match(claim: Claim, write: Write, effects: Effects) -> Allocation:
     """A write the claim goes on from, or one that ends the allocation: the row it wrote;
     matching nothing means the claim is lost."""
-    what = _WHAT[type(write)]
-    updated = await claim.op(statement(claim.services.store, claim.fence, write, effects), what)
+    transition = write.transition(effects)
+    updated = await claim.op(claim.services.store.write(claim.fence, transition), transition.what)
     if updated is None:
-        raise LeaseLost(f"{what}: the fence matched nothing")
+        raise LeaseLost(f"{transition.what}: the fence matched nothing")
     claim.track(updated)
     return updated
 
@@ -272,12 +151,12 @@ async def _finish(
 ) -> Allocation | None:
     """End the claim with ``write``, in the allocation's queue: the row it wrote, or ``None``
     when it matched nothing (then the claim is fenced out)."""
-    s, fence = claim.services, claim.fence
+    s, fence, transition = claim.services, claim.fence, write.transition(effects)
     written: Allocation | None = None
 
     async def step() -> None:
         nonlocal written
-        written = await statement(s.store, fence, write, effects)
+        written = await s.store.write(fence, transition)
         if written is None:
             claim.fenced_out = True
             claim.log.info("final_write_matched_nothing_claim_lost")
@@ -307,11 +186,12 @@ def _report_final(
 async def _abandon(claim: Claim, write: Abandon, effects: Effects) -> None:
     s, fence, status = claim.services, claim.fence, claim.allocation.status
     write = attrs.evolve(write, limit=s.replacement_limit)
+    transition = write.transition(effects)
     guard_failed = False
 
     async def step() -> None:
         nonlocal guard_failed
-        updated = await statement(s.store, fence, write, effects)
+        updated = await s.store.write(fence, transition)
         if updated is None:
             # The guard no longer holds, or the lease was lost (then ``otherwise`` matches
             # nothing either).

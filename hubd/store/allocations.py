@@ -2,9 +2,10 @@
 
 Requests and releases from applications, an operator's forget, reads, the wake-up of a connect,
 a provisioner's report of dead sidecars and the repair sweep are here; a claim's statements are
-in :mod:`hubd.store.claims` (claims and leases) and :mod:`hubd.store.transitions` (its fenced
-transitions), orphan collection's in :mod:`hubd.store.sweeps`. One class, so that a claim and
-everything it writes share one store and one set of pipelines.
+in :mod:`hubd.store.claims` (claims and leases), and its fenced transitions are run by
+:meth:`AllocationStore.write` (the values: :mod:`hubd.store.transitions`); orphan collection's
+are in :mod:`hubd.store.sweeps`. One class, so that a claim and everything it writes share one
+store and one set of pipelines.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from hubd.errors import AllocationNotFound
 from hubd.routing import Target
 from hubd.store.claims import ClaimQueries
 from hubd.store.database import Database
-from hubd.store.models import Allocation, SidecarDeath, Status
+from hubd.store.models import Allocation, Fence, SidecarDeath, Status
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound, load_queries
 from hubd.store.sweeps import SweepQueries
-from hubd.store.transitions import TransitionQueries
+from hubd.store.transitions import Transition
 from hubd.store.values import (
     bounded_message,
     validate_allocation_id,
@@ -67,7 +68,7 @@ class Deadlines:
     next_in: float | None
 
 
-class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
+class AllocationStore(ClaimQueries, SweepQueries):
     """The statements on ``hubd_allocations``, for one hub instance."""
 
     def __init__(self, db: Database, *, instance_id: str) -> None:
@@ -81,6 +82,19 @@ class AllocationStore(ClaimQueries, TransitionQueries, SweepQueries):
     def pipelines(self) -> Mapping[str, Pipeline]:
         """The fenced transitions' pipelines made so far, by statement name."""
         return self._pipelines
+
+    async def write(self, fence: Fence, transition: Transition) -> Allocation | None:
+        """Run ``transition`` under ``fence``: the row it wrote, or ``None`` when the fence
+        matched nothing (then the claim is lost). Concurrent claims writing the same
+        transition share a round trip and a commit (:mod:`hubd.store.pipeline`)."""
+        pipeline = self._pipelines.get(transition.name)
+        if pipeline is None:
+            pipeline = self._pipelines[transition.name] = Pipeline(
+                self._db, transition.statement, set_form=transition.set_form
+            )
+        query = transition.bind(fence, self.instance_id)
+        row = await pipeline.fetchrow(transition.what, fence.allocation_id, query)
+        return Allocation.from_row(row) if row is not None else None
 
     # -- requests from applications -------------------------------------------------------
 

@@ -11,6 +11,12 @@ at load time, to asyncpg's ``$n`` (a name used twice is one ``$n``). Casts (``::
 anything inside comments, string literals, quoted identifiers and dollar quotes are left alone; a
 positional ``$n`` in a file is an error, so every parameter has a name.
 
+A block headed ``-- fragment: <name>`` is no statement but text that the statements of the same
+file take in where they say ``{name}``: what several statements repeat word for word (the
+fence of a claim's transitions, the head of their ledger insert) is written once. It is put in
+at load time, before translation, as written (its own comment lines left out), so a statement
+reads to PostgreSQL exactly as if it were spelled out there.
+
 A statement is called with keyword arguments and returns a :class:`Bound` query; a missing or
 unknown name raises :class:`TypeError` before anything reaches the database. ``tests/test_queries``
 holds every file to this: each statement a store references exists and each block is used.
@@ -28,7 +34,7 @@ import attrs
 
 __all__ = ["Bound", "Queries", "Statement", "load_queries", "parse_queries", "translate"]
 
-_HEADER: Final = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_HEADER: Final = re.compile(r"^--\s*(name|fragment):\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
 # One pass over the text: what must be skipped whole comes first, so a ``:name`` inside it is
 # never seen; ``::`` is consumed as one token, so a cast never reads as a parameter.
@@ -44,6 +50,7 @@ _TOKEN: Final = re.compile(
         | ::
       )
     | :(?P<name>[A-Za-z_][A-Za-z0-9_]*)
+    | \{(?P<fragment>[a-z_][a-z0-9_]*)\}
     | (?P<positional>\$\d+)
     | (?P<open>/\*|['"]|\$(?:[A-Za-z_][A-Za-z0-9_]*)?\$)
     """,
@@ -96,6 +103,8 @@ def translate(sql: str, *, where: str = "statement") -> tuple[str, tuple[str, ..
             raise ValueError(f"{where}: positional {match.group(0)}; name the parameter")
         if match.group("open") is not None:
             raise ValueError(f"{where}: unterminated {match.group(0)!r}")
+        if match.group("fragment") is not None:
+            raise ValueError(f"{where}: no fragment {match.group(0)} in this file")
         name = match.group("name")
         if name not in params:
             params.append(name)
@@ -134,26 +143,53 @@ class Queries:
 
 
 def parse_queries(source: str, text: str) -> Queries:
-    """Split ``text`` into named statements; duplicate or empty blocks are errors."""
-    statements: dict[str, Statement] = {}
+    """Split ``text`` into named statements, each with the fragments it names put in;
+    duplicate or empty blocks are errors."""
+    bodies: dict[str, str] = {}
+    fragments: dict[str, str] = {}
     matches = list(_HEADER.finditer(text))
     for index, match in enumerate(matches):
         end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
         body = text[match.end() : end].strip()
-        name = match.group(1)
-        if name in statements:
-            raise ValueError(f"{source}: statement {name!r} is defined twice")
+        kind, name = match.group(1), match.group(2)
+        if name in bodies or name in fragments:
+            raise ValueError(f"{source}: {kind} {name!r} is defined twice")
         if not _strip_comments(body):
-            raise ValueError(f"{source}: statement {name!r} is empty")
-        sql, params = translate(body, where=f"{source}: {name}")
+            raise ValueError(f"{source}: {kind} {name!r} is empty")
+        if kind == "fragment":
+            fragments[name] = _strip_leading_comments(body)
+        else:
+            bodies[name] = body
+    statements = {}
+    for name, body in bodies.items():
+        where = f"{source}: {name}"
+        sql, params = translate(_compose(body, fragments), where=where)
         statements[name] = Statement(source, name, sql, params)
     return Queries(source, statements)
+
+
+def _compose(body: str, fragments: Mapping[str, str]) -> str:
+    """``body`` with each ``{name}`` of ``fragments`` replaced by its text (one level: a
+    fragment that names another is left for :func:`translate` to refuse)."""
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("fragment")
+        return fragments.get(name, match.group(0)) if name is not None else match.group(0)
+
+    return _TOKEN.sub(replace, body)
 
 
 def load_queries(filename: str) -> Queries:
     """Load ``hubd/store/sql/<filename>``."""
     text = resources.files("hubd.store").joinpath("sql", filename).read_text(encoding="utf-8")
     return parse_queries(filename, text)
+
+
+def _strip_leading_comments(body: str) -> str:
+    lines = body.splitlines()
+    while lines and lines[0].lstrip().startswith("--"):
+        lines.pop(0)
+    return "\n".join(lines).strip()
 
 
 def _strip_comments(body: str) -> str:

@@ -4,13 +4,28 @@
 -- Every transition appends its ledger row in the same statement (a data-modifying CTE), so a
 -- transition and its evidence commit or vanish together.
 -- Claim-owned writes are fenced on :allocation_id, :lease_id and :generation, and a lease still
--- live by the database clock; :instance_id is the hub written to the ledger. The fence reads
--- clock_timestamp(), not now(): a write that waited on a row lock is re-checked at the moment it
--- proceeds, not at the moment its statement started.
+-- live by the database clock ({fence}, or, in a set form, the same per row); :instance_id is the
+-- hub written to the ledger. The fence reads clock_timestamp(), not now(): a write that waited on
+-- a row lock is re-checked at the moment it proceeds, not at the moment its statement started.
+-- The fragments below are put in where a statement names them, at load time (hubd.store.queries).
 -- A transition that brackets a plugin call also writes the call's ledger rows (:effects, a JSON
 -- array; see EffectRow): the intent with the bind that makes the call due, the outcome with the
 -- transition that follows from it. hubd_ledger_rows (schema.sql) puts them in order around the
 -- transition's own row.
+
+-- fragment: fence
+-- A claim's fence (architecture §2): the row it leased, under its lease, still live by the
+-- database clock, at its generation. Each statement adds the status it moves from.
+id = :allocation_id AND lease_id = :lease_id AND generation = :generation
+      AND lease_expires_at > clock_timestamp()
+
+-- fragment: log_updated
+-- The head of a transition's ledger insert: the rows of the hubd_ledger_rows call that follows
+-- it (the transition's own row, kind and statuses, around the plugin call's :effects) for the
+-- updated row, under the claim's lease and written by this hub.
+INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
+        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
+    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
 
 -- name: bind_initial_sidecar
 -- pending → provisioning: bind the provisioner if unbound (:api_version, :binding_fingerprint)
@@ -32,14 +47,11 @@ WITH updated AS (
         connection_ready = false,
         ready_when = COALESCE(ready_when, :ready_when::text),
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = 'pending'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+    {log_updated}
         hubd_ledger_rows(:effects::text::jsonb, 'bind_sidecar', 'pending', status) AS r
 )
 SELECT * FROM updated;
@@ -57,14 +69,11 @@ WITH updated AS (
         connect_deadline = now() + make_interval(secs => :connect_timeout),
         connection_ready = false,
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = 'replacing'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+    {log_updated}
         hubd_ledger_rows(:effects::text::jsonb, 'bind_replacement_sidecar', 'replacing',
             status) AS r
 )
@@ -84,14 +93,11 @@ WITH updated AS (
         metadata = hubd_accepted_metadata(:metadata::text::jsonb, sidecar_patch, metadata),
         sidecar_patch = NULL,
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = 'provisioning'
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+    {log_updated}
         hubd_ledger_rows(:effects::text::jsonb, 'mark_allocated', 'provisioning', status) AS r
 )
 SELECT * FROM updated;
@@ -101,8 +107,7 @@ SELECT * FROM updated;
 -- before mark_connection_ready leaves the marker for the next claim to find.
 WITH updated AS (
     UPDATE hubd_allocations SET initialization_lease_id = :lease_id, updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = 'allocated' AND initialization_lease_id IS NULL
     RETURNING *
 ), logged AS (
@@ -138,8 +143,7 @@ WITH updated AS (
         failure_message =
             CASE WHEN connection_seq = :connection_seq THEN NULL ELSE failure_message END,
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = 'allocated'
       AND (initialization_lease_id IS NULL OR initialization_lease_id = :lease_id)
     RETURNING *
@@ -176,14 +180,11 @@ WITH updated AS (
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = :expected_status
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+    {log_updated}
         hubd_ledger_rows(:effects::text::jsonb, 'schedule_retry', status, status,
             :failure_code, :failure_message) AS r
 )
@@ -341,8 +342,7 @@ WITH updated AS (
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = :expected_status
       AND (NOT :only_if_initialization_incomplete OR (initialization_lease_id IS NOT NULL
                       AND initialization_lease_id =
@@ -350,9 +350,7 @@ WITH updated AS (
       AND (:expected_connection_seq::bigint IS NULL OR connection_seq = :expected_connection_seq)
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+    {log_updated}
         hubd_ledger_rows(:effects::text::jsonb,
             CASE WHEN give_up THEN 'give_up' ELSE 'begin_replacement' END, :expected_status,
             status, :failure_code, failure_message) AS r
@@ -377,8 +375,7 @@ WITH updated AS (
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = 'allocated'
       AND (NOT :only_if_initialization_incomplete OR (initialization_lease_id IS NOT NULL
                       AND initialization_lease_id =
@@ -410,14 +407,11 @@ WITH updated AS (
         lease_expires_at = NULL,
         finished_at = now(),
         updated_at = now()
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status = :expected_status
     RETURNING *
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+    {log_updated}
         hubd_ledger_rows(:effects::text::jsonb, 'fail', :expected_status, status,
             :failure_code, :failure_message) AS r
 )
@@ -428,8 +422,7 @@ SELECT * FROM updated;
 -- infrastructure may leak.
 WITH prior AS (
     SELECT id, status FROM hubd_allocations
-    WHERE id = :allocation_id AND lease_id = :lease_id AND generation = :generation
-      AND lease_expires_at > clock_timestamp()
+    WHERE {fence}
       AND status IN ('replacing', 'releasing')
     FOR UPDATE
 ), updated AS (
@@ -448,9 +441,7 @@ WITH prior AS (
     WHERE a.id = prior.id AND a.id = :allocation_id
     RETURNING a.*, prior.status AS from_status
 ), logged AS (
-    INSERT INTO hubd_allocation_ledger (allocation_id, generation, lease_id, instance_id, kind,
-        from_status, to_status, phase, error_code, message, effect_id, duration_ms)
-    SELECT id, generation, :lease_id, :instance_id, r.* FROM updated,
+    {log_updated}
         hubd_ledger_rows(:effects::text::jsonb, 'mark_destroy_failed', from_status, status,
             :failure_code, :failure_message) AS r
 )
