@@ -14,6 +14,7 @@ from aiohttp import web
 from hubd.client import Client
 from hubd.http.errors import ApiError
 from hubd.http.feed import FeedSignal
+from hubd.http.pages import TenantPages
 from hubd.store.api_keys import ApiKeyStore
 
 __all__ = ["CALLER", "HTTP", "Caller", "HttpState", "bounded", "streams"]
@@ -32,6 +33,8 @@ class HttpState:
     """Unwalled: an operator's key uses it as is, a tenant's key through ``for_tenant``."""
     keys: ApiKeyStore
     feed: FeedSignal
+    pages: TenantPages = attrs.field(factory=TenantPages)
+    """Each streaming tenant's recent events, read once for all its streams."""
     max_streams_per_key: int
     database_timeout: float = 10.0
     closing: asyncio.Event = attrs.field(factory=asyncio.Event)

@@ -17,6 +17,7 @@ from typing import Final
 
 from aiohttp import web
 
+from hubd.client import Event
 from hubd.errors import HubdError
 from hubd.http.context import CALLER, HTTP, bounded, streams
 from hubd.http.errors import ApiError, from_hubd_error
@@ -33,7 +34,6 @@ async def events(request: web.Request) -> web.StreamResponse:
     caller, state = request[CALLER], request.app[HTTP]
     after_text = request.query.get("after") or request.headers.get("Last-Event-ID")
     allocation_id = request.query.get("allocation_id")
-    session = request.query.get("session")
     with streams(state, caller):
         if after_text is None:
             cursor = await bounded(state, caller.client.cursor())
@@ -57,48 +57,67 @@ async def events(request: web.Request) -> web.StreamResponse:
             }
         )
         await response.prepare(request)
-        loop = asyncio.get_running_loop()
-        while not state.closing.is_set():
-            chunk = []
-            for event in page:
-                cursor = event.position
-                if session is None or event.session == session:
-                    chunk.append(f"id: {event.position}\nevent: {event.event}\n")
-                    chunk.append(f"data: {event_json(event)}\n\n")
-            if chunk and not await _send(response, "".join(chunk)):
-                break
-            if len(page) < PAGE:
-                checked = max(cursor, heard)
-                quiet_until = loop.time() + HEARTBEAT
-                # Woken by the caller's tenant's events only: another tenant's would cost a
-                # read of the feed that finds nothing (hubd/http/feed.py).
-                while (
-                    state.feed.position_of(caller.tenant) <= checked and not state.closing.is_set()
-                ):
-                    left = quiet_until - loop.time()
-                    if left <= 0:
-                        if not await _send(response, ": heartbeat\n\n"):
-                            return response
-                        quiet_until = loop.time() + HEARTBEAT
-                        continue
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(left):
-                            await state.feed.moved_past(checked, caller.tenant)
-                if state.closing.is_set():
-                    break
-            heard = state.feed.position
-            try:
-                page = await bounded(
-                    state,
-                    caller.client.events_page(
-                        after=cursor, allocation_id=allocation_id, limit=PAGE
-                    ),
-                )
-            except (ApiError, HubdError) as exc:
-                # The answer has begun: say why it ends, then end it; the client resumes.
-                await _send(response, f"event: error\ndata: {_reason(exc)}\n\n")
-                break
+        with state.pages.streaming(caller.tenant, heard):
+            await _follow(request, response, page, cursor, heard)
         return response
+
+
+async def _follow(
+    request: web.Request,
+    response: web.StreamResponse,
+    page: list[Event],
+    cursor: int,
+    heard: int,
+) -> None:
+    """Send ``page``, then each page after it as the feed moves, until the API closes, the
+    reader goes, or the database fails (said as an ``error`` event: the client resumes)."""
+    caller, state = request[CALLER], request.app[HTTP]
+    allocation_id = request.query.get("allocation_id")
+    session = request.query.get("session")
+    loop = asyncio.get_running_loop()
+    while not state.closing.is_set():
+        chunk = []
+        for event in page:
+            cursor = event.position
+            if session is None or event.session == session:
+                chunk.append(f"id: {event.position}\nevent: {event.event}\n")
+                chunk.append(f"data: {event_json(event)}\n\n")
+        if chunk and not await _send(response, "".join(chunk)):
+            break
+        if len(page) < PAGE:
+            checked = max(cursor, heard)
+            quiet_until = loop.time() + HEARTBEAT
+            # Woken by the caller's tenant's events only: another tenant's would cost a
+            # read of the feed that finds nothing (hubd/http/feed.py).
+            while state.feed.position_of(caller.tenant) <= checked and not state.closing.is_set():
+                left = quiet_until - loop.time()
+                if left <= 0:
+                    if not await _send(response, ": heartbeat\n\n"):
+                        return
+                    quiet_until = loop.time() + HEARTBEAT
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await state.feed.moved_past(checked, caller.tenant)
+            if state.closing.is_set():
+                break
+        heard = state.feed.position
+        try:
+            page = await bounded(
+                state,
+                state.pages.after(
+                    caller.client,
+                    caller.tenant,
+                    cursor,
+                    heard=heard,
+                    allocation_id=allocation_id,
+                    limit=PAGE,
+                ),
+            )
+        except (ApiError, HubdError) as exc:
+            # The answer has begun: say why it ends, then end it; the client resumes.
+            await _send(response, f"event: error\ndata: {_reason(exc)}\n\n")
+            break
 
 
 def _reason(exc: Exception) -> str:
