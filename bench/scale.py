@@ -42,8 +42,8 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     Taken from hubd itself so the benchmark follows the code; when the daemon's claim, renewal
     or status counts change shape, change them here too.
     """
+    from hubd.store.allocations import CLAIMS
     from hubd.store.allocations import SQL as ALLOCATIONS
-    from hubd.store.claims import SQL as CLAIMS
     from hubd.store.connections import SQL as CONNECTIONS
     from hubd.store.counts import SQL as COUNTS
     from hubd.store.instances import SQL as INSTANCES

@@ -17,6 +17,17 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hubd"
 MAX_LINES = 450
+# Modules cut by meaning, not length: each may pass MAX_LINES (up to its own bound) for the one
+# concept it holds, which split in two would leave halves that borrow each other's state.
+LARGE = {
+    # Every statement on hubd_allocations, one class: a claim and everything it writes share
+    # one store and one set of pipelines (the mixins it was cut into declared state they did
+    # not own).
+    "hubd.store.allocations": 550,
+    # The handshake gate, its slots and shares, and the counts it keeps: one policy, read
+    # together (the counters were cut off to get under the limit).
+    "hubd.server.slots": 560,
+}
 
 # What each layer must never import. The store is the bottom of the daemon (SQL and the values
 # it returns), the reconciler, the listener and the HTTP API stand beside each other on top of
@@ -158,9 +169,13 @@ def test_every_module_is_small() -> None:
     large = {
         module: lines
         for module, path in MODULES.items()
-        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+        if (lines := len(path.read_text().splitlines())) > LARGE.get(module, MAX_LINES)
     }
     assert large == {}
+    # An exception names a module that still exists and still needs it.
+    for module, bound in LARGE.items():
+        assert module in MODULES, module
+        assert MAX_LINES < len(MODULES[module].read_text().splitlines()) <= bound, module
 
 
 def test_the_asyncio_primitives_stand_below_everything() -> None:

@@ -9,7 +9,6 @@ import attrs
 
 from hubd.daemon.fdlimit import plan_descriptors
 from hubd.logs import Sampler
-from hubd.server.counters import RateMeter, Tally
 from hubd.server.handshake import Rejection
 from hubd.server.limits import (
     DESCRIPTOR_HEADROOM,
@@ -19,7 +18,15 @@ from hubd.server.limits import (
     TokenBucket,
     connection_cap,
 )
-from hubd.server.slots import OVER_SHARE, SLOW, SourceGate, header_budget, prefix_of
+from hubd.server.slots import (
+    OVER_SHARE,
+    SLOW,
+    RateMeter,
+    SourceGate,
+    Tally,
+    header_budget,
+    prefix_of,
+)
 
 LIMITS = ListenerLimits(
     max_connections=4,

@@ -787,7 +787,7 @@ class TestClaims:
         wants (a few pages, where fetching every due row to sort them reads hundreds), takes the
         oldest, and looks for open plugin calls in the claimed rows' own ledger rows, not in the
         whole ledger's."""
-        from hubd.store.claims import SQL
+        from hubd.store.allocations import CLAIMS as SQL
 
         async with db.pool.acquire() as conn:
             await conn.execute("ANALYZE hubd_allocations, hubd_allocation_ledger")
@@ -866,8 +866,8 @@ class TestClaims:
         allocations and their secrets by key, and a claim updates the rows it chose by key, with
         no sequential scan. Each plan is made before the burst arrives, as a daemon's first
         statements are."""
+        from hubd.store.allocations import CLAIMS
         from hubd.store.allocations import SQL as ALLOCATIONS
-        from hubd.store.claims import SQL as CLAIMS
         from hubd.store.connections import SQL as CONNECTIONS
         from hubd.store.transitions import SQL as TRANSITIONS
 
@@ -1102,8 +1102,8 @@ class TestClaims:
         instance that stopped heartbeating: lease renewal, the socket check, the dead
         instance's sweep, the orphan sweep's owner lookup and the close of 1,000 sockets each
         read the rows they name by key, never every allocation or every record."""
+        from hubd.store.allocations import CLAIMS
         from hubd.store.allocations import SQL as ALLOCATIONS
-        from hubd.store.claims import SQL as CLAIMS
         from hubd.store.connections import SQL as CONNECTIONS
 
         async with db.pool.acquire() as conn:

@@ -1,17 +1,21 @@
 """AllocationStore: the statements on ``hubd_allocations``, for one hub instance.
 
 Requests and releases from applications, an operator's forget, reads, the wake-up of a connect,
-a provisioner's report of dead sidecars and the repair sweep are here; a claim's statements are
-in :mod:`hubd.store.claims` (claims and leases), and its fenced transitions are run by
-:meth:`AllocationStore.write` (the values: :mod:`hubd.store.transitions`); orphan collection's
-are in :mod:`hubd.store.sweeps`. One class, so that a claim and everything it writes share one
-store and one set of pipelines.
+a provisioner's report of dead sidecars, the deadline and repair sweeps, a claim's statements
+(claims and leases: ``allocations_claims.sql``), its fenced transitions, run by
+:meth:`AllocationStore.write` (the values: :mod:`hubd.store.transitions`), and orphan
+collection's. One class in one module, so that a claim and everything it writes share one store
+and one set of pipelines, and no part declares state another part owns.
+
+A lease is held while its expiry, on the database clock, is ahead: no other claimer can take
+the row, and every fenced write of the claim checks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import asyncpg
@@ -19,15 +23,14 @@ import attrs
 
 from hubd.errors import AllocationNotFound
 from hubd.routing import Target
-from hubd.store.claims import ClaimQueries
-from hubd.store.database import Database
-from hubd.store.models import Allocation, Fence, SidecarDeath, Status
+from hubd.store.database import Database, Pool
+from hubd.store.models import Allocation, Claimed, Fence, InitialBinds, SidecarDeath, Status
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound, load_queries
-from hubd.store.sweeps import SweepQueries
 from hubd.store.transitions import Transition
 from hubd.store.values import (
     bounded_message,
+    new_effect_id,
     validate_allocation_id,
     validate_label,
     validate_provisioner_id,
@@ -37,6 +40,7 @@ from hubd.store.values import (
 __all__ = ["FORGOTTEN", "AllocationStore", "Deadlines", "ProvisionerLimits"]
 
 SQL = load_queries("allocations.sql")
+CLAIMS = load_queries("allocations_claims.sql")
 LIMITS = load_queries("provisioner_limits.sql")
 
 FORGOTTEN: Final = "forgotten"
@@ -68,7 +72,7 @@ class Deadlines:
     next_in: float | None
 
 
-class AllocationStore(ClaimQueries, SweepQueries):
+class AllocationStore:
     """The statements on ``hubd_allocations``, for one hub instance."""
 
     def __init__(self, db: Database, *, instance_id: str) -> None:
@@ -317,3 +321,148 @@ class AllocationStore(ClaimQueries, SweepQueries):
 
     async def _fetch_all(self, what: str, query: Bound) -> list[Allocation]:
         return [Allocation.from_row(row) for row in await self._db.fetch(what, query)]
+
+    # -- claims and leases ----------------------------------------------------------------
+
+    async def claim_due(
+        self,
+        *,
+        lease_ids: Sequence[str],
+        lease_duration: float,
+        exclude: Iterable[str] = (),
+        binds: InitialBinds | None = None,
+        room: int | None = None,
+        rooms: Mapping[str, int] | None = None,
+    ) -> list[Claimed]:
+        """Lease up to ``len(lease_ids)`` due active allocations whose ids are not in
+        ``exclude``, oldest first, in one statement; each with the lease id it was given. With
+        ``binds``, the pending rows among them whose provisioner it names are bound in the same
+        statement (``Claimed.ensure_intent`` says which). No tenant ('' for none) gets more
+        rows than its room: ``rooms[tenant]``, else ``room`` (``None``: no bound)."""
+        if not lease_ids:
+            return []
+        if binds is not None and not (
+            len(binds.sidecar_ids) == len(binds.token_hashes) == len(lease_ids)
+        ):
+            raise ValueError("claim: one identity and token hash per lease id")
+        rows = await self._db.fetch(
+            "claim",
+            CLAIMS.claim_due(
+                lease_ids=list(lease_ids),
+                effect_ids=[new_effect_id() for _ in lease_ids],
+                sidecar_ids=[] if binds is None else list(binds.sidecar_ids),
+                token_hashes=[] if binds is None else list(binds.token_hashes),
+                bindings=json.dumps(
+                    {}
+                    if binds is None
+                    else {
+                        k: [*v, binds.ready_when.get(k, "connected")]
+                        for k, v in binds.provisioners.items()
+                    }
+                ),
+                connect_timeout=0.0 if binds is None else float(binds.connect_timeout),
+                instance_id=self.instance_id,
+                lease_duration=float(lease_duration),
+                exclude=sorted(set(exclude)),
+                room=room,
+                listed=list(rooms or {}),
+                rooms=list((rooms or {}).values()),
+            ),
+        )
+        return [
+            Claimed(
+                allocation=Allocation.from_row(row),
+                lease_id=row["lease_id"],
+                open_effects=row["open_effects"],
+                destroy_intent=row["destroy_effect_id"],
+                ensure_intent=row["ensure_effect_id"],
+            )
+            for row in rows
+        ]
+
+    async def renew_leases(
+        self, leases: Iterable[tuple[str, str]], lease_duration: float
+    ) -> frozenset[str]:
+        """Extend every (allocation, lease) pair still held and live, in one statement; the
+        allocations renewed. Runs on the lease pool, so renewals never queue behind slow work.
+        """
+        pairs = sorted(set(leases))
+        if not pairs:
+            return frozenset()
+        rows = await self._db.fetch(
+            "renew leases",
+            CLAIMS.renew_leases(
+                allocation_ids=[aid for aid, _ in pairs],
+                lease_ids=[lease for _, lease in pairs],
+                lease_duration=float(lease_duration),
+            ),
+            pool=Pool.LEASE,
+        )
+        return frozenset(row["id"] for row in rows)
+
+    async def renew_lease(self, allocation_id: str, lease_id: str, lease_duration: float) -> bool:
+        """Extend one live lease; ``False`` when it is no longer ours or already expired."""
+        renewed = await self.renew_leases([(allocation_id, lease_id)], lease_duration)
+        return allocation_id in renewed
+
+    async def drop_lease(self, allocation_id: str, lease_id: str) -> bool:
+        """Give a lease back unchanged otherwise; ``False`` when it was no longer ours."""
+        row = await self._db.fetchrow(
+            "drop lease",
+            CLAIMS.drop_lease(
+                allocation_id=allocation_id, lease_id=lease_id, instance_id=self.instance_id
+            ),
+        )
+        return row is not None
+
+    async def give_back_lease(self, allocation_id: str, lease_id: str) -> bool:
+        """End ``lease_id`` early, leaving the row (its open intents too) as an expired lease
+        would; ``False`` when it was no longer ours."""
+        row = await self._db.fetchrow(
+            "give back lease",
+            CLAIMS.give_back_lease(allocation_id=allocation_id, lease_id=lease_id),
+        )
+        return row is not None
+
+    # -- orphan collection -----------------------------------------------------------------
+
+    async def sidecar_owners(
+        self, sidecars: Sequence[tuple[str, str | None]]
+    ) -> dict[str, tuple[bool, bool]]:
+        """For each (sidecar id, allocation id it names): (current sidecar of an active
+        allocation, allocation known here)."""
+        rows = await self._db.fetch(
+            "look up sidecar owners",
+            SQL.sidecar_owners(
+                sidecar_ids=[sidecar for sidecar, _ in sidecars],
+                allocation_ids=[allocation or "" for _, allocation in sidecars],
+            ),
+        )
+        return {row["sidecar_id"]: (row["current"], row["known"]) for row in rows}
+
+    @contextlib.asynccontextmanager
+    async def sweep_lock(self, name: str) -> AsyncIterator[asyncpg.Connection | None]:
+        """Hold the cluster-wide sweep lock ``name`` for the block: yields the connection that
+        holds it (closed means lost), or ``None`` when another replica holds it. The lock is
+        ``name``'s row in ``hubd_sweep_locks``, locked by a transaction that lasts the block."""
+        what = "orphan sweep lock"
+        async with self._db.connection(what) as conn:
+            await self._db.execute(what, SQL.add_sweep_lock(lock_name=name), conn=conn)
+            transaction = conn.transaction()
+            await transaction.start()
+            try:
+                held = await self._db.fetchval(what, SQL.try_sweep_lock(lock_name=name), conn=conn)
+                if held is None:
+                    await transaction.rollback()
+                    yield None
+                    return
+                yield conn
+            finally:
+                if not conn.is_closed() and conn.is_in_transaction():
+                    try:
+                        await transaction.rollback()
+                    except BaseException:
+                        # Pooled connections are not reset on release: one that may still hold
+                        # the lock must not go back to the pool. Closing it releases the lock.
+                        conn.terminate()
+                        raise
