@@ -45,6 +45,11 @@ class KeyedFifo:
         """Keys held or waited for."""
         return len(self._slots)
 
+    def users(self, key: str) -> int:
+        """How many hold ``key`` or wait for it."""
+        slot = self._slots.get(key)
+        return 0 if slot is None else slot.users
+
 
 class _Held:
     """One turn of :class:`KeyedFifo`. A class rather than a generator-based context manager:

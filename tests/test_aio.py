@@ -11,12 +11,15 @@ from typing import Any
 import pytest
 
 from hubd.aio import KeyedFifo, TrackedTasks, run_unless
+from tests.polling import eventually
 
 
-async def _settle() -> None:
-    """Let every task that can run, run."""
-    for _ in range(10):
-        await asyncio.sleep(0)
+async def _await_point() -> None:
+    """Where a coroutine gives the loop a turn, as a real one's I/O would: an event the loop
+    sets on its next turn."""
+    turned = asyncio.Event()
+    asyncio.get_running_loop().call_soon(turned.set)
+    await turned.wait()
 
 
 class TestKeyedFifo:
@@ -30,13 +33,13 @@ class TestKeyedFifo:
                 order.append(f"{name} in")
                 if name == "first":
                     await gate.wait()
-                await asyncio.sleep(0)
+                await _await_point()
                 order.append(f"{name} out")
 
         tasks = [
             asyncio.create_task(turn(name, "a"), name=name) for name in ("first", "second", "third")
         ]
-        await _settle()
+        await eventually(lambda: fifo.users("a") == 3, within=5, every=0.001)
         assert order == ["first in"]
         gate.set()
         await asyncio.gather(*tasks)
@@ -89,10 +92,10 @@ class TestKeyedFifo:
                     await release.wait()
 
         first = asyncio.create_task(turn("first"), name="first")
-        await _settle()
+        await eventually(lambda: entered == ["first"], within=5, every=0.001)
         second = asyncio.create_task(turn("second"), name="second")
         third = asyncio.create_task(turn("third"), name="third")
-        await _settle()
+        await eventually(lambda: fifo.users("a") == 3, within=5, every=0.001)
         second.cancel()
         await asyncio.gather(second, return_exceptions=True)
         release.set()
@@ -127,7 +130,7 @@ class TestTrackedTasks:
 
             tasks.spawn(fail(), name="failing")
             cancelled = tasks.spawn(asyncio.Event().wait(), name="cancelled")
-            await _settle()
+            await eventually(lambda: len(failures) == 1, within=5, every=0.001)
             cancelled.cancel()
             await tasks.drain()
             assert [(name, str(exc)) for name, exc in failures] == [("failing", "broken")]
@@ -161,11 +164,12 @@ class TestTrackedTasks:
         finished: list[str] = []
 
         async def later() -> None:
-            await asyncio.sleep(0.01)
+            await _await_point()
+            await _await_point()
             finished.append("later")
 
         async def first() -> None:
-            await asyncio.sleep(0)
+            await _await_point()
             tasks.spawn(later(), name="later")
             finished.append("first")
 
@@ -180,13 +184,13 @@ class TestRunUnless:
         never = asyncio.Event()
 
         async def done() -> int:
-            await asyncio.sleep(0)
+            await _await_point()
             return 1
 
         assert await run_unless(never, done()) is True
 
         async def failing() -> None:
-            await asyncio.sleep(0)
+            await _await_point()
             raise ValueError("broken")
 
         with pytest.raises(ValueError, match="broken"):
@@ -201,7 +205,7 @@ class TestRunUnless:
                 event.set()
                 await asyncio.Event().wait()
             finally:
-                await asyncio.sleep(0)  # a clean-up that itself awaits
+                await _await_point()  # a clean-up that itself awaits
                 cleaned.append("cleaned")
 
         assert await run_unless(event, work()) is False
@@ -247,7 +251,7 @@ class TestRunUnless:
             try:
                 await asyncio.Event().wait()
             finally:
-                await asyncio.sleep(0)
+                await _await_point()
                 cleaned.append("cleaned")
 
         caller = asyncio.create_task(run_unless(asyncio.Event(), work()), name="caller")

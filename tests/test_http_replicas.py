@@ -83,7 +83,6 @@ async def test_a_stream_resumes_on_another_replica_without_a_gap(
             async def requests(n: int) -> None:
                 for _ in range(n):
                     await store.request(provisioner_id="nobody", tenant_id="acme")
-                    await asyncio.sleep(0.02)
 
             await requests(20)
             await eventually(lambda: len(seen) >= 10, within=30, every=0.05)

@@ -89,11 +89,10 @@ class TestListen:
                 )
                 return count
 
-            for _ in range(50):
-                if await listeners() == 0:
-                    break
-                await asyncio.sleep(0.1)
-            assert await listeners() == 0
+            async def none_listening() -> bool:
+                return await listeners() == 0
+
+            await eventually(none_listening, within=30, every=0.1)
         finally:
             await other.close()
 
