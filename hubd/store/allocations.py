@@ -4,8 +4,7 @@ Requests and releases from applications, an operator's forget, reads, the wake-u
 a provisioner's report of dead sidecars, the deadline and repair sweeps, a claim's statements
 (claims and leases: ``allocations_claims.sql``), its fenced transitions, run by
 :meth:`AllocationStore.write` (the values: :mod:`hubd.store.transitions`), and orphan
-collection's. One class in one module, so that a claim and everything it writes share one store
-and one set of pipelines, and no part declares state another part owns.
+collection's: one class, so that a claim and everything it writes share one set of pipelines.
 
 A lease is held while its expiry, on the database clock, is ahead: no other claimer can take
 the row, and every fenced write of the claim checks it.
@@ -19,12 +18,20 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import asyncpg
-import attrs
 
 from hubd.errors import AllocationNotFound
 from hubd.routing import Target
 from hubd.store.database import Database, Pool
-from hubd.store.models import Allocation, Claimed, Fence, InitialBinds, SidecarDeath, Status
+from hubd.store.models import (
+    Allocation,
+    Claimed,
+    Deadlines,
+    Fence,
+    InitialBinds,
+    ProvisionerLimits,
+    SidecarDeath,
+    Status,
+)
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound, load_queries
 from hubd.store.transitions import Transition
@@ -45,31 +52,6 @@ LIMITS = load_queries("provisioner_limits.sql")
 
 FORGOTTEN: Final = "forgotten"
 """The failure code of an allocation an operator forgot (forget_allocation writes it)."""
-
-
-@attrs.frozen(kw_only=True)
-class ProvisionerLimits:
-    """What a provisioner's allocations may ask for and how long each stage may take, in
-    seconds (``None``: no limit): the longest lifetime, the longest (and default) idle
-    timeout, the wait to be claimed, and the time from the claim to ready."""
-
-    max_lifetime: float | None = None
-    pending_timeout: float | None = None
-    idle_timeout: float | None = None
-    provisioning_timeout: float | None = None
-
-
-@attrs.frozen
-class Deadlines:
-    """What one deadline sweep moved, and the seconds until the next deadline it knows of
-    (``None``: none)."""
-
-    expired: int
-    idle: int
-    provisioning_timeout: int
-    unserved: int
-    warned: int
-    next_in: float | None
 
 
 class AllocationStore:

@@ -16,11 +16,13 @@ __all__ = [
     "ACTIVE_STATUSES",
     "TERMINAL_STATUSES",
     "Allocation",
+    "Deadlines",
     "EffectRow",
     "Fence",
     "InitialBinds",
     "LedgerEntry",
     "Phase",
+    "ProvisionerLimits",
     "SidecarDeath",
     "Status",
     "effects_json",
@@ -285,3 +287,28 @@ class SidecarDeath:
     generation: int
     sidecar_id: str
     message: str
+
+
+@attrs.frozen(kw_only=True)
+class ProvisionerLimits:
+    """What a provisioner's allocations may ask for and how long each stage may take, in
+    seconds (``None``: no limit): the longest lifetime, the longest (and default) idle
+    timeout, the wait to be claimed, and the time from the claim to ready."""
+
+    max_lifetime: float | None = None
+    pending_timeout: float | None = None
+    idle_timeout: float | None = None
+    provisioning_timeout: float | None = None
+
+
+@attrs.frozen
+class Deadlines:
+    """What one deadline sweep moved, and the seconds until the next deadline it knows of
+    (``None``: none)."""
+
+    expired: int
+    idle: int
+    provisioning_timeout: int
+    unserved: int
+    warned: int
+    next_in: float | None
