@@ -207,6 +207,7 @@ class TestNoCodeOfTheCallersRunsAsAnotherRole:
                 extended = await app.fetchrow(
                     "SELECT * FROM hubd_v1.extend($1, interval '1 hour')", second
                 )
+                touched = await app.fetchrow("SELECT * FROM hubd_v1.touch($1)", second)
                 ran = await app.fetch("SELECT * FROM pg_temp.hubd_attack_log")
                 handed_out = await app.fetchval("SELECT is_called FROM pg_temp.hubd_event_position")
                 superuser = await app.fetchval(
@@ -219,6 +220,7 @@ class TestNoCodeOfTheCallersRunsAsAnotherRole:
         assert handed_out is False, "a hubd function took a position from the caller's sequence"
         assert released["status"] == "released"
         assert extended["expires_at"] is not None
+        assert touched["id"] == second
         assert {r["id"] for r in listed} == {made, second}
         assert [e["event"] for e in seen] == ["requested", "requested"]
         assert cursor == seen[-1]["position"]
@@ -801,3 +803,60 @@ class TestForgedNotices:
                 for conn in (spy, tenant):
                     await conn.close()
                 await db.close()
+
+
+class TestTheNarrowingWall:
+    async def test_hubd_wall_narrows_a_caller_and_never_widens_or_moves_one(
+        self, deployment: Deployment
+    ) -> None:
+        """``hubd.wall`` (what the HTTP API sets for a tenant's key) walls a role that sees
+        every tenant into one; a role walled into a tenant that sets it to another, in its
+        session, in a transaction, or on the request itself, still sees, requests, touches and
+        releases its own tenant's allocations only."""
+        async with deployment.role(every=True) as ops_dsn:
+            ops = await asyncpg.connect(ops_dsn)
+            try:
+                theirs = await ops.fetchval(
+                    "SELECT id FROM hubd_v1.request('fake', tenant => 'globex')"
+                )
+                mine = await ops.fetchval(
+                    "SELECT id FROM hubd_v1.request('fake', tenant => 'acme')"
+                )
+                await ops.execute("SET hubd.wall = 'acme'")
+                assert await ops.fetchrow("SELECT * FROM hubd_caller_scope()") == (True, "acme")
+                seen = {r["id"] for r in await ops.fetch("SELECT id FROM hubd_v1.allocations")}
+                assert seen == {mine}
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await ops.fetch("SELECT * FROM hubd_v1.request('fake', tenant => 'globex')")
+                await ops.execute("RESET hubd.wall")
+                seen = {r["id"] for r in await ops.fetch("SELECT id FROM hubd_v1.allocations")}
+                assert seen == {mine, theirs}
+            finally:
+                await ops.close()
+            async with deployment.role("acme") as acme_dsn:
+                acme = await asyncpg.connect(acme_dsn)
+                try:
+                    for setting in ("SET hubd.wall = 'globex'", "SET hubd.wall = ''"):
+                        await acme.execute(setting)
+                        assert await acme.fetchrow("SELECT * FROM hubd_caller_scope()") == (
+                            True,
+                            "acme",
+                        )
+                        seen = {
+                            r["id"] for r in await acme.fetch("SELECT id FROM hubd_v1.allocations")
+                        }
+                        assert seen == {mine}
+                        for call in (
+                            "SELECT * FROM hubd_v1.touch($1)",
+                            "SELECT * FROM hubd_v1.release($1)",
+                        ):
+                            with pytest.raises(asyncpg.NoDataFoundError):
+                                await acme.fetchrow(call, theirs)
+                    async with acme.transaction():
+                        await acme.execute("SELECT set_config('hubd.wall', 'globex', true)")
+                        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                            await acme.fetch(
+                                "SELECT * FROM hubd_v1.request('fake', tenant => 'globex')"
+                            )
+                finally:
+                    await acme.close()

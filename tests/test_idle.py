@@ -5,6 +5,7 @@ claimed but not ready in time is given up. Real PostgreSQL, real sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -15,7 +16,8 @@ import asyncpg
 import pytest
 
 from hubd.errors import InvalidRequest
-from hubd.store import AllocationStore, Database, LedgerStore, Status
+from hubd.reconciler.writes import MarkAllocated
+from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from hubd.store.allocations import ProvisionerLimits
 from tests.clikit import run_hubd_async
 from tests.daemonkit import running, sidecar_pids, write_config
@@ -397,3 +399,88 @@ class TestThroughDaemon:
 
 async def _no_sidecars(marker: str) -> bool:
     return not sidecar_pids(marker)
+
+
+class TestRaces:
+    async def test_two_replicas_sweeping_at_once_end_each_idle_or_stuck_row_once(
+        self, db: Database, store: AllocationStore, database_url: str
+    ) -> None:
+        """Two replicas' sweeps at the same moment, on pools of their own: every idle row and
+        every row past its provisioning deadline moves once (one ledger row each)."""
+        await store.set_limits({"p": ProvisionerLimits(idle_timeout=MINUTE)})
+        idle = [await drive_to(store, db, Status.ALLOCATED, provisioner_id="p") for _ in range(12)]
+        for fence in idle:
+            await make_ready(db, fence.allocation_id)
+            await age_idle(db, fence.allocation_id, -1)
+        await store.set_limits(
+            {"p": ProvisionerLimits(idle_timeout=MINUTE, provisioning_timeout=MINUTE)}
+        )
+        stuck = [
+            await drive_to(store, db, Status.PROVISIONING, provisioner_id="p") for _ in range(12)
+        ]
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET starting_since = now() - interval '2 minutes' "
+            "WHERE id = ANY($1::text[])",
+            [fence.allocation_id for fence in stuck],
+        )
+        other_db = await connect_database(database_url, pool_size=2)
+        try:
+            other = AllocationStore(other_db, instance_id="in_other")
+            first, second = await asyncio.gather(
+                store.sweep_deadlines(warning=1, pending_timeout=None),
+                other.sweep_deadlines(warning=1, pending_timeout=None),
+            )
+        finally:
+            await other_db.close()
+        assert first.idle + second.idle == 12
+        assert first.provisioning_timeout + second.provisioning_timeout == 12
+        counts = dict(
+            await db.pool.fetch(
+                "SELECT kind, count(*) FROM hubd_allocation_ledger "
+                "WHERE kind IN ('expire', 'give_up') GROUP BY kind"
+            )
+        )
+        assert counts == {"expire": 12, "give_up": 12}
+        for fence in idle + stuck:
+            row = await store.get(fence.allocation_id)
+            assert (row.status, row.generation) == (Status.RELEASING, fence.generation + 1)
+
+    async def test_a_claim_that_froze_before_its_write_finds_the_row_given_up(
+        self, db: Database, store: AllocationStore, ledger: LedgerStore
+    ) -> None:
+        """A claim that froze past the provisioning deadline, then writes the acceptance it
+        was about to, writes nothing: the sweep moved the row to a new generation."""
+        await store.set_limits({"p": ProvisionerLimits(provisioning_timeout=MINUTE)})
+        fence = await drive_to(store, db, Status.PROVISIONING, provisioner_id="p")
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET starting_since = now() - interval '2 minutes' "
+            "WHERE id = $1",
+            fence.allocation_id,
+        )
+        assert (await store.sweep_deadlines(warning=1, pending_timeout=None)).provisioning_timeout
+        late = await store.write(fence, MarkAllocated(external_ref="late").transition())
+        assert late is None
+        row = await store.get(fence.allocation_id)
+        assert (row.status, row.external_ref) == (Status.RELEASING, None)
+
+    async def test_activity_of_a_replaced_generation_moves_nothing(
+        self, db: Database, store: AllocationStore, hub: Hub
+    ) -> None:
+        """A socket of a generation already replaced (a replica that had not yet heard)
+        reports activity: no idle clock moves, and the answer says none ran."""
+        sidecar, _ = await sidecar_in(store, db)
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET idle_timeout = $2, connection_ready = true WHERE id = $1",
+            sidecar.allocation_id,
+            MINUTE,
+        )
+        await age_idle(db, sidecar.allocation_id, 5)
+        before = (await clocks(db, sidecar.allocation_id))["idle_at"]
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET generation = generation + 1, connection_ready = false "
+            "WHERE id = $1",
+            sidecar.allocation_id,
+        )
+        counted = await hub.connections.record_activity([sidecar.target])
+        assert counted == {}
+        assert (await clocks(db, sidecar.allocation_id))["idle_at"] == before
