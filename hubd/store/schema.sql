@@ -220,7 +220,7 @@ $$;
 -- A tenant's room is how many more claims the claimer lets it hold: rooms[i] for listed[i] (''
 -- for no tenant), `room` for any other (NULL: no bound). The claimer keeps some slots out of a
 -- bursting tenant's reach, so another tenant's request finds a slot free instead of waiting for
--- one of the burst's claims to end (docs/performance.md, "Fair claiming among tenants").
+-- one of the burst's claims to end (docs/measurements.md, "Fair claiming among tenants").
 -- Statistics lag a burst: a table analyzed while nearly empty makes "few rows are due" look
 -- true, and the planner then fetches every due row and sorts them; the settings leave the index
 -- walks the only plan, in this function alone.
