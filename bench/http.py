@@ -27,17 +27,11 @@ Goals (issue 56): stream delivery p99 ≤ 50 ms; the wait's answer p99 ≤ 20 ms
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import math
-import os
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -47,15 +41,13 @@ import aiohttp
 import asyncpg
 import attrs
 
-from bench.fairness import _database, _drop
+from bench import standalone
 from bench.phases import PROVISIONER, daemon_config, percentile, say, vacuum
-from bench.procs import DaemonProcess, FarmClient, raise_open_files, rss_kib
+from bench.procs import DaemonProcess, FarmClient, rss_kib
 from hubd.client import Client
-from hubd.daemon.loops import EVENT_LOOPS
 from hubd.http.stream import HEARTBEAT
 from hubd.store import connect_database
 from hubd.store.api_keys import ApiKeyStore
-from hubd.store.embedded import EmbeddedPostgres
 
 __all__ = ["GOALS", "LOADS", "Load", "main", "measure", "measures", "render"]
 
@@ -452,60 +444,10 @@ def _number(value: float | None) -> str:
     return "—" if value is None else f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}"
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    main_task = asyncio.current_task()
-    assert main_task is not None
-    # A TERM ends the run as Ctrl-C does: the finally blocks stop what was started.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
-    raise_open_files()
-    load = LOADS[args.size]
-    load_before = os.getloadavg()
-    workdir = Path(tempfile.mkdtemp(prefix="hubd-http"))
-    embedded: EmbeddedPostgres | None = None
-    name = f"hubd_bench_http_{os.getpid()}"
-    try:
-        if args.database_url:
-            maintenance = args.database_url
-        else:
-            embedded = EmbeddedPostgres(workdir)
-            maintenance = await asyncio.to_thread(embedded.start)
-        dsn = await _database(maintenance, name)
-        farm = FarmClient(workdir / "farm.sock", loop=args.farm_loop)
-        await farm.start()
-        try:
-            result = await measure(dsn, farm, workdir, load)
-        finally:
-            await farm.stop()
-            await _drop(maintenance, name)
-    finally:
-        if embedded is not None:
-            embedded.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-    machine = {"nproc": os.cpu_count(), "load_average": [load_before, os.getloadavg()]}
-    return {"size": args.size, "machine": machine, "http": result}
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.http", description=(__doc__ or "").split("\n")[0]
+    return standalone.main(
+        argv, part="http", doc=__doc__, sizes=LOADS, measure=measure, render=render
     )
-    parser.add_argument("--size", choices=sorted(LOADS), default="quick")
-    parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))
-    parser.add_argument("--farm-loop", choices=EVENT_LOOPS, default="uvloop")
-    parser.add_argument("--json", type=Path, help="write the whole report here as well")
-    args = parser.parse_args(argv)
-    try:
-        report = asyncio.run(run(args))
-    except asyncio.CancelledError:
-        print("bench: stopped by SIGTERM; its processes and database are gone", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    print(render(report["http"]))
-    machine = report["machine"]
-    before, after = (" ".join(f"{v:.2f}" for v in each) for each in machine["load_average"])
-    print(f"size {report['size']}; {machine['nproc']} cores; load average {before} → {after}")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
