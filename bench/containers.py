@@ -55,12 +55,13 @@ from bench.procs import DaemonProcess
 from bench.suite import machine
 from bench.watch import Watcher
 from hubd.client import Client
+from hubd.dburl import with_database
 from hubd.plugins.container import ContainerOptions, parse_options
 from hubd.plugins.container.engine import API_VERSION
 from hubd.plugins.container.spec import container_name, create_body
 from hubd.plugins.protocol import EnsureRequest
 from hubd.sidecar.client import SUBPROTOCOL
-from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.migrate import apply_migrations
 from tests import containerkit
 
@@ -219,7 +220,7 @@ async def _database(maintenance: str, name: str) -> str:
         await conn.execute(f"CREATE DATABASE {name}")
     finally:
         await conn.close()
-    dsn = dsn_for_database(maintenance, name)
+    dsn = with_database(maintenance, name)
     conn = await asyncpg.connect(dsn)
     try:
         await apply_migrations(conn)

@@ -51,7 +51,8 @@ import asyncpg
 
 from bench.procs import DaemonProcess
 from hubd.client import Client
-from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.dburl import with_database
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.migrate import apply_migrations
 from tests import containerkit
 
@@ -107,7 +108,7 @@ async def _database(maintenance: str, name: str) -> str:
         await conn.execute(f"CREATE DATABASE {name}")
     finally:
         await conn.close()
-    dsn = dsn_for_database(maintenance, name)
+    dsn = with_database(maintenance, name)
     conn = await asyncpg.connect(dsn)
     try:
         await apply_migrations(conn)

@@ -57,8 +57,9 @@ from bench.phases import PROVISIONER, daemon_config, percentile, say, vacuum
 from bench.procs import DaemonProcess, FarmClient, raise_open_files
 from hubd.config.sections import ReconcilerConfig
 from hubd.daemon.loops import EVENT_LOOPS
+from hubd.dburl import with_database
 from hubd.store import AllocationStore, connect_database
-from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.migrate import apply_migrations
 
 __all__ = [
@@ -534,7 +535,7 @@ async def _database(maintenance: str, name: str) -> str:
         await conn.execute(f"CREATE DATABASE {name}")
     finally:
         await conn.close()
-    dsn = dsn_for_database(maintenance, name)
+    dsn = with_database(maintenance, name)
     conn = await asyncpg.connect(dsn)
     try:
         await apply_migrations(conn)

@@ -29,7 +29,8 @@ from typing import Any
 import asyncpg
 import attrs
 
-from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.dburl import with_database
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.migrate import apply_migrations
 from tests.apikit import app_role
 from tests.followkit import Fire, under_fire
@@ -42,7 +43,7 @@ async def _database(maintenance: str, name: str) -> str:
         await conn.execute(f"CREATE DATABASE {name}")
     finally:
         await conn.close()
-    dsn = dsn_for_database(maintenance, name)
+    dsn = with_database(maintenance, name)
     conn = await asyncpg.connect(dsn)
     try:
         await apply_migrations(conn)

@@ -33,7 +33,8 @@ from pathlib import Path
 import asyncpg
 
 from hubd.config.sections import InstanceConfig, ReconcilerConfig
-from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.dburl import with_database
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.units import format_duration
 from tests.daemonkit import DaemonProcess, kill_sidecars, new_marker, write_config
 from tests.faultkit import stop_all
@@ -75,7 +76,7 @@ async def _one(run: int, maintenance: str, tmp: Path, args: argparse.Namespace) 
         await conn.execute(f"CREATE DATABASE {name}")
     finally:
         await conn.close()
-    direct = dsn_for_database(maintenance, name)
+    direct = with_database(maintenance, name)
     marker = new_marker()
     state_dir = tmp / f"run-{run}"
     state_dir.mkdir()

@@ -42,8 +42,7 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
     Taken from hubd itself so the benchmark follows the code; when the daemon's claim, renewal
     or status counts change shape, change them here too.
     """
-    from hubd.store.allocations import CLAIMS
-    from hubd.store.allocations import SQL as ALLOCATIONS
+    from hubd.store.allocations import CLAIMS, SWEEPS
     from hubd.store.connections import SQL as CONNECTIONS
     from hubd.store.counts import SQL as COUNTS
     from hubd.store.instances import SQL as INSTANCES
@@ -90,9 +89,7 @@ def periodic_statements() -> dict[str, tuple[str, Callable[[], tuple[Any, ...]]]
         "status_count": (COUNTS.count_active().sql, tuple),
         "status_estimate": (COUNTS.estimate_statuses().sql, tuple),
         "repair": bound(
-            ALLOCATIONS.mark_unconnected(
-                instance_ttl=20.0, connect_timeout=60.0, instance_id="bench"
-            )
+            SWEEPS.mark_unconnected(instance_ttl=20.0, connect_timeout=60.0, instance_id="bench")
         ),
         "stale_sweep": bound(
             CONNECTIONS.sweep_stale(ttl=20.0, instance_id="bench", connect_timeout=60.0)

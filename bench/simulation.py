@@ -21,8 +21,9 @@ from pathlib import Path
 import asyncpg
 import structlog
 
+from hubd.dburl import with_database
 from hubd.store import connect_database
-from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.migrate import apply_migrations
 from tests.faultkit import install_observer
 from tests.simkit import Coverage, Fault, Simulation, describe, expected_pairs, reset
@@ -34,7 +35,7 @@ async def run(maintenance: str, args: argparse.Namespace) -> None:
         await conn.execute("CREATE DATABASE hubd_simulation")
     finally:
         await conn.close()
-    dsn = dsn_for_database(maintenance, "hubd_simulation")
+    dsn = with_database(maintenance, "hubd_simulation")
     conn = await asyncpg.connect(dsn)
     try:
         await apply_migrations(conn)

@@ -55,7 +55,8 @@ from bench.procs import DaemonProcess, FarmClient, raise_open_files, server_proc
 from bench.report import Measures, profile_summary, render
 from bench.watch import Watcher, xact_commit
 from hubd.daemon.loops import EVENT_LOOPS
-from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.dburl import with_database
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.migrate import apply_migrations
 
 __all__ = ["SIZES", "Size", "main", "run"]
@@ -151,7 +152,7 @@ async def _database(maintenance: str, name: str, *, migrate: bool) -> str:
         await conn.execute(f"CREATE DATABASE {name}")
     finally:
         await conn.close()
-    dsn = dsn_for_database(maintenance, name)
+    dsn = with_database(maintenance, name)
     if migrate:
         conn = await asyncpg.connect(dsn)
         try:

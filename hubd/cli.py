@@ -55,7 +55,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    from hubd.store.values import MAX_SPEC_BYTES, MAX_SPEC_DEPTH
+    from hubd.store.inputs import MAX_SPEC_BYTES, MAX_SPEC_DEPTH
 
     if len(text.encode()) > MAX_SPEC_BYTES:
         raise argparse.ArgumentTypeError(f"larger than {MAX_SPEC_BYTES} bytes")
@@ -83,7 +83,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _reason(text: str) -> str:
-    from hubd.store.values import MAX_MESSAGE_LENGTH
+    from hubd.store.inputs import MAX_MESSAGE_LENGTH
 
     # Refused rather than cut: the ledger keeps the operator's words as written, or not at all.
     if not text.strip():
@@ -305,7 +305,7 @@ def cmd_check_config(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_db_url(config: Config, args: argparse.Namespace) -> int:
-    from hubd.store.address import application_dsn
+    from hubd.store.embedded.address import application_dsn
 
     print(application_dsn(config.database.url, config.state_path, show_password=args.show_password))
     return EXIT_OK

@@ -1,6 +1,7 @@
-"""A database URL's host list: its syntax and what hubd asks of the server it picks. Pure
-functions, so configuration checks them without a driver (what each host answers is
-:mod:`hubd.store.hosts`).
+"""Database URLs: the host list, what hubd asks of the server it picks, and the URLs hubd derives
+from one (a host on its own, another database of the same server). Pure functions, so the
+configuration checks a URL without the driver; what each host answers when asked is
+:func:`hubd.store.database.try_hosts`, the one part that must talk to a server.
 
 A libpq URL may name several hosts, ``postgresql://user@a:5432,b:5433/hubd``; a connect tries
 them in order and takes the first whose session matches ``target_session_attrs``. hubd writes on
@@ -21,7 +22,9 @@ __all__ = [
     "host_labels",
     "hosts_problem",
     "netloc_hosts",
+    "single_host_url",
     "target_session_attrs",
+    "with_database",
 ]
 
 DEFAULT_TARGET_SESSION_ATTRS: Final = "read-write"
@@ -86,3 +89,29 @@ def host_labels(url: str) -> list[str]:
         query = urllib.parse.parse_qs(parts.query)
         hosts = [h for value in query.get("host", []) for h in value.split(",") if h]
     return hosts or ["localhost"]
+
+
+def single_host_url(url: str, host: str) -> str:
+    """``url`` naming ``host`` alone, and taking any session it answers with."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    query = [
+        (k, v)
+        for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        if k not in ("target_session_attrs", "host") and not (k == "port" and "," in v)
+    ]
+    if host.startswith("/"):  # a Unix socket directory, given as ?host=
+        query.append(("host", host))
+        host = ""
+    netloc = f"{userinfo}{at}{host}"
+    return urllib.parse.urlunsplit(
+        (parts.scheme, netloc, parts.path, urllib.parse.urlencode(query), "")
+    )
+
+
+def with_database(url: str, name: str) -> str:
+    """``url`` naming database ``name`` on the same server, as the same user."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(
+        (parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment)
+    )

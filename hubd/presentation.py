@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from hubd.store.allocations import FORGOTTEN
-from hubd.store.models import Allocation, LedgerEntry, Status
+from hubd.store.rows import Allocation, LedgerEntry, Status
 
 __all__ = ["NO_DAEMON", "allocation_json", "ledger_json", "next_step", "rfc3339"]
 

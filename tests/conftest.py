@@ -22,9 +22,10 @@ import attrs
 import pytest
 import structlog
 
+from hubd.dburl import with_database
 from hubd.store import AllocationStore, Database, LedgerStore, connect_database
 from hubd.store.channels import NoticeKey, read_notice_key
-from hubd.store.embedded import EmbeddedPostgres, dsn_for_database
+from hubd.store.embedded import EmbeddedPostgres
 from hubd.store.migrate import apply_migrations
 from tests.wskit import Sidecar, sidecar_in
 
@@ -40,7 +41,7 @@ class PostgresServer:
     embedded: EmbeddedPostgres | None
 
     def dsn(self, database: str) -> str:
-        return dsn_for_database(self.maintenance_dsn, database)
+        return with_database(self.maintenance_dsn, database)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from hubd.store.state_dir import SERVER_USER
+from hubd.store.embedded.state_dir import SERVER_USER
 
 __all__ = ["FreshHost", "fresh_host"]
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from hubd.reconciler.settings import HookContext
-from hubd.store.models import Allocation
+from hubd.store.rows import Allocation
 from tests.polling import eventually
 
 HOLD_LIMIT = 30.0

@@ -19,11 +19,11 @@ import pytest
 
 from hubd.errors import ConfigError
 from hubd.store import AllocationStore, connect_database
-from hubd.store.address import embedded_dsn
 from hubd.store.embedded import EmbeddedPostgres
+from hubd.store.embedded.address import embedded_dsn
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import available_migrations
-from hubd.store.models import SidecarDeath
+from hubd.store.rows import SidecarDeath
 from tests.clikit import Result, hubd_env, run_hubd, run_hubd_async
 from tests.conftest import PostgresServer, drop_database, fresh_database
 from tests.daemonkit import running, write_config

@@ -19,7 +19,7 @@ from hubd.store.connection_values import Disconnect, RecordOutcome, RecordReques
 from hubd.store.connections import SQL as CONNECTION_SQL
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
-from hubd.store.models import effects_json
+from hubd.store.rows import effects_json
 from hubd.store.transitions import SQL as TRANSITION_SQL
 from tests.polling import eventually
 from tests.storekit import drive_to

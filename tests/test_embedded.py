@@ -18,9 +18,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from hubd.errors import EmbeddedPostgresError
-from hubd.store import server_user
-from hubd.store.embedded import EmbeddedPostgres, embedded_available, log_excerpt
-from hubd.store.postmaster import LockVerdict, judge_lock_file
+from hubd.store.embedded import EmbeddedPostgres, embedded_available, log_excerpt, server_user
+from hubd.store.embedded.postmaster import LockVerdict, judge_lock_file
 from tests.clikit import run_hubd
 
 pytestmark = pytest.mark.skipif(not embedded_available(), reason="needs hubd[embedded]")
@@ -277,9 +276,9 @@ class TestAnotherUsersStateDir:
 
 
 class TestServerUser:
-    """Making root's server user (hubd.store.server_user), with a scripted ``useradd`` first on
-    ``PATH`` and a scripted look-up: no account of this machine is touched. The real races run
-    in tests/test_cli.py (TestMigrate), as root on a private /etc."""
+    """Making root's server user (hubd.store.embedded.server_user), with a scripted
+    ``useradd`` first on ``PATH`` and a scripted look-up: no account of this machine is touched.
+    The real races run in tests/test_cli.py (TestMigrate), as root on a private /etc."""
 
     @pytest.fixture
     def useradd(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], Path]:

@@ -31,8 +31,8 @@ from hubd.daemon.wakeups import NotificationListener
 from hubd.dburl import connect_options, host_labels, hosts_problem
 from hubd.errors import DatabaseReadOnly, DatabaseUnavailable
 from hubd.store import AllocationStore, Database, connect_database
+from hubd.store.database import try_hosts
 from hubd.store.embedded import EmbeddedPostgres
-from hubd.store.hosts import try_hosts
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
 from hubd.store.queries import Bound, Statement

@@ -13,7 +13,7 @@ import pytest
 from hubd.reconciler.writes import Retry
 from hubd.store import AllocationStore, Database, LedgerStore, Status
 from hubd.store.allocations import SQL as ALLOCATIONS
-from hubd.store.models import Phase
+from hubd.store.rows import Phase
 from hubd.store.transitions import SQL as TRANSITIONS
 from tests.clikit import run_hubd_async
 from tests.polling import eventually

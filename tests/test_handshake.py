@@ -29,7 +29,7 @@ from hubd.store.channels import (
     parse_sockets_payload,
 )
 from hubd.store.connection_values import SidecarIdentity
-from hubd.store.models import Status
+from hubd.store.rows import Status
 from hubd.store.secrets import SecretState
 from hubd.tokens import hash_token, new_reconnect_secret, new_token
 

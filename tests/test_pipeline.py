@@ -16,11 +16,11 @@ import pytest
 from hubd.errors import InvalidRequest
 from hubd.reconciler.writes import AcceptAndPark, BindInitial, MarkAllocated, MarkReleased, Park
 from hubd.store import Allocation, AllocationStore, Database, Fence, Status, connect_database
-from hubd.store.models import EffectRow, Phase
+from hubd.store.inputs import Failure, ParkMode
 from hubd.store.pipeline import Pipeline
 from hubd.store.queries import Bound
+from hubd.store.rows import EffectRow, Phase
 from hubd.store.transitions import SQL
-from hubd.store.values import Failure, ParkMode
 from tests.polling import eventually
 from tests.storekit import claim_one, drive_to, token_hash
 from tests.test_connection_races import blocked_on_a_lock

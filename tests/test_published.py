@@ -17,9 +17,9 @@ from websockets.typing import Subprotocol
 from hubd.reconciler.writes import Abandon, Park
 from hubd.store import AllocationStore, Database, Failure, Status
 from hubd.store.connections import ConnectionStore
+from hubd.store.inputs import ParkMode
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import LedgerStore
-from hubd.store.values import ParkMode
 from tests.polling import eventually
 from tests.wskit import (
     INSTANCE_ID,

@@ -15,7 +15,7 @@ import pytest
 
 from hubd.reconciler.writes import Abandon, AcceptAndPark, MarkAllocated, Park
 from hubd.store import AllocationStore, Database, Failure, Fence, Status
-from hubd.store.values import ParkMode
+from hubd.store.inputs import ParkMode
 from tests.daemonkit import DaemonProcess, write_config
 from tests.polling import eventually
 from tests.wskit import Hub, Sidecar, dial, running_hub, sidecar_in, welcome_of

@@ -50,15 +50,20 @@ def _loaded(tree: ast.Module) -> dict[str, str]:
     return loaded
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(STORE.parent.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def references() -> dict[str, dict[str, set[str]]]:
     """For each ``.sql`` file loaded by a store module: the statement names referenced as
     attributes of the name it is loaded into, per module; the store's modules and the write
     values (``hubd/reconciler/writes.py``, which name the transitions' statements and import
     their file's queries from :mod:`hubd.store.transitions`)."""
     trees = {
-        path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(STORE.glob("*.py"))
+        path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(STORE.rglob("*.py"))
     }
-    by_module = {f"hubd.store.{path.stem}": _loaded(tree) for path, tree in trees.items()}
+    by_module = {_module_name(path): _loaded(tree) for path, tree in trees.items()}
     trees[WRITES] = ast.parse(WRITES.read_text(encoding="utf-8"))
     found: dict[str, dict[str, set[str]]] = {}
     for module, tree in trees.items():
@@ -110,7 +115,7 @@ class TestStatementsAndStores:
 
     def test_fenced_statements_take_the_fence(self) -> None:
         """Every claim-owned transition takes the fence parameters and the writing instance."""
-        queries = load_queries("allocations_transitions.sql")
+        queries = load_queries("transitions.sql")
         fence = {"allocation_id", "lease_id", "generation", "instance_id"}
         for name in ("bind_initial_sidecar", "park", "begin_replacement", "mark_released"):
             assert fence <= set(queries[name].params), name
@@ -186,9 +191,9 @@ class TestFragments:
 
     def test_the_transitions_fence_is_written_once(self) -> None:
         """Each transition that is not in set form is fenced by the one fragment."""
-        text = (STORE / "sql" / "allocations_transitions.sql").read_text(encoding="utf-8")
+        text = (STORE / "sql" / "transitions.sql").read_text(encoding="utf-8")
         assert text.count("lease_expires_at > clock_timestamp()") == 3  # fence, two set forms
-        queries = load_queries("allocations_transitions.sql")
+        queries = load_queries("transitions.sql")
         for name in queries.names() - {"park", "mark_released"}:
             assert "lease_expires_at > clock_timestamp()" in queries[name].sql, name
 

@@ -28,7 +28,7 @@ from hubd.store import (
     connect_database,
 )
 from hubd.store.connections import ConnectionStore
-from hubd.store.values import NO_REPLACEMENT_LIMIT
+from hubd.store.inputs import NO_REPLACEMENT_LIMIT
 from hubd.tokens import hash_token
 from tests.pgtime import age_row, expire_lease
 from tests.polling import scaled

@@ -42,8 +42,8 @@ from hubd.store import AllocationStore, Database, Failure, Status, connect_datab
 from hubd.store.channels import NoticeKey
 from hubd.store.connection_values import RecordOutcome
 from hubd.store.connections import ConnectionStore
+from hubd.store.inputs import new_allocation_id
 from hubd.store.instances import InstanceStore
-from hubd.store.values import new_allocation_id
 from hubd.tokens import (
     hash_token,
     new_sidecar_id,

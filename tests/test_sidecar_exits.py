@@ -24,8 +24,8 @@ from hubd.store import (
     Status,
     connect_database,
 )
-from hubd.store.models import SidecarDeath
-from hubd.store.values import NO_REPLACEMENT_LIMIT, ReplacementLimit
+from hubd.store.inputs import NO_REPLACEMENT_LIMIT, ReplacementLimit
+from hubd.store.rows import SidecarDeath
 from tests.pgtime import age_row
 from tests.polling import eventually, scaled
 from tests.reconcilerkit import SETTINGS, ReconcilerRig, reject, reject_destroy

@@ -44,8 +44,8 @@ from hubd.store.connections import ConnectionStore
 from hubd.store.counts import status_counts
 from hubd.store.instances import InstanceStore
 from hubd.store.ledger import new_effect_id
-from hubd.store.models import Claimed, InitialBinds
 from hubd.store.queries import Statement
+from hubd.store.rows import Claimed, InitialBinds
 from tests.pgtime import age_row, expire_lease
 from tests.polling import eventually
 from tests.storekit import LEASE_SECONDS, claim_next, claim_one, drive_to, new_lease, token_hash
@@ -1048,7 +1048,7 @@ class TestClaims:
         exactly those 1,000 lost, once each, and reads each row and its record by key: a few
         pages a row, where checking every row's record against every record, or joining every
         candidate back against every allocated row, read millions."""
-        from hubd.store.allocations import SQL
+        from hubd.store.allocations import SWEEPS as SQL
 
         async with db.pool.acquire() as conn:
             await _quiet_statistics(conn, finished)
@@ -1102,8 +1102,7 @@ class TestClaims:
         instance that stopped heartbeating: lease renewal, the socket check, the dead
         instance's sweep, the orphan sweep's owner lookup and the close of 1,000 sockets each
         read the rows they name by key, never every allocation or every record."""
-        from hubd.store.allocations import CLAIMS
-        from hubd.store.allocations import SQL as ALLOCATIONS
+        from hubd.store.allocations import CLAIMS, SWEEPS
         from hubd.store.connections import SQL as CONNECTIONS
 
         async with db.pool.acquire() as conn:
@@ -1112,7 +1111,7 @@ class TestClaims:
                 "renew": CLAIMS.renew_leases,
                 "verify": CONNECTIONS.check_sockets,
                 "sweep": CONNECTIONS.sweep_stale,
-                "owners": ALLOCATIONS.sidecar_owners,
+                "owners": SWEEPS.sidecar_owners,
                 "closes": CONNECTIONS.disconnect_many,
             }
             await _plan_now(conn, statements)
@@ -1138,7 +1137,7 @@ class TestClaims:
                 "sweep": CONNECTIONS.sweep_stale(
                     ttl=20.0, instance_id="in_own", connect_timeout=60.0
                 ),
-                "owners": ALLOCATIONS.sidecar_owners(
+                "owners": SWEEPS.sidecar_owners(
                     sidecar_ids=[f"sc_{i}" for i in range(1, 101)],
                     allocation_ids=[""] * 100,
                 ),

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import structlog
 
 from hubd.errors import StoreError
-from hubd.store.models import Status
+from hubd.store.rows import Status
 
 __all__ = ["AllocationCounts"]
 

@@ -26,8 +26,8 @@ from hubd.config import Config, LogConfig, ProvisionerConfig, StateConfig, defau
 from hubd.daemon.service import Daemon
 from hubd.logs import flush_logs
 from hubd.redaction import redact_dsn
-from hubd.store.address import application_dsn
-from hubd.store.models import Status
+from hubd.store.embedded.address import application_dsn
+from hubd.store.rows import Status
 
 __all__ = ["DevSession", "dev_config", "external_database_refusal", "run_dev"]
 

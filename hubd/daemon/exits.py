@@ -31,7 +31,7 @@ from hubd.errors import PluginError, StoreError
 from hubd.plugins.protocol import SidecarExit, WatchesSidecars, check_sidecar_exit
 from hubd.redaction import describe_error
 from hubd.store.allocations import AllocationStore
-from hubd.store.models import SidecarDeath
+from hubd.store.rows import SidecarDeath
 
 __all__ = ["ExitWatch", "WatchState"]
 

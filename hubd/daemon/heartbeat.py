@@ -20,7 +20,7 @@ from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.running import Listening
 from hubd.errors import DatabaseReadOnly, StoreError
-from hubd.store.hosts import try_hosts
+from hubd.store.database import try_hosts
 
 __all__ = ["Heartbeat", "registered"]
 

@@ -41,9 +41,9 @@ from hubd.store.channels import (
 from hubd.store.connections import ConnectionStore
 from hubd.store.counts import metric_counts
 from hubd.store.database import connections_opened
+from hubd.store.inputs import ReplacementLimit
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
-from hubd.store.values import ReplacementLimit
 
 __all__ = [
     "Listening",

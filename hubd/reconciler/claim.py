@@ -41,9 +41,9 @@ from hubd.reconciler.work import LocalWork
 from hubd.routing import Router, Target
 from hubd.store.allocations import AllocationStore
 from hubd.store.connections import ConnectionStore
+from hubd.store.inputs import ReplacementLimit
 from hubd.store.ledger import LedgerStore, new_effect_id
-from hubd.store.models import Allocation, EffectRow, Fence, Phase, Status
-from hubd.store.values import ReplacementLimit
+from hubd.store.rows import Allocation, EffectRow, Fence, Phase, Status
 
 __all__ = ["ClaimRun", "ClaimServices"]
 

@@ -27,8 +27,8 @@ from hubd.reconciler.writes import (
     Park,
     Retry,
 )
-from hubd.store.models import Allocation, EffectRow, Phase, Status
-from hubd.store.values import AttemptKind, Failure, ParkMode
+from hubd.store.inputs import AttemptKind, Failure, ParkMode
+from hubd.store.rows import Allocation, EffectRow, Phase, Status
 
 if TYPE_CHECKING:
     # A type only: hubd.store.connection_values loads the driver (through hubd.store.secrets),

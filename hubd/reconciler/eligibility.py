@@ -14,8 +14,8 @@ from typing import Protocol
 from hubd.plugins.protocol import former_fingerprints
 from hubd.reconciler.decisions import backoff
 from hubd.reconciler.writes import FailNow, Retry
-from hubd.store.models import Allocation, Status
-from hubd.store.values import Failure
+from hubd.store.inputs import Failure
+from hubd.store.rows import Allocation, Status
 
 __all__ = ["provisioner_mismatch", "provisioner_problem", "provisioner_unavailable"]
 

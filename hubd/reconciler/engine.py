@@ -45,7 +45,7 @@ from hubd.routing import Router
 from hubd.store.allocations import AllocationStore
 from hubd.store.connections import ConnectionStore
 from hubd.store.ledger import LedgerStore
-from hubd.store.models import Claimed, InitialBinds
+from hubd.store.rows import Claimed, InitialBinds
 from hubd.tokens import hash_token, new_lease_id, new_sidecar_id, new_token
 
 __all__ = ["HookContext", "Reconciler", "ReconcilerSettings"]

@@ -43,9 +43,9 @@ from hubd.reconciler.writes import (
 )
 from hubd.routing import Router
 from hubd.store.allocations import AllocationStore
-from hubd.store.models import Allocation, Fence
+from hubd.store.inputs import ReplacementLimit
+from hubd.store.rows import Allocation, Fence
 from hubd.store.transitions import Effects
-from hubd.store.values import ReplacementLimit
 
 __all__ = ["Claim", "WriteServices", "apply"]
 

@@ -36,7 +36,7 @@ from hubd.plugins.protocol import (
 from hubd.reconciler.clock import Clock, SystemClock
 from hubd.store.allocations import AllocationStore
 from hubd.store.ledger import LedgerStore
-from hubd.store.models import Phase
+from hubd.store.rows import Phase
 
 __all__ = ["OrphanCollector", "SweepReport", "Verdict", "judge"]
 

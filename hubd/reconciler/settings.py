@@ -8,8 +8,8 @@ from typing import Any
 import attrs
 
 from hubd.claimrules import claim_rules_problem
-from hubd.store.models import Allocation
-from hubd.store.values import DEFAULT_REPLACEMENT_LIMIT, ReplacementLimit
+from hubd.store.inputs import DEFAULT_REPLACEMENT_LIMIT, ReplacementLimit
+from hubd.store.rows import Allocation
 from hubd.units import positive
 
 __all__ = ["Hook", "HookContext", "ReconcilerSettings", "claim_rules_problem", "hook_call"]

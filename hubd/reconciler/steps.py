@@ -49,7 +49,7 @@ from hubd.reconciler.writes import (
     Retry,
 )
 from hubd.store.connection_values import Readiness
-from hubd.store.models import EffectRow, Status
+from hubd.store.rows import EffectRow, Status
 from hubd.store.transitions import Effects
 from hubd.tokens import hash_token
 

@@ -2,7 +2,7 @@
 
 A decision (:mod:`hubd.reconciler.decisions`) returns one of these, complete with expected
 status, delay, attempt counter, failure and connection fence. Each says, in its
-``transition``, which block of ``hubd/store/sql/allocations_transitions.sql`` carries it out
+``transition``, which block of ``hubd/store/sql/transitions.sql`` carries it out
 and with what arguments (the claim's fence is added by the store); the executor
 (:mod:`hubd.reconciler.executor`) runs that and changes none of it. ``effects`` are the ledger
 rows of the plugin call the write brackets, written in the same statement.
@@ -16,15 +16,15 @@ from typing import Any
 import attrs
 
 from hubd.published import encode_metadata
-from hubd.store.models import Status, effects_json
-from hubd.store.transitions import SQL, Effects, Transition
-from hubd.store.values import (
+from hubd.store.inputs import (
     NO_REPLACEMENT_LIMIT,
     AttemptKind,
     Failure,
     ParkMode,
     ReplacementLimit,
 )
+from hubd.store.rows import Status, effects_json
+from hubd.store.transitions import SQL, Effects, Transition
 
 __all__ = [
     "Abandon",

@@ -25,7 +25,7 @@ from typing import Final, Protocol
 import attrs
 
 from hubd.store.connection_values import SidecarIdentity
-from hubd.store.models import Status
+from hubd.store.rows import Status
 from hubd.store.secrets import SecretState
 from hubd.tokens import (
     hash_token,

@@ -23,7 +23,7 @@ from hubd.server.registry import SocketRegistry
 from hubd.server.sockets import SocketEntry
 from hubd.store.channels import ConnectedNotice, SocketControl
 from hubd.store.connections import ConnectionStore
-from hubd.store.models import Status
+from hubd.store.rows import Status
 
 __all__ = ["SocketRepair"]
 

@@ -1,7 +1,7 @@
 """The store: hubd's only door to PostgreSQL. Nothing here imports from higher layers.
 
 The names below are loaded on first use: importing one of the store's driver-free modules
-(:mod:`~hubd.store.values`, :mod:`~hubd.store.models`, :mod:`~hubd.store.connection_values`)
+(:mod:`~hubd.store.inputs`, :mod:`~hubd.store.rows`, :mod:`~hubd.store.connection_values`)
 runs this file first, and must not load the driver with it.
 """
 
@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hubd.store.allocations import AllocationStore
     from hubd.store.database import Database, connect_database
+    from hubd.store.inputs import AttemptKind, Failure, ParkMode
     from hubd.store.ledger import LedgerStore
-    from hubd.store.models import (
+    from hubd.store.rows import (
         ACTIVE_STATUSES,
         TERMINAL_STATUSES,
         Allocation,
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
         Phase,
         Status,
     )
-    from hubd.store.values import AttemptKind, Failure, ParkMode
 
 __all__ = [
     "ACTIVE_STATUSES",
@@ -60,9 +60,9 @@ _HOMES = {
             "Phase",
             "Status",
         ),
-        "models",
+        "rows",
     ),
-    **dict.fromkeys(("AttemptKind", "Failure", "ParkMode"), "values"),
+    **dict.fromkeys(("AttemptKind", "Failure", "ParkMode"), "inputs"),
 }
 
 

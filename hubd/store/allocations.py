@@ -2,7 +2,7 @@
 
 Requests and releases from applications, an operator's forget, reads, the wake-up of a connect,
 a provisioner's report of dead sidecars, the deadline and repair sweeps, a claim's statements
-(claims and leases: ``allocations_claims.sql``), its fenced transitions, run by
+(claims and leases: ``claims.sql``; sweeps: ``sweeps.sql``), its fenced transitions, run by
 :meth:`AllocationStore.write` (the values: :mod:`hubd.store.transitions`), and orphan
 collection's: one class, so that a claim and everything it writes share one set of pipelines.
 
@@ -22,7 +22,17 @@ import asyncpg
 from hubd.errors import AllocationNotFound
 from hubd.routing import Target
 from hubd.store.database import Database, Pool
-from hubd.store.models import (
+from hubd.store.inputs import (
+    bounded_message,
+    new_effect_id,
+    validate_allocation_id,
+    validate_label,
+    validate_provisioner_id,
+    validate_spec,
+)
+from hubd.store.pipeline import Pipeline
+from hubd.store.queries import Bound, load_queries
+from hubd.store.rows import (
     Allocation,
     Claimed,
     Deadlines,
@@ -32,22 +42,13 @@ from hubd.store.models import (
     SidecarDeath,
     Status,
 )
-from hubd.store.pipeline import Pipeline
-from hubd.store.queries import Bound, load_queries
 from hubd.store.transitions import Transition
-from hubd.store.values import (
-    bounded_message,
-    new_effect_id,
-    validate_allocation_id,
-    validate_label,
-    validate_provisioner_id,
-    validate_spec,
-)
 
 __all__ = ["FORGOTTEN", "AllocationStore", "Deadlines", "ProvisionerLimits"]
 
 SQL = load_queries("allocations.sql")
-CLAIMS = load_queries("allocations_claims.sql")
+CLAIMS = load_queries("claims.sql")
+SWEEPS = load_queries("sweeps.sql")
 LIMITS = load_queries("provisioner_limits.sql")
 
 FORGOTTEN: Final = "forgotten"
@@ -171,7 +172,7 @@ class AllocationStore:
         replica runs it (:class:`Deadlines` says how many, and when the next one is)."""
         row = await self._db.fetchrow(
             "sweep deadlines",
-            SQL.sweep_deadlines(
+            SWEEPS.sweep_deadlines(
                 warning=float(warning),
                 pending_timeout=float(pending_timeout or 0.0),
                 batch=int(batch),
@@ -266,7 +267,7 @@ class AllocationStore:
             return []
         rows = await self._db.fetch(
             "report sidecar exits",
-            SQL.report_exits(
+            SWEEPS.report_exits(
                 allocation_ids=[e.allocation_id for e in exits],
                 generations=[e.generation for e in exits],
                 sidecar_ids=[e.sidecar_id for e in exits],
@@ -282,7 +283,7 @@ class AllocationStore:
         return len(
             await self._fetch_all(
                 "mark unconnected",
-                SQL.mark_unconnected(
+                SWEEPS.mark_unconnected(
                     instance_ttl=float(instance_ttl),
                     connect_timeout=float(connect_timeout),
                     instance_id=self.instance_id,
@@ -295,7 +296,7 @@ class AllocationStore:
         ``window`` seconds from now to reconnect; returns how many deadlines moved."""
         rows = await self._db.fetch(
             "open reconnect windows",
-            SQL.open_reconnect_windows(
+            SWEEPS.open_reconnect_windows(
                 instance_ttl=float(instance_ttl), window=float(window), instance_id=self.instance_id
             ),
         )
@@ -415,7 +416,7 @@ class AllocationStore:
         allocation, allocation known here)."""
         rows = await self._db.fetch(
             "look up sidecar owners",
-            SQL.sidecar_owners(
+            SWEEPS.sidecar_owners(
                 sidecar_ids=[sidecar for sidecar, _ in sidecars],
                 allocation_ids=[allocation or "" for _, allocation in sidecars],
             ),
@@ -429,11 +430,13 @@ class AllocationStore:
         ``name``'s row in ``hubd_sweep_locks``, locked by a transaction that lasts the block."""
         what = "orphan sweep lock"
         async with self._db.connection(what) as conn:
-            await self._db.execute(what, SQL.add_sweep_lock(lock_name=name), conn=conn)
+            await self._db.execute(what, SWEEPS.add_sweep_lock(lock_name=name), conn=conn)
             transaction = conn.transaction()
             await transaction.start()
             try:
-                held = await self._db.fetchval(what, SQL.try_sweep_lock(lock_name=name), conn=conn)
+                held = await self._db.fetchval(
+                    what, SWEEPS.try_sweep_lock(lock_name=name), conn=conn
+                )
                 if held is None:
                     await transaction.rollback()
                     yield None

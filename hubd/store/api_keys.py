@@ -20,8 +20,8 @@ import attrs
 
 from hubd.errors import InvalidRequest
 from hubd.store.database import Database
+from hubd.store.inputs import validate_label
 from hubd.store.queries import load_queries
-from hubd.store.values import validate_label
 
 __all__ = ["KEY_PREFIX", "ApiKey", "ApiKeyStore", "KeyScope", "parse_key"]
 

@@ -15,7 +15,7 @@ from typing import Any, Final
 import attrs
 
 from hubd.routing import Target
-from hubd.store.models import Status
+from hubd.store.rows import Status
 from hubd.store.secrets import Rotation, SecretState
 
 __all__ = [

@@ -31,8 +31,8 @@ from hubd.store.connection_values import (
     StaleConnection,
 )
 from hubd.store.database import Database, Pool
-from hubd.store.models import Status
 from hubd.store.queries import Bound, Statement, load_queries
+from hubd.store.rows import Status
 from hubd.store.secrets import Acknowledgement, Rotation
 
 __all__ = ["ConnectionStore"]

@@ -10,8 +10,8 @@ import asyncpg
 import attrs
 
 from hubd.store.database import Database
-from hubd.store.models import Status
 from hubd.store.queries import load_queries
+from hubd.store.rows import Status
 
 __all__ = ["LIMITS", "MetricCounts", "TenantCount", "metric_counts", "status_counts"]
 

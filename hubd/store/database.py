@@ -52,15 +52,14 @@ import asyncpg
 import attrs
 from asyncpg import Connection, Record
 
-from hubd.dburl import connect_options, host_labels
+from hubd.dburl import connect_options, host_labels, single_host_url
 from hubd.errors import DatabaseUnavailable
 from hubd.redaction import redact_dsn
 from hubd.store.driver_errors import INTERRUPTED, READ_ONLY, UNAVAILABLE, translate_errors
-from hubd.store.hosts import try_hosts
 from hubd.store.queries import Bound
 from hubd.store.sessions import SESSION_SETTINGS, SessionUsage, session_of
 
-__all__ = ["Database", "Pool", "connect_database", "connections_opened"]
+__all__ = ["Database", "Pool", "connect_database", "connections_opened", "try_hosts"]
 
 CANCEL_GRACE = 1.0
 """Seconds an interrupted statement's cancel request may take to reach the server before its
@@ -324,3 +323,37 @@ async def connect_database(
         socket_pool=opened[Pool.SOCKETS],
         usage=usage,
     )
+
+
+async def _try_host(url: str, host: str, within: float) -> str:
+    try:
+        async with asyncio.timeout(within):
+            conn = await asyncpg.connect(single_host_url(url, host), timeout=within)
+            try:
+                recovery, read_only = await conn.fetchrow(
+                    "SELECT pg_catalog.pg_is_in_recovery(), "
+                    "current_setting('default_transaction_read_only')"
+                )
+            finally:
+                conn.terminate()
+    except TimeoutError:
+        return "timed out"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        # The class, never the message: an authentication error may quote the user.
+        return type(exc).__name__
+    if recovery:
+        return "read-only (a standby, in recovery)"
+    if read_only == "on":
+        return "read-only (default_transaction_read_only)"
+    return "writable"
+
+
+async def try_hosts(url: str, *, within: float = 5.0) -> list[str]:
+    """Each host of ``url`` tried on its own, at once: ``"host:port: what it answered"``."""
+    hosts = host_labels(url)
+    answers = await asyncio.gather(*(_try_host(url, host, within) for host in hosts))
+    return [f"{host}: {answer}" for host, answer in zip(hosts, answers, strict=True)]

@@ -3,7 +3,7 @@
 A plugin call is bracketed by an ``intent`` row before it and a ``committed``, ``failed`` or
 ``ambiguous`` row after it, sharing one effect id. Both are fenced like every claim-owned write,
 and both normally ride on the transitions around the call (architecture §6; ``:effects`` in
-``allocations_transitions.sql``); :meth:`LedgerStore.record_effect` writes one phase on its own,
+``transitions.sql``); :meth:`LedgerStore.record_effect` writes one phase on its own,
 for a call no transition makes due. A claim that lost its lease leaves its intent open, and the
 next owner settles it as ambiguous.
 """
@@ -11,14 +11,14 @@ next owner settles it as ambiguous.
 from __future__ import annotations
 
 from hubd.store.database import Database
-from hubd.store.models import Fence, LedgerEntry, Phase, Status
-from hubd.store.queries import load_queries
-from hubd.store.values import (
+from hubd.store.inputs import (
     bounded_code,
     bounded_message,
     new_effect_id,
     validate_allocation_id,
 )
+from hubd.store.queries import load_queries
+from hubd.store.rows import Fence, LedgerEntry, Phase, Status
 
 __all__ = ["LedgerStore", "new_effect_id"]
 

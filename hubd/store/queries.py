@@ -2,8 +2,10 @@
 
 A file holds the statements on one table (``connections.sql``: ``hubd_sidecar_connections``) or
 for one use (``counts.sql``, ``embedded.sql``), and says which in its head. A table with many
-statements has one file per family, named for the table and the family: ``allocations.sql``
-(requests, reads, repair), ``allocations_claims.sql`` and ``allocations_transitions.sql``.
+statements has one file per family, each named for its family and naming the others in its
+head: ``allocations.sql`` (requests, releases, reads), ``claims.sql`` (claims and leases),
+``transitions.sql`` (a claim's fenced transitions) and ``sweeps.sql`` (deadlines, repair,
+orphans), all on ``hubd_allocations``.
 
 A file holds blocks that start with a header line ``-- name: <statement>``; the comment lines
 right below it say what the statement does. Parameters are written ``:name`` and translated once,

@@ -18,8 +18,8 @@ import attrs
 
 from hubd.errors import InvalidRequest
 from hubd.store.database import Database
+from hubd.store.inputs import validate_label
 from hubd.store.queries import load_queries
-from hubd.store.values import validate_label
 
 __all__ = ["DEFAULT", "UNTENANTED", "Quota", "QuotaScope", "Quotas", "TenantUsage"]
 

@@ -29,8 +29,8 @@ from asyncpg import Connection, Record
 
 from hubd.errors import InvalidRequest, StoreError
 from hubd.store.database import Database
+from hubd.store.inputs import validate_label
 from hubd.store.queries import load_queries
-from hubd.store.values import validate_label
 
 __all__ = [
     "APP_ROLE",

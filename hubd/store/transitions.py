@@ -1,13 +1,13 @@
 """The fenced transitions of a claim (architecture §1 says which follows what), as values.
 
-Each block of ``sql/allocations_transitions.sql`` is one transition. A write value of the
+Each block of ``sql/transitions.sql`` is one transition. A write value of the
 reconciler (:mod:`hubd.reconciler.writes`) names its block and gives its arguments, as a
 :class:`Transition`; :meth:`~hubd.store.allocations.AllocationStore.write` runs it under the
-claim's :class:`~hubd.store.models.Fence` and returns the updated row, or ``None`` when the
+claim's :class:`~hubd.store.rows.Fence` and returns the updated row, or ``None`` when the
 fence matched nothing (the lease is gone, the generation moved on, or the status is not the one
 expected). ``None`` means the claim is lost: the caller stops and writes nothing more.
 
-Driver-free, as :mod:`hubd.store.values` is: the reconciler's pure modules build transitions
+Driver-free, as :mod:`hubd.store.inputs` is: the reconciler's pure modules build transitions
 without loading the driver.
 """
 
@@ -18,12 +18,12 @@ from typing import Final
 
 import attrs
 
-from hubd.store.models import EffectRow, Fence, effects_json
 from hubd.store.queries import Bound, Statement, load_queries
+from hubd.store.rows import EffectRow, Fence, effects_json
 
 __all__ = ["SET_FORM", "SQL", "Effects", "Transition"]
 
-SQL = load_queries("allocations_transitions.sql")
+SQL = load_queries("transitions.sql")
 
 SET_FORM: Final = frozenset({SQL.park.name, SQL.mark_released.name})
 """The transitions whose statements are written in set form (each parameter an array, one

@@ -3,7 +3,7 @@
 --
 -- Every statement that records or clears a connection also bumps the allocation's
 -- connection_seq in the same statement. Claims fence their connection-dependent writes on that
--- number (see park and mark_connection_ready in allocations_transitions.sql); updating the
+-- number (see park and mark_connection_ready in transitions.sql); updating the
 -- allocation row also takes its row lock, so a record and a clear of one allocation never
 -- interleave.
 --

@@ -1,6 +1,6 @@
 -- Statements on hubd_allocation_ledger, the append-only evidence of transitions and plugin calls.
 -- Transitions write their own rows and, normally, the rows of the plugin calls they bracket
--- (allocations_transitions.sql); record_effect writes one phase of a call on its own, fenced
+-- (transitions.sql); record_effect writes one phase of a call on its own, fenced
 -- like every claim-owned write (:allocation_id, :lease_id, :generation; :instance_id the hub).
 
 -- name: record_effect

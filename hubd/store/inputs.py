@@ -1,7 +1,7 @@
 """Validation and shaping of values that cross into the store: ids, specs, failures, and the
 words a transition's caller chooses among (which attempt a retry bumps, why a claim parks).
 
-Driver-free, as is :mod:`hubd.store.models`: the reconciler's pure modules import their values
+Driver-free, as is :mod:`hubd.store.rows`: the reconciler's pure modules import their values
 from here without loading the driver.
 """
 

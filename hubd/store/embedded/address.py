@@ -1,6 +1,6 @@
 """Where an application reaches this hubd's database (``hubd db-url``).
 
-An external database is the configured URL. The embedded server (``hubd.store.embedded``)
+An external database is the configured URL. The embedded server (:mod:`~hubd.store.embedded.server`)
 listens on a Unix socket only, in its data directory ``<state dir>/pgdata``, and takes the
 database role ``postgres`` with trust authentication on that socket: whoever can enter the data
 directory (mode 0700, the user hubd runs as) is let in. Its address is worked out from the
@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from hubd.errors import ConfigError
 from hubd.redaction import redact_dsn
-from hubd.store.embedded import DATABASE_NAME
+from hubd.store.embedded.server import DATABASE_NAME
 
 __all__ = ["EMBEDDED_ROLE", "application_dsn", "embedded_dsn"]
 

@@ -1,6 +1,6 @@
 -- The fenced transitions of a claim on hubd_allocations, each one statement (architecture §1
 -- names which follows what). The table's other statements are in allocations.sql (requests,
--- reads, repair) and allocations_claims.sql (claims and leases).
+-- reads), sweeps.sql (deadlines, repair) and claims.sql (claims and leases).
 -- Every transition appends its ledger row in the same statement (a data-modifying CTE), so a
 -- transition and its evidence commit or vanish together.
 -- Claim-owned writes are fenced on :allocation_id, :lease_id and :generation, and a lease still

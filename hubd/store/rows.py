@@ -1,4 +1,6 @@
-"""Value types of the store: statuses, allocations, ledger entries and claim fences."""
+"""What the store's statements answer and fence on: statuses, allocation rows, effect and ledger
+rows, claim fences, and a provisioner's limits and deadlines. Driver-free, as is
+:mod:`hubd.store.inputs` (what crosses into the store, checked and bounded)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from hubd.store.values import bounded_code, bounded_message
+from hubd.store.inputs import bounded_code, bounded_message
 
 __all__ = [
     "ACTIVE_STATUSES",

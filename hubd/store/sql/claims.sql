@@ -1,8 +1,8 @@
 -- Claims and leases on hubd_allocations: the dispatcher's claim of due rows (which also binds
 -- the pending ones among them and makes a bound sidecar's destroy due), the heartbeat's renewal
 -- of every lease a daemon holds, and a claim's early return of its lease. Leases run on the
--- database clock. The table's other statements are in allocations.sql (requests, reads, repair)
--- and allocations_transitions.sql (a claim's fenced transitions).
+-- database clock. The table's other statements are in allocations.sql (requests, reads),
+-- sweeps.sql (deadlines, repair) and transitions.sql (a claim's fenced transitions).
 
 -- name: claim_due
 -- Lease up to one due active row per lease id in :lease_ids, oldest first, skipping rows not
@@ -19,7 +19,7 @@
 -- A pending row whose provisioner is in :bindings ({"<id>": [api_version, fingerprint,
 -- ready_when]}, the claimer's provisioners, ready_when the provisioner's default for a row that
 -- did not ask for one) and not bound to another version or fingerprint is bound here as
--- bind_initial_sidecar (allocations_transitions.sql) binds it, with the identity at its
+-- bind_initial_sidecar (transitions.sql) binds it, with the identity at its
 -- position (:sidecar_ids, :token_hashes; none given: no row is bound) and the ensure's intent
 -- under the effect id at its position (ensure_effect_id): the claim is the write that makes
 -- that call due too.

@@ -1,6 +1,6 @@
 """The system user the embedded server runs as when hubd runs as root, made once per host.
 
-The library makes :data:`~hubd.store.state_dir.SERVER_USER` itself when it is missing, but
+The library makes :data:`~hubd.store.embedded.state_dir.SERVER_USER` itself when it is missing, but
 outside its inter-process lock, as a look-up then ``useradd`` that fails on any error: two hubd
 processes starting at once on a fresh host (the service's first start and an operator's
 ``hubd migrate``) both found no user, both ran ``useradd``, and the one that came second failed
@@ -19,7 +19,7 @@ from typing import Final
 import structlog
 
 from hubd.errors import EmbeddedPostgresError
-from hubd.store.state_dir import SERVER_USER
+from hubd.store.embedded.state_dir import SERVER_USER
 
 __all__ = ["USERADD", "ensure_server_user", "user_exists"]
 
