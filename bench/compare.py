@@ -5,7 +5,9 @@
 
 The same code measured minutes apart on a shared machine moves by a third (docs/performance.md),
 so a change is judged by pairs: a run of the other tree's daemon, then one of this tree's, again
-and again, each fresh, with the same farm, plugin and database. It prints each pair and the
+and again, each fresh, with the same farm, plugin and PostgreSQL: each tree's daemon on a
+database its own migrations made, requested from and released through the SQL API
+(``hubd_v1.request``/``release``), which both keep. It prints each pair and the
 medians, with this tree's median over the other's, and writes the JSON.
 
 ``OTHER`` is a checkout of this repository (its own ``hubd`` and ``bench.plugin`` are what its
@@ -31,11 +33,14 @@ import attrs
 from bench import phases
 from bench.procs import raise_open_files
 from bench.suite import SIZES, Run, _database, _drop
+from bench.watch import Watcher
 from hubd.daemon.loops import EVENT_LOOPS
 from hubd.store.embedded import EmbeddedPostgres
 
 __all__ = ["main"]
 
+TREES = ("other", "this")
+"""Each pair runs the other tree's daemon first."""
 _CLAIM_KEYS = ("lifecycle_rate", "ready_rate")
 _SOCKET_KEYS = ("storm_rate", "loss_rate")
 
@@ -64,6 +69,28 @@ def _sockets_row(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
+async def _migrate_with(tree: Path, dsn: str) -> None:
+    """Apply ``tree``'s migrations to ``dsn``, in a child that imports ``tree``'s hubd."""
+    script = (
+        "import asyncio, sys, asyncpg\n"
+        "from hubd.store.migrate import apply_migrations\n"
+        "async def main():\n"
+        "    conn = await asyncpg.connect(sys.argv[1])\n"
+        "    try:\n"
+        "        await apply_migrations(conn)\n"
+        "    finally:\n"
+        "        await conn.close()\n"
+        "asyncio.run(main())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, dsn, cwd=tree, env=env, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await child.communicate()
+    if child.returncode != 0:
+        raise SystemExit(f"bench.compare: migrating with {tree} failed:\n{stderr.decode()[-2000:]}")
+
+
 def _medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
 
@@ -76,7 +103,7 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
     size = attrs.evolve(SIZES["quick"], lifecycle=args.lifecycle, storms=args.storms)
     workdir = Path(tempfile.mkdtemp(prefix="hubd-compare"))
     embedded = None if args.database_url else EmbeddedPostgres(workdir)
-    name = f"hubd_bench_compare_{os.getpid()}"
+    names = {label: f"hubd_bench_compare_{label}_{os.getpid()}" for label in TREES}
     pairs: list[dict[str, dict[str, float]]] = []
     try:
         if embedded is None:
@@ -84,16 +111,30 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         else:
             maintenance = await asyncio.to_thread(embedded.start)
         bench_run = Run(args, size, workdir)
-        bench_run.dsn = await _database(maintenance, name, migrate=True)
-        bench_run.config = phases.BenchConfig(workdir, bench_run.dsn, bench_run.farm.socket_path)
-        bench_run.stats = await asyncpg.connect(bench_run.dsn)
-        await bench_run.watcher.start(bench_run.dsn)
+        # Each tree's daemon on a database its own migrations made (a daemon refuses one a
+        # newer checkout migrated), requested from and released through the SQL API both keep.
+        bench_run.open_store = phases.open_sql_api
+        sides = {
+            "this": await _database(maintenance, names["this"], migrate=True),
+            "other": await _database(maintenance, names["other"], migrate=False),
+        }
+        await _migrate_with(other, sides["other"])
+        stats = {label: await asyncpg.connect(dsn) for label, dsn in sides.items()}
+        watchers = {label: Watcher() for label in sides}
+        for label, dsn in sides.items():
+            await watchers[label].start(dsn)
         await bench_run.farm.start()
         try:
             for index in range(args.pairs):
                 pair: dict[str, dict[str, float]] = {}
-                for label, root in (("other", other), ("this", None)):
-                    bench_run.daemon_root = root
+                for label in TREES:
+                    bench_run.daemon_root = other if label == "other" else None
+                    bench_run.dsn = sides[label]
+                    bench_run.stats = stats[label]
+                    bench_run.watcher = watchers[label]
+                    bench_run.config = phases.BenchConfig(
+                        workdir, sides[label], bench_run.farm.socket_path
+                    )
                     phases.say(f"pair {index + 1}/{args.pairs}: {label} tree")
                     if args.part == "claims":
                         result = await bench_run.claims_phase(args.claims, first=False)
@@ -104,9 +145,11 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
                 print(_pair_line(index, pair), flush=True)
         finally:
             await bench_run.farm.stop()
-            await bench_run.watcher.stop()
-            await bench_run.stats.close()
-            await _drop(maintenance, [name])
+            for watcher in watchers.values():
+                await watcher.stop()
+            for conn in stats.values():
+                await conn.close()
+            await _drop(maintenance, list(names.values()))
     finally:
         if embedded is not None:
             embedded.stop()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import attrs
 
 from bench.procs import (
     BareServer,
@@ -141,6 +142,34 @@ async def _release(store: AllocationStore, dsn: str, ids: list[str]) -> None:
 async def open_store(dsn: str) -> tuple[Any, AllocationStore]:
     db = await connect_database(dsn, pool_size=2)
     return db, AllocationStore(db, instance_id="bench")
+
+
+@attrs.frozen
+class _Requested:
+    id: str
+
+
+class SqlApi:
+    """Requests and releases through the SQL API (``hubd_v1``), in the shape of the store's
+    methods the phases call: a database migrated by another checkout (``bench.compare``) has
+    that checkout's tables, which this checkout's statements need not match, and the same
+    functions, which any version since the API's first keeps."""
+
+    async def request(
+        self, *, provisioner_id: str, spec: dict[str, Any], conn: asyncpg.Connection
+    ) -> _Requested:
+        assert spec == {}, "the SQL API's spec parameter changed type across versions"
+        made = await conn.fetchval("SELECT (hubd_v1.request(provisioner => $1)).id", provisioner_id)
+        return _Requested(made)
+
+    async def release(self, allocation_id: str, *, reason: str, conn: asyncpg.Connection) -> None:
+        await conn.execute("SELECT hubd_v1.release($1, $2)", allocation_id, reason)
+
+
+async def open_sql_api(dsn: str) -> tuple[Any, Any]:
+    """What :func:`open_store` gives, with :class:`SqlApi` in place of the store."""
+    db = await connect_database(dsn, pool_size=2)
+    return db, SqlApi()
 
 
 POLL_INTERVAL = 0.05
@@ -426,6 +455,7 @@ async def socket_phase(
     within: float,
     storms: int = 1,
     before_storm: Callable[[], Awaitable[None]] | None = None,
+    opener: Callable[[str], Awaitable[tuple[Any, Any]]] | None = None,
 ) -> dict[str, Any]:
     """On a fresh daemon: ``n`` allocations provisioned while the farm holds their sockets back,
     daemon RSS measured, all sockets opened, RSS measured once all are ready. Then, ``storms``
@@ -434,8 +464,9 @@ async def socket_phase(
     loss rate); once it has, all reconnect ``concurrency`` at a time, timed until every welcome,
     with the CPU the daemon, the farm and PostgreSQL spent meanwhile. Finally all are released.
     The storm's rate is the median of its repetitions: one storm of a few seconds on a shared
-    2-core machine varies by a third from one run to the next."""
-    db, store = await open_store(dsn)
+    2-core machine varies by a third from one run to the next. ``opener`` opens what requests
+    and releases (:func:`open_store` unless given)."""
+    db, store = await (opener or open_store)(dsn)
     try:
         watcher.reset()
         since = await db.pool.fetchval("SELECT now()")

@@ -211,6 +211,9 @@ class Run:
         self.config: phases.BenchConfig | None = None
         self.daemon_root: Path | None = None
         """Another checkout whose daemon runs (``bench.compare``); ``None``: this one."""
+        self.open_store: Callable[[str], Awaitable[tuple[Any, Any]]] = phases.open_store
+        """How the claim parts request and release: this checkout's store, or the SQL API
+        (``bench.compare``, on a database another checkout migrated)."""
 
     async def step(
         self,
@@ -257,7 +260,7 @@ class Run:
         result: dict[str, Any] = {}
         await self.watcher.mute()
         await phases.vacuum(self.stats)
-        db, store = await phases.open_store(self.dsn)
+        db, store = await self.open_store(self.dsn)
         # Every sidecar of the run stays connected until the release: the listener's default
         # cap (4,096) would refuse a larger run's last ones, which then never become ready.
         daemon = await self.daemon(claims, max_sockets=self.size.lifecycle + 1_000)
@@ -329,7 +332,7 @@ class Run:
         assert self.stats is not None
         await self.watcher.mute()
         await phases.vacuum(self.stats)
-        db, store = await phases.open_store(self.dsn)
+        db, store = await self.open_store(self.dsn)
         await self.farm.call("sources", value=[ONE_SOURCE])
         try:
             daemon = await self.daemon(claims, max_sockets=self.size.lifecycle + 1_000)
@@ -410,6 +413,7 @@ class Run:
                     within=self.size.within,
                     storms=self.size.storms,
                     before_storm=bare.storm,
+                    opener=self.open_store,
                 )
                 hubd["listener_refusals"] = await daemon.refusals()
             finally:

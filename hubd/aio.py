@@ -1,5 +1,6 @@
 """The asyncio primitives every layer uses, written once: a per-key FIFO lock, a set of
-tracked tasks, and running a piece of work unless an event comes first.
+tracked tasks, running a piece of work unless an event comes first, and ending a loop whose
+task was asked to stop.
 
 Nothing here knows hubd: each primitive is a shape of waiting, and what it is used for (a
 sidecar's turn, a socket's close, a recycled connection) belongs to its caller.
@@ -11,7 +12,7 @@ import asyncio
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["KeyedFifo", "TrackedTasks", "run_unless"]
+__all__ = ["KeyedFifo", "TrackedTasks", "raise_if_cancelled", "run_unless"]
 
 T = TypeVar("T")
 
@@ -149,3 +150,16 @@ async def run_unless(
         return False
     task.result()
     return True
+
+
+def raise_if_cancelled() -> None:
+    """Raise :class:`asyncio.CancelledError` if this task has been asked to stop.
+
+    On Python 3.11, ``asyncio.wait_for`` (which asyncpg uses for its timeouts) can lose a
+    cancellation that races a result: the coroutine carries on, while the request stays counted
+    in ``Task.cancelling()``. A loop that checks this at every turn still ends; without it, a
+    later ``asyncio.timeout`` would even turn the lost request into an ordinary timeout.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hubd.aio import KeyedFifo, TrackedTasks, run_unless
+from hubd.aio import KeyedFifo, TrackedTasks, raise_if_cancelled, run_unless
 from tests.polling import eventually
 
 
@@ -260,3 +260,31 @@ class TestRunUnless:
         with pytest.raises(asyncio.CancelledError):
             await caller
         assert cleaned == ["cleaned"]
+
+
+class TestRaiseIfCancelled:
+    async def test_a_cancellation_swallowed_below_still_ends_the_loop(self) -> None:
+        """A cancellation lost on its way (caught below, as ``wait_for`` may on 3.11) is still
+        counted by the task, and the loop's next check raises it; a task never asked to stop
+        goes on."""
+        turns = 0
+        swallowed = asyncio.Event()
+
+        async def loop() -> None:
+            nonlocal turns
+            while True:
+                raise_if_cancelled()
+                turns += 1
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    swallowed.set()  # lost, as a racing result would lose it
+
+        task = asyncio.create_task(loop())
+        await eventually(lambda: turns == 1)
+        raise_if_cancelled()  # this test's own task was never asked to stop
+        task.cancel()
+        await swallowed.wait()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert turns == 1

@@ -24,8 +24,8 @@ from typing import Final
 import attrs
 import structlog
 
+from hubd.aio import raise_if_cancelled
 from hubd.backoff import Retries
-from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.metrics import Metrics
 from hubd.errors import PluginError, StoreError
 from hubd.plugins.protocol import SidecarExit, WatchesSidecars, check_sidecar_exit

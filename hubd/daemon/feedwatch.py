@@ -22,7 +22,7 @@ from typing import Final, Protocol
 import attrs
 import structlog
 
-from hubd.daemon.cancellation import raise_if_cancelled
+from hubd.aio import raise_if_cancelled
 from hubd.daemon.metrics import Metrics
 from hubd.errors import StoreError
 from hubd.store.events import FeedLock, FeedLockHolder, Outcome, Termination

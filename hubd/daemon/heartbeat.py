@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import structlog
 
+from hubd.aio import raise_if_cancelled
 from hubd.backoff import Retries
-from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.metrics import Metrics
 from hubd.daemon.running import Listening
 from hubd.errors import DatabaseReadOnly, StoreError

@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 import structlog
 
+from hubd.aio import raise_if_cancelled
 from hubd.backoff import Retries
-from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.stopping import Stopping
 from hubd.daemon.sweeps import Sweeps, watchdog
 from hubd.daemon.systemd import notify

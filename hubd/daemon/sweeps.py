@@ -13,8 +13,8 @@ import contextlib
 import attrs
 import structlog
 
+from hubd.aio import raise_if_cancelled
 from hubd.config import Config
-from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.daemon.feedwatch import FeedLockWatch
 from hubd.daemon.heartbeat import Heartbeat
 from hubd.daemon.metrics import Metrics

@@ -22,9 +22,8 @@ from collections.abc import Callable
 
 import structlog
 
-from hubd.aio import run_unless
+from hubd.aio import raise_if_cancelled, run_unless
 from hubd.backoff import Retries
-from hubd.daemon.cancellation import raise_if_cancelled
 from hubd.errors import StoreError
 from hubd.store.channels import (
     CHANNELS,

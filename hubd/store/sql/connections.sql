@@ -337,7 +337,7 @@ SELECT connection_id, (SELECT logged FROM lost) AS logged FROM cleared;
 -- allocation's row (the sidecar reconnected to a live replica) is re-checked as the new record
 -- and kept: re-checking the instance's liveness instead would re-use the stale instance's answer.
 -- The rows found reach the later steps as arrays and a map, so each step finds them by key
--- whatever the statistics its plan was made from (see mark_unconnected in allocations.sql).
+-- whatever the statistics its plan was made from (see mark_unconnected in sweeps.sql).
 WITH stale AS (
     SELECT c.allocation_id, c.connection_id
     FROM hubd_sidecar_connections AS c

@@ -1,6 +1,6 @@
 -- Statements on hubd_provisioner_limits: what each provisioner's daemons allow. Written by a
 -- daemon at its start; read by hubd_lifetime_deadline, hubd_idle_timeout, hubd_extend_allocation
--- and sweep_deadlines (allocations.sql) in their own statements.
+-- and sweep_deadlines (sweeps.sql) in their own statements.
 
 -- name: set_limits
 -- The limits of provisioners :provisioner_ids[i]: :max_lifetimes[i], :pending_timeouts[i],
