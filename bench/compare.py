@@ -56,6 +56,11 @@ def _claims_row(result: dict[str, Any]) -> dict[str, float]:
         "postgres_cpu_ready_ms": cpu["ready"]["postgres"],
         "postgres_cpu_release_ms": cpu["release"]["postgres"],
         "wal_bytes_per_lifecycle": cycle["wal_bytes_per_lifecycle"],
+        **(
+            {"one_source_ready_rate": result["one_source"]["ready_rate"]}
+            if "ready_rate" in result.get("one_source", {})
+            else {}
+        ),
     }
 
 

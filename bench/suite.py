@@ -312,7 +312,7 @@ class Run:
             cycle["commits_raw"] - result["idle"]["rate"] * cycle["window_seconds"]
         ) / self.size.lifecycle
         result["lifecycle"] = cycle
-        if claims == CLAIMS[0]:
+        if claims in (CLAIMS[0], CLAIMS[-1]):
             result["one_source"] = await self.one_source_burst(claims)
         if claims == CLAIMS[0] and first:
             daemon = await self.daemon(claims)

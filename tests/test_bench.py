@@ -28,6 +28,7 @@ EVERY_MEASURE = {
     "ready_rate_16",
     "lifecycle_rate_16",
     "ready_rate_one_source",
+    "ready_rate_one_source_256",
     "lifecycle_vs_pgqueuer",
     "ready_rate_64",
     "lifecycle_rate_64",
@@ -168,10 +169,13 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
             "request:committed",
             "bind_sidecar:committed",
         ]
-    # The burst again with every sidecar from one address, each round beside the spread one.
-    one_source = report["results"]["claims_16"]["one_source"]
-    assert one_source["complete"], one_source
-    assert all(r["one_source_ready_rate"] > 0 for r in report["results"]["claims_16"]["rounds"])
+    # The burst again with every sidecar from one address, each round beside the spread one, at
+    # the fewest and the most claims.
+    for claims in (16, 256):
+        one_source = report["results"][f"claims_{claims}"]["one_source"]
+        assert one_source["complete"], one_source
+        rounds = report["results"][f"claims_{claims}"]["rounds"]
+        assert all(r["one_source_ready_rate"] > 0 for r in rounds)
     # Fair claiming: every request of tenant B in each scenario measured, and A's whole burst.
     fair = report["results"]["fairness"]
     for scenario in fairness.SCENARIOS:

@@ -201,6 +201,78 @@ class TestSourceGate:
         assert gate.lingering == LIMITS.max_handshakes
 
 
+class TestEarnedSlots:
+    """An address earns slots beyond ``max_handshakes_per_source`` by delivering whole requests,
+    up to its range's share, and forfeits them by failing or being evicted."""
+
+    LIMITS = attrs.evolve(GATE, max_handshakes=8, max_handshakes_per_prefix=4, max_waiting=8)
+
+    @staticmethod
+    def _burst(gate: SourceGate[str], tag: str, n: int, now: float) -> list[bool | Rejection]:
+        return [gate.arrive(f"{tag}{i}", "10.0.0.1", now) for i in range(n)]
+
+    @staticmethod
+    def _finish(gate: SourceGate[str], keys: list[str], now: float) -> None:
+        for key in keys:
+            gate.complete(key)
+            gate.handshake_over(key, now)
+            gate.closed()
+
+    def test_whole_requests_earn_slots_up_to_the_ranges_share(self) -> None:
+        gate: SourceGate[str] = SourceGate(self.LIMITS)
+        assert self._burst(gate, "a", 3, 0.0) == [True, True, False]
+        assert gate.cap("10.0.0.1") == 2
+        self._finish(gate, ["a0", "a1"], 0.1)
+        # Two requests delivered whole: two slots earned, the waiting socket takes one.
+        assert gate.cap("10.0.0.1") == 4
+        assert gate.settle(0.1).admitted == ("a2",)
+        assert self._burst(gate, "b", 4, 0.2) == [True, True, True, False]
+        self._finish(gate, ["a2", "b0", "b1", "b2"], 0.3)
+        # Never past the range's share, however many it delivered: the rest stays for others.
+        assert gate.cap("10.0.0.1") == 4
+        assert gate.settle(0.3).admitted == ("b3",)
+        assert self._burst(gate, "c", 4, 0.4) == [True, True, True, False]
+        assert gate.arrive("other", "10.0.9.1", 0.4) is True
+
+    def test_a_failed_handshake_forfeits_what_was_earned(self) -> None:
+        gate: SourceGate[str] = SourceGate(self.LIMITS)
+        self._burst(gate, "a", 2, 0.0)
+        self._finish(gate, ["a0", "a1"], 0.1)
+        assert gate.cap("10.0.0.1") == 4
+        gate.failed("10.0.0.1", 0.2)
+        assert gate.cap("10.0.0.1") == 2
+        assert self._burst(gate, "b", 3, 0.3) == [True, True, False]
+
+    def test_an_eviction_forfeits_what_was_earned(self) -> None:
+        limits = attrs.evolve(self.LIMITS, header_timeout=1.0, min_header_budget=1.0)
+        gate: SourceGate[str] = SourceGate(limits)
+        self._burst(gate, "a", 2, 0.0)
+        self._finish(gate, ["a0", "a1"], 0.1)
+        assert self._burst(gate, "b", 1, 0.2) == [True]
+        # b0 never delivers its request: evicted past its budget, and the address starts over.
+        assert gate.settle(1.3).evicted == (("b0", SLOW),)
+        assert gate.cap("10.0.0.1") == 2
+
+    def test_a_slow_loris_earns_nothing(self) -> None:
+        gate: SourceGate[str] = SourceGate(self.LIMITS)
+        assert self._burst(gate, "a", 4, 0.0) == [True, True, False, False]
+        for key in ("a0", "a1"):
+            gate.handshake_over(key, 0.1)  # ended without a whole request (timed out, closed)
+            gate.closed()
+        assert gate.cap("10.0.0.1") == 2
+        assert gate.settle(0.1).admitted == ("a2", "a3")
+        assert gate.arrive("a4", "10.0.0.1", 0.2) is False
+
+    def test_earnings_are_remembered_for_max_tracked_addresses(self) -> None:
+        limits = attrs.evolve(self.LIMITS, max_tracked=2)
+        gate: SourceGate[str] = SourceGate(limits)
+        for n, source in enumerate(("10.0.0.1", "10.0.1.1", "10.0.2.1")):
+            gate.arrive(f"k{n}", source, 0.0)
+            gate.complete(f"k{n}")
+        # The least recently earning address is forgotten first.
+        assert [gate.cap(s) for s in ("10.0.0.1", "10.0.1.1", "10.0.2.1")] == [2, 3, 3]
+
+
 class TestEviction:
     def test_budget_shrinks_as_slots_fill(self) -> None:
         """A handshake has ``header_timeout`` to deliver its request while half the slots or

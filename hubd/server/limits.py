@@ -5,9 +5,12 @@ The listener faces every process that can reach it, so every resource a peer can
 has a cap, and the caps multiply out to a bound on memory and descriptors:
 
 * unfinished handshakes: at most ``max_handshakes`` in total and ``max_handshakes_per_source``
-  from one address, each allowed ``max_handshake_bytes`` before it is upgraded, so unfinished
-  handshakes hold at most ``max_handshakes * max_handshake_bytes`` (2 MiB by default) and one
-  address at most ``max_handshakes_per_source * max_handshake_bytes`` (256 KiB);
+  from one address, plus one for every request the address delivered whole since its last
+  failed or evicted handshake, up to ``max_handshakes_per_prefix`` (its range's share: a host
+  dialling many sidecars earns the throughput of many hosts, a slow-loris earns nothing), each
+  allowed ``max_handshake_bytes`` before it is upgraded, so unfinished handshakes hold at most
+  ``max_handshakes * max_handshake_bytes`` (2 MiB by default) and one address at most
+  ``max_handshakes_per_prefix * max_handshake_bytes`` (1 MiB);
 * sockets waiting for a handshake slot: at most ``max_waiting``, each for ``max_queue_wait``.
   A socket that finds its address's slots (or every slot) taken waits for one instead of being
   refused, as HAProxy's ``maxconn`` queue holds a connection rather than refusing it. It waits

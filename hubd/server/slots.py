@@ -122,6 +122,10 @@ class SourceGate(Generic[K]):
         self._failures = BucketMap(
             limits.bad_handshake_rate, limits.bad_handshake_burst, limits.max_tracked
         )
+        # Slots each address earned beyond ``max_handshakes_per_source``: one per request it
+        # delivered whole, forfeited by a failed handshake or an eviction; least recently
+        # earned first, at most ``max_tracked`` addresses.
+        self._earned: OrderedDict[str, int] = OrderedDict()
 
     # -- what sockets do ------------------------------------------------------------------------
 
@@ -137,7 +141,7 @@ class SourceGate(Generic[K]):
         prefix = prefix_of(source)
         if (
             not self._waiting_by_source[source]
-            and self._by_source.get(source, 0) < self.limits.max_handshakes_per_source
+            and self._by_source.get(source, 0) < self.cap(source)
             and len(self._held) < self.limits.max_handshakes
         ):
             self.sockets += 1
@@ -157,10 +161,12 @@ class SourceGate(Generic[K]):
 
     def complete(self, key: K) -> None:
         """The handshake delivered its whole request: it is no longer a candidate for
-        eviction."""
+        eviction, and its address earns a slot (:meth:`cap`)."""
         if key in self._incomplete:
             del self._incomplete[key]
-            self._count(self._unfinished_by_prefix, self._held[key].prefix, -1)
+            slot = self._held[key]
+            self._count(self._unfinished_by_prefix, slot.prefix, -1)
+            self._earn(slot.source)
 
     def handshake_over(self, key: K, now: float) -> None:
         """The handshake was decided (upgrade, refusal, eviction): its slot is free again."""
@@ -178,8 +184,27 @@ class SourceGate(Generic[K]):
         self.sockets -= 1
 
     def failed(self, source: str, now: float) -> None:
-        """A handshake from ``source`` was refused for something the peer got wrong."""
+        """A handshake from ``source`` was refused for something the peer got wrong: it spends
+        from the address's failure budget, and the address forfeits the slots it earned."""
         self._failures.take(source, now)
+        self._earned.pop(source, None)
+
+    def cap(self, source: str) -> int:
+        """How many unfinished handshakes ``source`` may hold: ``max_handshakes_per_source``,
+        and one more for every request it delivered whole since its last failed or evicted
+        handshake, up to its range's share (``max_handshakes_per_prefix``).
+
+        A host that dials many sidecars at once (the ``local`` provisioner, host-network
+        containers, a NAT) earns its way to the throughput of many hosts while its handshakes
+        complete; an address whose handshakes never deliver a request (a slow-loris) earns
+        nothing, and one that fails or is evicted starts again from the base. Every address
+        still holds at most a range's share, so the other half of the slots stays for others."""
+        base = self.limits.max_handshakes_per_source
+        return max(base, min(base + self._earned.get(source, 0), self._ceiling))
+
+    @property
+    def _ceiling(self) -> int:
+        return min(self.limits.max_handshakes_per_prefix, self.limits.max_handshakes)
 
     def linger(self) -> bool:
         """A refused socket would stay open a moment, so that its peer reads the refusal:
@@ -316,6 +341,13 @@ class SourceGate(Generic[K]):
         self._release(key, slot)
         self._freed.note(now)
         self._standing.take(slot.prefix, now)
+        self._earned.pop(slot.source, None)
+
+    def _earn(self, source: str) -> None:
+        most = max(0, self._ceiling - self.limits.max_handshakes_per_source)
+        self._earned[source] = min(self._earned.pop(source, 0) + 1, most)
+        if len(self._earned) > self.limits.max_tracked:
+            self._earned.popitem(last=False)
 
     def _in_good_standing(self, prefix: str, now: float) -> bool:
         """No handshake of the range is unfinished now, and none was evicted lately."""
@@ -363,9 +395,7 @@ class SourceGate(Generic[K]):
         retry = self.limits.retry_after
         if rate > 0:
             retry = min(retry, max(1, math.ceil((len(self._waiters) + 1) / rate)))
-        if self._waiting_by_source[source] or (
-            self._by_source.get(source, 0) >= self.limits.max_handshakes_per_source
-        ):
+        if self._waiting_by_source[source] or self._by_source.get(source, 0) >= self.cap(source):
             reason, status = "too many handshakes from this address", 429
         else:
             reason, status = "too many handshakes", 503
@@ -380,7 +410,6 @@ class SourceGate(Generic[K]):
         socket that could take the slot. Few are ever passed over (at most
         ``max_handshakes / max_handshakes_per_source`` addresses are at their cap, and two
         ranges at their share), so this is not a scan of the queue."""
-        cap = self.limits.max_handshakes_per_source
         for crowded_too in (False, True):
             for _ in range(len(self._rooms)):
                 prefix, room = next(iter(self._rooms.items()))
@@ -390,7 +419,7 @@ class SourceGate(Generic[K]):
                 for _ in range(len(room)):
                     source, line = next(iter(room.items()))
                     room.move_to_end(source)
-                    if self._by_source.get(source, 0) < cap:
+                    if self._by_source.get(source, 0) < self.cap(source):
                         return line[0]
         return None
 
@@ -402,11 +431,10 @@ class SourceGate(Generic[K]):
         if not self._rooms or not self._incomplete:
             return None
         prefix, room = next(iter(self._rooms.items()))
-        cap = self.limits.max_handshakes_per_source
         if (
             self._crowded(prefix)
             or not self._in_good_standing(prefix, now)
-            or all(self._by_source.get(source, 0) >= cap for source in room)
+            or all(self._by_source.get(source, 0) >= self.cap(source) for source in room)
         ):
             return None
         key = next(iter(self._incomplete))
@@ -423,10 +451,9 @@ class SourceGate(Generic[K]):
         take the slot."""
         if not self._over:
             return None
-        cap = self.limits.max_handshakes_per_source
         waiting_elsewhere = any(
             not self._crowded(prefix)
-            and any(self._by_source.get(source, 0) < cap for source in room)
+            and any(self._by_source.get(source, 0) < self.cap(source) for source in room)
             for prefix, room in self._rooms.items()
         )
         if not waiting_elsewhere:
