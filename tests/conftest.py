@@ -70,11 +70,18 @@ def postgres_server() -> Iterator[PostgresServer]:
 
 
 async def _create_template(server: PostgresServer) -> None:
-    conn = await asyncpg.connect(await fresh_database(server, server.template))
+    # The suite runs in several processes (pytest-xdist), each with its template; on one external
+    # server their migrations would race to create the cluster's roles (hubd_app, ...).
+    maintenance = await asyncpg.connect(server.maintenance_dsn)
     try:
-        await apply_migrations(conn)
+        await maintenance.execute("SELECT pg_advisory_lock(hashtext('hubd_test_templates'))")
+        conn = await asyncpg.connect(await fresh_database(server, server.template))
+        try:
+            await apply_migrations(conn)
+        finally:
+            await conn.close()
     finally:
-        await conn.close()
+        await maintenance.close()
 
 
 async def drop_database(server: PostgresServer, name: str) -> None:

@@ -122,6 +122,24 @@ class TestParseRequest:
             ("Hubd-Generation", "abc"),
             ("Hubd-Generation", "2147483648"),
         ],
+        # Named by shape, not value: a token (random per run) would make the ids differ between
+        # collections, and test ids are printed.
+        ids=[
+            "basic-scheme",
+            "no-scheme",
+            "short-token",
+            "upper-case-token",
+            "trailing-word",
+            "allocation-id-short",
+            "allocation-id-long",
+            "sidecar-id-spaces",
+            "sidecar-id-long",
+            "generation-zero",
+            "generation-negative",
+            "generation-leading-zero",
+            "generation-not-a-number",
+            "generation-too-large",
+        ],
     )
     def test_malformed_header_400(self, name: str, value: str) -> None:
         """A malformed header is a 400 naming the header, never repeating its value."""
