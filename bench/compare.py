@@ -30,9 +30,9 @@ from typing import Any
 import asyncpg
 import attrs
 
-from bench import phases
+from bench import databases, phases
 from bench.procs import raise_open_files
-from bench.suite import SIZES, Run, _database, _drop
+from bench.suite import SIZES, Run
 from bench.watch import Watcher
 from hubd.daemon.loops import EVENT_LOOPS
 from hubd.store.embedded import EmbeddedPostgres
@@ -120,8 +120,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         # newer checkout migrated), requested from and released through the SQL API both keep.
         bench_run.open_store = phases.open_sql_api
         sides = {
-            "this": await _database(maintenance, names["this"], migrate=True),
-            "other": await _database(maintenance, names["other"], migrate=False),
+            "this": await databases.fresh(maintenance, names["this"], migrate=True),
+            "other": await databases.fresh(maintenance, names["other"], migrate=False),
         }
         await _migrate_with(other, sides["other"])
         stats = {label: await asyncpg.connect(dsn) for label, dsn in sides.items()}
@@ -154,7 +154,7 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
                 await watcher.stop()
             for conn in stats.values():
                 await conn.close()
-            await _drop(maintenance, list(names.values()))
+            await databases.drop(maintenance, *names.values())
     finally:
         if embedded is not None:
             embedded.stop()

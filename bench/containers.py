@@ -47,22 +47,20 @@ from pathlib import Path
 from typing import Any
 
 import aiodocker
-import asyncpg
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.typing import Subprotocol
 
+from bench import databases
 from bench.procs import DaemonProcess
 from bench.suite import machine
 from bench.watch import Watcher
 from hubd.client import Client
-from hubd.dburl import with_database
 from hubd.plugins.container import ContainerOptions, parse_options
 from hubd.plugins.container.engine import API_VERSION
 from hubd.plugins.container.spec import container_name, create_body
 from hubd.plugins.protocol import EnsureRequest
 from hubd.sidecar.client import SUBPROTOCOL
 from hubd.store.embedded import EmbeddedPostgres
-from hubd.store.migrate import apply_migrations
 from tests import containerkit
 
 __all__ = ["main", "run"]
@@ -211,30 +209,6 @@ async def _engine(directory: Path) -> containerkit.Engine:
     if done.returncode != 0:
         raise SystemExit(f"bench.containers: the engine did not start: {done.stderr[-500:]}")
     return containerkit.Engine(socket=done.stdout.strip(), directory=directory)
-
-
-async def _database(maintenance: str, name: str) -> str:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    dsn = with_database(maintenance, name)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_migrations(conn)
-    finally:
-        await conn.close()
-    return dsn
-
-
-async def _drop(maintenance: str, name: str) -> None:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    finally:
-        await conn.close()
 
 
 async def measure(
@@ -433,11 +407,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             embedded = EmbeddedPostgres(workdir)
             maintenance = await asyncio.to_thread(embedded.start)
-        dsn = await _database(maintenance, name)
+        dsn = await databases.fresh(maintenance, name)
         try:
             results = await measure(args, engine, dsn, workdir)
         finally:
-            await _drop(maintenance, name)
+            await databases.drop(maintenance, name)
     finally:
         if embedded is not None:
             embedded.stop()

@@ -49,11 +49,10 @@ from typing import Any, Final
 
 import asyncpg
 
+from bench import databases
 from bench.procs import DaemonProcess
 from hubd.client import Client
-from hubd.dburl import with_database
 from hubd.store.embedded import EmbeddedPostgres
-from hubd.store.migrate import apply_migrations
 from tests import containerkit
 
 __all__ = ["main", "run"]
@@ -99,30 +98,6 @@ async def _stop_engine(directory: Path) -> None:
         subprocess.run, [str(SCRIPT), "stop", str(directory)],
         capture_output=True, check=False, timeout=180,
     )  # fmt: skip
-
-
-async def _database(maintenance: str, name: str) -> str:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    dsn = with_database(maintenance, name)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_migrations(conn)
-    finally:
-        await conn.close()
-    return dsn
-
-
-async def _drop(maintenance: str, name: str) -> None:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    finally:
-        await conn.close()
 
 
 def _config(
@@ -288,7 +263,7 @@ async def one_run(
     name = f"hubd_bench_restart_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     rundir = workdir / deployment
     rundir.mkdir()
-    dsn = await _database(maintenance, name)
+    dsn = await databases.fresh(maintenance, name)
     options = containerkit.options(engine, deployment=deployment)
     config = _config(
         rundir / "hubd.toml", dsn=dsn, options=options, connect_timeout=args.connect_timeout,
@@ -323,7 +298,7 @@ async def one_run(
     finally:
         await daemon.stop()
         await containerkit.remove_all(engine, deployment)
-        await _drop(maintenance, name)
+        await databases.drop(maintenance, name)
     return result
 
 

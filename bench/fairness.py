@@ -37,14 +37,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
-import os
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -53,14 +48,11 @@ from typing import Any
 import asyncpg
 import attrs
 
+from bench import standalone
 from bench.phases import PROVISIONER, daemon_config, percentile, say, vacuum
-from bench.procs import DaemonProcess, FarmClient, raise_open_files
+from bench.procs import DaemonProcess, FarmClient
 from hubd.config.sections import ReconcilerConfig
-from hubd.daemon.loops import EVENT_LOOPS
-from hubd.dburl import with_database
 from hubd.store import AllocationStore, connect_database
-from hubd.store.embedded import EmbeddedPostgres
-from hubd.store.migrate import apply_migrations
 
 __all__ = [
     "BURST_FACTOR",
@@ -528,102 +520,23 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-async def _database(maintenance: str, name: str) -> str:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    dsn = with_database(maintenance, name)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_migrations(conn)
-    finally:
-        await conn.close()
-    return dsn
-
-
-async def _drop(maintenance: str, name: str) -> None:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    finally:
-        await conn.close()
-
-
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    main_task = asyncio.current_task()
-    assert main_task is not None
-    # A TERM ends the run as Ctrl-C does: the finally blocks stop the daemon, the farm and the
-    # embedded PostgreSQL and drop the database instead of leaving them behind.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
-    raise_open_files()
-    load = LOADS[args.size]
-    load_before = os.getloadavg()
-    workdir = Path(tempfile.mkdtemp(prefix="hubd-fair"))
-    embedded: EmbeddedPostgres | None = None
-    name = f"hubd_bench_fairness_{os.getpid()}"
-    try:
-        if args.database_url:
-            maintenance = args.database_url
-        else:
-            embedded = EmbeddedPostgres(workdir)
-            maintenance = await asyncio.to_thread(embedded.start)
-        dsn = await _database(maintenance, name)
-        farm = FarmClient(workdir / "farm.sock", loop=args.farm_loop)
-        await farm.start()
-        try:
-            result = await measure(dsn, farm, workdir, load, shared_farm=args.shared_farm)
-        finally:
-            await farm.stop()
-            await _drop(maintenance, name)
-    finally:
-        if embedded is not None:
-            embedded.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-    return {
-        "size": args.size,
-        "machine": {
-            "nproc": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average": os.getloadavg(),
-        },
-        "farm_loop": farm.running_loop,
-        "fairness": result,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.fairness", description=(__doc__ or "").split("\n")[0]
     )
-    parser.add_argument("--size", choices=sorted(LOADS), default="quick")
-    parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))
-    parser.add_argument("--farm-loop", choices=EVENT_LOOPS, default="uvloop")
+    standalone.add_arguments(parser, LOADS)
     parser.add_argument(
         "--shared-farm",
         action="store_true",
         help="B's sidecars from A's farm, queued with A's handshakes (default: a farm of B's own)",
     )
-    parser.add_argument("--json", type=Path, help="write the whole report here as well")
     args = parser.parse_args(argv)
-    try:
-        report = asyncio.run(run(args))
-    except asyncio.CancelledError:
-        print("bench: stopped by SIGTERM; its processes and database are gone", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    print(render(report["fairness"]))
-    machine = report["machine"]
-    print(
-        f"size {report['size']}; {machine['nproc']} cores; load average before "
-        + " ".join(f"{v:.2f}" for v in machine["load_average_before"])
-        + ", after "
-        + " ".join(f"{v:.2f}" for v in machine["load_average"])
-    )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+    load = LOADS[args.size]
+
+    async def measured(dsn: str, farm: FarmClient, workdir: Path) -> dict[str, Any]:
+        return await measure(dsn, farm, workdir, load, shared_farm=args.shared_farm)
+
+    return standalone.report("fairness", args, measured, render)
 
 
 if __name__ == "__main__":

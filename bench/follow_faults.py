@@ -26,38 +26,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import attrs
 
-from hubd.dburl import with_database
+from bench import databases
 from hubd.store.embedded import EmbeddedPostgres
-from hubd.store.migrate import apply_migrations
 from tests.apikit import app_role
 from tests.followkit import Fire, under_fire
-
-
-async def _database(maintenance: str, name: str) -> str:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    dsn = with_database(maintenance, name)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_migrations(conn)
-    finally:
-        await conn.close()
-    return dsn
-
-
-async def _drop(maintenance: str, name: str) -> None:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    finally:
-        await conn.close()
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,7 +44,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             embedded = EmbeddedPostgres(workdir)
             maintenance = await asyncio.to_thread(embedded.start)
-        dsn = await _database(maintenance, name)
+        dsn = await databases.fresh(maintenance, name)
         try:
             async with app_role(dsn) as app_dsn:
                 fire = Fire(
@@ -83,7 +57,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     dsn, app_dsn, fire, catch_up=args.catch_up, close_deadline=30
                 )
         finally:
-            await _drop(maintenance, name)
+            await databases.drop(maintenance, name)
     finally:
         if embedded is not None:
             embedded.stop()

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.fairness import _database, _drop
+from bench import databases
 from bench.procs import FarmClient, raise_open_files
 from hubd.daemon.loops import EVENT_LOOPS
 from hubd.store.embedded import EmbeddedPostgres
@@ -46,20 +46,51 @@ async def run(
         else:
             embedded = EmbeddedPostgres(workdir)
             maintenance = await asyncio.to_thread(embedded.start)
-        dsn = await _database(maintenance, name)
+        dsn = await databases.fresh(maintenance, name)
         farm = FarmClient(workdir / "farm.sock", loop=farm_loop)
         await farm.start()
         try:
             result = await measure(dsn, farm, workdir)
         finally:
             await farm.stop()
-            await _drop(maintenance, name)
+            await databases.drop(maintenance, name)
     finally:
         if embedded is not None:
             embedded.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     machine = {"nproc": os.cpu_count(), "load_average": [load_before, os.getloadavg()]}
     return {"size": size, "machine": machine, part: result}
+
+
+def add_arguments(parser: argparse.ArgumentParser, sizes: Mapping[str, object]) -> None:
+    """The options every part run on its own takes: ``--size``, ``--database-url``,
+    ``--farm-loop``, ``--json``."""
+    parser.add_argument("--size", choices=sorted(sizes), default="quick")
+    parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))
+    parser.add_argument("--farm-loop", choices=EVENT_LOOPS, default="uvloop")
+    parser.add_argument("--json", type=Path, help="write the whole report here as well")
+
+
+def report(
+    part: str,
+    args: argparse.Namespace,
+    measure: Measure,
+    render: Callable[[dict[str, Any]], str],
+) -> int:
+    """Run ``measure`` once as :func:`run` does, with :func:`add_arguments`' options, and print
+    its table (and write the JSON, if asked)."""
+    try:
+        result = asyncio.run(run(part, args.size, args.database_url, args.farm_loop, measure))
+    except asyncio.CancelledError:
+        print("bench: stopped by SIGTERM; its processes and database are gone", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    print(render(result[part]))
+    machine = result["machine"]
+    before, after = (" ".join(f"{v:.2f}" for v in each) for each in machine["load_average"])
+    print(f"size {result['size']}; {machine['nproc']} cores; load average {before} → {after}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def main(
@@ -76,25 +107,11 @@ def main(
     parser = argparse.ArgumentParser(
         prog=f"python -m bench.{part}", description=(doc or "").split("\n")[0]
     )
-    parser.add_argument("--size", choices=sorted(sizes), default="quick")
-    parser.add_argument("--database-url", default=os.environ.get("HUBD_BENCH_DATABASE_URL", ""))
-    parser.add_argument("--farm-loop", choices=EVENT_LOOPS, default="uvloop")
-    parser.add_argument("--json", type=Path, help="write the whole report here as well")
+    add_arguments(parser, sizes)
     args = parser.parse_args(argv)
     load = sizes[args.size]
 
     async def measured(dsn: str, farm: FarmClient, workdir: Path) -> dict[str, Any]:
         return await measure(dsn, farm, workdir, load)
 
-    try:
-        report = asyncio.run(run(part, args.size, args.database_url, args.farm_loop, measured))
-    except asyncio.CancelledError:
-        print("bench: stopped by SIGTERM; its processes and database are gone", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    print(render(report[part]))
-    machine = report["machine"]
-    before, after = (" ".join(f"{v:.2f}" for v in each) for each in machine["load_average"])
-    print(f"size {report['size']}; {machine['nproc']} cores; load average {before} → {after}")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+    return report(part, args, measured, render)

@@ -50,14 +50,12 @@ from typing import Any
 import asyncpg
 import attrs
 
-from bench import baselines, deadlines, fairness, http, phases, scale
+from bench import baselines, databases, deadlines, fairness, http, phases, scale
 from bench.procs import DaemonProcess, FarmClient, raise_open_files, server_processes
 from bench.report import Measures, profile_summary, render
 from bench.watch import Watcher, xact_commit
 from hubd.daemon.loops import EVENT_LOOPS
-from hubd.dburl import with_database
 from hubd.store.embedded import EmbeddedPostgres
-from hubd.store.migrate import apply_migrations
 
 __all__ = ["SIZES", "Size", "main", "run"]
 
@@ -143,32 +141,6 @@ SIZES = {
         rounds=3,
     ),
 }
-
-
-async def _database(maintenance: str, name: str, *, migrate: bool) -> str:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    dsn = with_database(maintenance, name)
-    if migrate:
-        conn = await asyncpg.connect(dsn)
-        try:
-            await apply_migrations(conn)
-        finally:
-            await conn.close()
-    return dsn
-
-
-async def _drop(maintenance: str, names: list[str]) -> None:
-    conn = await asyncpg.connect(maintenance)
-    try:
-        for name in names:
-            await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    finally:
-        await conn.close()
 
 
 def machine() -> dict[str, Any]:
@@ -570,11 +542,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 -- t
             embedded = EmbeddedPostgres(workdir)
             maintenance = await asyncio.to_thread(embedded.start)
         bench_run = Run(args, size, workdir)
-        bench_run.dsn = await _database(maintenance, names[0], migrate=True)
-        scale_dsn = await _database(maintenance, names[1], migrate=True)
-        pgq_dsn = await _database(maintenance, names[2], migrate=False)
-        scale_large_dsn = await _database(maintenance, names[3], migrate=True)
-        bench_run.floor_dsn = await _database(maintenance, names[4], migrate=False)
+        bench_run.dsn = await databases.fresh(maintenance, names[0], migrate=True)
+        scale_dsn = await databases.fresh(maintenance, names[1], migrate=True)
+        pgq_dsn = await databases.fresh(maintenance, names[2], migrate=False)
+        scale_large_dsn = await databases.fresh(maintenance, names[3], migrate=True)
+        bench_run.floor_dsn = await databases.fresh(maintenance, names[4], migrate=False)
         bench_run.config = phases.BenchConfig(workdir, bench_run.dsn, bench_run.farm.socket_path)
         bench_run.stats = await asyncpg.connect(bench_run.dsn)
         server_version = await bench_run.stats.fetchval("SHOW server_version")
@@ -615,7 +587,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 -- t
             await bench_run.farm.stop()
             await bench_run.watcher.stop()
             await bench_run.stats.close()
-            await _drop(maintenance, names)
+            await databases.drop(maintenance, *names)
     finally:
         if embedded is not None:
             embedded.stop()
