@@ -269,6 +269,7 @@ class TestRaiseIfCancelled:
         goes on."""
         turns = 0
         swallowed = asyncio.Event()
+        never = asyncio.Event()
 
         async def loop() -> None:
             nonlocal turns
@@ -276,7 +277,7 @@ class TestRaiseIfCancelled:
                 raise_if_cancelled()
                 turns += 1
                 try:
-                    await asyncio.sleep(3600)
+                    await never.wait()  # work that only a cancellation ends
                 except asyncio.CancelledError:
                     swallowed.set()  # lost, as a racing result would lose it
 

@@ -277,6 +277,44 @@ class TestRefusals:
         assert counts["tenant:mine"].refusals == {"max_active": 1, "max_pending": 0, "rate": 0}
         assert counts["tenant:theirs"].refusals == {"max_active": 1, "max_pending": 0, "rate": 0}
 
+    async def test_counters_shadowed_in_the_temporary_schema_leave_the_count_with_hubd(
+        self, database_url: str, db: Database
+    ) -> None:
+        """A walled role makes a temporary sequence of each of its quota's counter names, then
+        is refused: hubd's own counter counts the refusal (the functions look in pg_temp last),
+        and the role's sequences are never moved."""
+        quotas = Quotas(db)
+        await quotas.set(QuotaScope.tenant("mine"), max_active=0)
+        counters = [
+            row[0]
+            for row in await db.pool.fetch(
+                "SELECT relname FROM pg_class WHERE relname LIKE 'hubd\\_quota\\_refusals\\_%'"
+            )
+        ]
+        assert len(counters) == 3
+        async with app_role(database_url) as dsn:
+            role = urlsplit(dsn).username
+            await db.pool.execute(
+                "INSERT INTO hubd_tenant_roles (role_name, tenant_id) VALUES ($1, 'mine')", role
+            )
+            app = await asyncpg.connect(dsn)
+            try:
+                for name in counters:
+                    await app.execute(f"CREATE TEMP SEQUENCE {name}")
+                with pytest.raises(asyncpg.PostgresError) as caught:
+                    await app.execute("SELECT hubd_v1.request('p')")
+                assert caught.value.sqlstate == "HU429"
+                shadows = await app.fetch(
+                    "SELECT sequencename, last_value FROM pg_sequences "
+                    "WHERE schemaname LIKE 'pg\\_temp\\_%'"
+                )
+            finally:
+                await app.close()
+        assert sorted(r["sequencename"] for r in shadows) == sorted(counters)
+        assert [r["last_value"] for r in shadows] == [None, None, None]
+        counts = by_key(await metric_counts(db, tenant_labels=0))
+        assert counts["tenant:mine"].refusals == {"max_active": 1, "max_pending": 0, "rate": 0}
+
     async def test_quotas_set_before_the_migration_get_counters(
         self, postgres_server: PostgresServer
     ) -> None:
