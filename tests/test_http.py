@@ -21,6 +21,7 @@ from hubd.store.api_keys import ApiKeyStore
 from hubd.store.quotas import Quotas, QuotaScope
 from tests.polling import eventually
 from tests.proxykit import blackhole
+from tests.ssekit import sse_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -238,20 +239,9 @@ class TestEvents:
         async with api.session.get(f"{api.url}/v1/events{query}", headers=got) as response:
             assert response.status == 200, await response.text()
             assert response.headers["Content-Type"].startswith("text/event-stream")
-            fields: dict[str, str] = {}
             async with asyncio.timeout(30):
-                async for raw in response.content:
-                    line = raw.decode().rstrip("\n")
-                    if line.startswith(":"):
-                        continue
-                    if line:
-                        name, _, value = line.partition(": ")
-                        fields[name] = value
-                        continue
-                    if not fields:  # the end of a comment's block: no event
-                        continue
-                    found.append((int(fields["id"]), fields["event"], json.loads(fields["data"])))
-                    fields = {}
+                async for event in sse_events(response):
+                    found.append(event)
                     if len(found) == count:
                         break
         return found

@@ -6,7 +6,6 @@ provisioner no daemon serves, so each allocation's events are its request and it
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import aiohttp
@@ -16,6 +15,7 @@ from hubd.store import AllocationStore, Database
 from hubd.store.api_keys import ApiKeyStore
 from tests.daemonkit import DaemonProcess, write_config
 from tests.polling import eventually
+from tests.ssekit import sse_events
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,21 +33,10 @@ async def read_until(
     try:
         async with session.get(url, headers=headers) as response:
             assert response.status == 200, await response.text()
-            fields: dict[str, str] = {}
-            async for raw in response.content:
-                line = raw.decode().rstrip("\n")
-                if line.startswith(":"):
-                    continue
-                if line:
-                    name, _, value = line.partition(": ")
-                    fields[name] = value
-                    continue
-                if fields:
-                    data = json.loads(fields["data"])
-                    seen.append((int(fields["id"]), data["allocation_id"], data["event"]))
-                    fields = {}
-                    if len(seen) >= stop:
-                        return
+            async for position, _, data in sse_events(response):
+                seen.append((position, data["allocation_id"], data["event"]))
+                if len(seen) >= stop:
+                    return
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, ConnectionError):
         return
 
