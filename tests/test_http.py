@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+import hubd.http.stream
 from hubd.config import HttpConfig
 from hubd.http import HttpApi, serving
 from hubd.http.server import application
@@ -253,6 +254,8 @@ class TestEvents:
         await create(api, "globex")
         first = await self.read_events(api, 1, query="?after=0")
         assert [(e, d["allocation_id"]) for _, e, d in first] == [("requested", mine["id"])]
+        # Each stream is closed by the reader; its slot comes back once the server sees it.
+        await eventually(lambda: _streams(api) == 0, within=30, every=0.05)
         await store.release(mine["id"])
         later = await create(api, session="s-2")
         resumed = await self.read_events(api, 2, **{"Last-Event-ID": str(first[-1][0])})
@@ -261,8 +264,20 @@ class TestEvents:
             ("requested", later["id"]),
         ]
         assert resumed[0][0] > first[-1][0]
+        await eventually(lambda: _streams(api) == 0, within=30, every=0.05)
         only_s2 = await self.read_events(api, 1, query="?after=0&session=s-2")
         assert only_s2[0][2]["allocation_id"] == later["id"]
+
+    async def test_a_reader_that_hangs_up_gives_its_slot_back_before_any_write(
+        self, api: Api, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # With no heartbeat due for an hour, only the transport's state can free the slot.
+        monkeypatch.setattr(hubd.http.stream, "HEARTBEAT", 3600.0)
+        await create(api)
+        await self.read_events(api, 1, query="?after=0")
+        await eventually(lambda: _streams(api) == 0, within=30, every=0.05)
+        again = await self.read_events(api, 1, query="?after=0")
+        assert again[0][1] == "requested"
 
     async def test_a_live_event_arrives_as_it_commits(self, api: Api, db: Database) -> None:
         # From a cursor read first: a stream with none starts wherever the feed is when it
