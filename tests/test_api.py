@@ -43,6 +43,7 @@ VIEW_COLUMNS = {
     "end_reason",
     "idle_timeout",
     "idle_at",
+    "warm",
 }
 
 

@@ -407,6 +407,57 @@ class TestProvisioners:
             load(tmp_path, 'provisioners = ["local"]\n')
 
 
+class TestPools:
+    POOL = (
+        '[[pools]]\nid = "py"\nprovisioner = "local"\nsize = 4\nspec = { image = "python:3.12" }\n'
+    )
+
+    def test_a_pool_is_read_and_shown_back(self, tmp_path: pathlib.Path) -> None:
+        config = load(tmp_path, self.POOL)
+        (pool,) = config.pools
+        assert (pool.id, pool.provisioner, pool.size, pool.refill_rate) == ("py", "local", 4, 20.0)
+        assert pool.spec == {"image": "python:3.12"}
+        assert config.to_display_dict()["pools"] == [
+            {
+                "id": "py",
+                "provisioner": "local",
+                "spec": {"image": "python:3.12"},
+                "size": 4,
+                "refill_rate": 20.0,
+            }
+        ]
+
+    @pytest.mark.parametrize(
+        ("extra", "message"),
+        [
+            ('provisioner = "gpu"', r"pools\[0\]\.provisioner: 'gpu' is no provisioner"),
+            ("size = -1", r"pools\[0\]\.size: must be a whole number from 0 to 100000"),
+            ("size = true", r"pools\[0\]\.size: must be a whole number"),
+            ("refill_rate = 0", r"pools\[0\]\.refill_rate: must be a number"),
+            ("spec = 3", r"pools\[0\]\.spec: must be a table"),
+            ("colour = 1", r"pools\[0\]\.colour: unknown key"),
+        ],
+        ids=["provisioner", "size", "size-bool", "rate", "spec", "unknown"],
+    )
+    def test_a_bad_entry_is_named(self, tmp_path: pathlib.Path, extra: str, message: str) -> None:
+        text = '[[pools]]\nid = "py"\nprovisioner = "local"\nsize = 4\n'
+        key = extra.split(" = ", maxsplit=1)[0]
+        lines = [line for line in text.splitlines() if not line.startswith(key + " =")]
+        with pytest.raises(ConfigError, match=message):
+            load(tmp_path, "\n".join([*lines, extra]) + "\n")
+
+    def test_two_pools_may_share_neither_id_nor_match(self, tmp_path: pathlib.Path) -> None:
+        with pytest.raises(ConfigError, match=r"pools\[1\]\.id: duplicate pool id 'py'"):
+            load(tmp_path, self.POOL + self.POOL)
+        alike = self.POOL + self.POOL.replace('id = "py"', 'id = "py2"')
+        with pytest.raises(ConfigError, match=r"pools\[1\]: same provisioner and spec"):
+            load(tmp_path, alike)
+
+    def test_pools_are_not_set_from_the_environment(self, tmp_path: pathlib.Path) -> None:
+        with pytest.raises(ConfigError, match="HUBD_POOLS_SIZE: pools cannot be set"):
+            load(tmp_path, "", HUBD_POOLS_SIZE="3")
+
+
 class TestEnvironment:
     """HUBD_<SECTION>_<KEY> variables override the file, parsed to the key's type."""
 

@@ -63,6 +63,9 @@ class AllocationInfo:
     idle_at: datetime | None = None
     """While allocated: when it ends ``idle`` unless its sidecar reports activity or
     :meth:`Client.touch` / :meth:`Client.extend` is called first."""
+    warm: bool = False
+    """The request took a ready member of a warm pool (docs/pools.md), rather than waiting
+    for a sidecar of its own."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> AllocationInfo:
@@ -105,6 +108,8 @@ class Event:
     expires_at: datetime | None = None
     end_reason: str | None = None
     idle_at: datetime | None = None
+    warm: bool = False
+    """The allocation was taken from a warm pool."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Event:

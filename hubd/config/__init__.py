@@ -17,6 +17,7 @@ Durations and listen addresses are parsed by :mod:`hubd.units`.
 
 from hubd.config.http import HttpConfig
 from hubd.config.loading import load_config
+from hubd.config.pools import PoolConfig
 from hubd.config.provisioners import ProvisionerConfig
 from hubd.config.root import Config, redact_url
 from hubd.config.sections import (
@@ -51,6 +52,7 @@ __all__ = [
     "LogLevel",
     "OrphanMode",
     "OrphansConfig",
+    "PoolConfig",
     "ProvisionerConfig",
     "ReconcilerConfig",
     "RuntimeConfig",

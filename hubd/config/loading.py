@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from hubd.config.kinds import Duration, kind_of, problem, toml_type
+from hubd.config.pools import PoolConfig, parse_pools
 from hubd.config.provisioners import READY_WHEN_CONNECTED, ProvisionerConfig, provisioner_problem
 from hubd.config.root import SECTIONS, Config
 from hubd.config.sections import fields_of
@@ -20,7 +21,7 @@ from hubd.errors import ConfigError
 
 __all__ = ["load_config"]
 
-_ALL_SECTIONS: Final = (*SECTIONS, "provisioners")
+_ALL_SECTIONS: Final = (*SECTIONS, "provisioners", "pools")
 _PROVISIONER_KEYS: Final = (
     "id",
     "plugin",
@@ -64,9 +65,13 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _build(document: Mapping[str, Any], env: Mapping[str, str]) -> Config:
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     provisioners: tuple[ProvisionerConfig, ...] | None = None
+    pools: tuple[PoolConfig, ...] = ()
     for name, table in document.items():
         if name == "provisioners":
             provisioners = _parse_provisioners(table)
+            continue
+        if name == "pools":
+            pools = parse_pools(table)
             continue
         section = SECTIONS.get(name)
         if section is None:
@@ -84,8 +89,8 @@ def _build(document: Mapping[str, Any], env: Mapping[str, str]) -> Config:
         values[name][key] = value
     sections = {name: section(**values[name]) for name, section in SECTIONS.items()}
     if provisioners is None:
-        return Config(**sections)
-    return Config(**sections, provisioners=provisioners)
+        return Config(**sections, pools=pools)
+    return Config(**sections, provisioners=provisioners, pools=pools)
 
 
 def _env_overrides(env: Mapping[str, str]) -> Iterator[tuple[str, str, Any]]:
@@ -103,9 +108,9 @@ def _env_overrides(env: Mapping[str, str]) -> Iterator[tuple[str, str, Any]]:
             # HUBD_LOG=1, HUBD_DEBUG: not of the override's shape, so not meant for us; an
             # unrelated variable that happens to share the prefix must not stop every command.
             continue
-        if name == "provisioners":
+        if name in ("provisioners", "pools"):
             raise ConfigError(
-                f"{variable}: provisioners cannot be set from the environment; use the config file"
+                f"{variable}: {name} cannot be set from the environment; use the config file"
             )
         section = SECTIONS.get(name)
         if section is None:

@@ -6,6 +6,7 @@ one as the config file writes it, with secrets replaced.
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Mapping
 from typing import Any, Final
@@ -14,6 +15,7 @@ import attrs
 
 from hubd.config.http import HttpConfig
 from hubd.config.kinds import kind_of, problem
+from hubd.config.pools import PoolConfig
 from hubd.config.provisioners import ProvisionerConfig
 from hubd.config.sections import (
     AdminConfig,
@@ -78,6 +80,7 @@ class Config:
     events: EventsConfig = attrs.field(factory=EventsConfig)
     runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
     provisioners: tuple[ProvisionerConfig, ...] = attrs.field(factory=_default_provisioners)
+    pools: tuple[PoolConfig, ...] = ()
     log: LogConfig = attrs.field(factory=LogConfig)
 
     def __attrs_post_init__(self) -> None:
@@ -90,6 +93,28 @@ class Config:
                     f"(also provisioners[{seen[provisioner.id]}])",
                 )
             seen[provisioner.id] = index
+        pools: dict[str, int] = {}
+        matched: dict[tuple[str, str], int] = {}
+        for index, pool in enumerate(self.pools):
+            if pool.id in pools:
+                raise problem(
+                    f"pools[{index}].id",
+                    f"duplicate pool id {pool.id!r} (also pools[{pools[pool.id]}])",
+                )
+            pools[pool.id] = index
+            if pool.provisioner not in seen:
+                raise problem(
+                    f"pools[{index}].provisioner",
+                    f"{pool.provisioner!r:.80} is no provisioner of this configuration",
+                )
+            # A request matches a pool by provisioner and spec: two alike pools would split it.
+            key = (pool.provisioner, json.dumps(pool.spec, sort_keys=True))
+            if key in matched:
+                raise problem(
+                    f"pools[{index}]",
+                    f"same provisioner and spec as pools[{matched[key]}]",
+                )
+            matched[key] = index
 
     @property
     def state_path(self) -> pathlib.Path:
@@ -132,9 +157,25 @@ class Config:
             }
             for p in self.provisioners
         ]
-        # Rebuilt so that provisioners come before [log], as in config/hubd.toml.
+        pools = [
+            {
+                "id": p.id,
+                "provisioner": p.provisioner,
+                "spec": p.spec,
+                "size": p.size,
+                "refill_rate": p.refill_rate,
+            }
+            for p in self.pools
+        ]
+        # Rebuilt so that provisioners come before [log], as in config/hubd.toml; no pools is
+        # no [[pools]] at all (TOML has no empty array of tables).
         log = out.pop("log")
-        return {**out, "provisioners": provisioners, "log": log}
+        return {
+            **out,
+            "provisioners": provisioners,
+            **({"pools": pools} if pools else {}),
+            "log": log,
+        }
 
 
 SECTIONS: Final[Mapping[str, type[Any]]] = {

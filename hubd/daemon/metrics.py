@@ -16,6 +16,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hubd.daemon.pools import PoolMetrics
 from hubd.routing import Target
 from hubd.server.wire import ServerStats
 from hubd.store.channels import CONNECTED_CHANNEL, SOCKETS_CHANNEL
@@ -196,6 +197,7 @@ class Metrics:
         )
         self._tenants = _TenantCollector()
         r.register(self._tenants)
+        self.pools = PoolMetrics(r)
 
     def bind_gauges(
         self,

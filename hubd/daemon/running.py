@@ -323,6 +323,7 @@ class Running:
             # The per-tenant counts ride in the statuses' transaction, at their pace.
             found = await metric_counts(db, tenant_labels=config.admin.tenant_labels)
             metrics.set_tenant_counts(found.tenants)
+            metrics.pools.set_stats(found.pools)
             return found.statuses
 
         counts = AllocationCounts(

@@ -30,6 +30,7 @@ from hubd.daemon.heartbeat import Heartbeat, registered
 from hubd.daemon.hooks import load_on_ready
 from hubd.daemon.loops import loop_name
 from hubd.daemon.metrics import Metrics
+from hubd.daemon.pools import PoolKeeper
 from hubd.daemon.running import (
     Listening,
     Running,
@@ -52,6 +53,7 @@ from hubd.reconciler.settings import Hook
 from hubd.store.channels import read_notice_key
 from hubd.store.connect import resolve_dsn
 from hubd.store.events import EventStore
+from hubd.store.pools import PoolStore
 
 __all__ = ["Daemon", "Running", "listen_error", "new_instance_id"]
 
@@ -140,6 +142,18 @@ class Daemon:
             # The listener binds before anything is announced: the URL sidecars are told to
             # dial names its port.
             hub_ws_url = await stack.enter_async_context(listening(parts, cfg))
+            pools = PoolKeeper(
+                PoolStore(db, instance_id=self.instance_id),
+                pools=cfg.pools,
+                served=sorted(provisioners),
+                metrics=self.metrics.pools,
+            )
+
+            def notified() -> None:
+                # A take notifies hubd_wake too: its pool lacks a member now.
+                self._waker.notify()
+                pools.nudge()
+
             running = Running.build(
                 cfg,
                 parts,
@@ -148,7 +162,7 @@ class Daemon:
                 metrics=self.metrics,
                 on_ready=self._on_ready,
                 on_wake=self._waker.wake,
-                on_notified=self._waker.notify,
+                on_notified=notified,
                 on_reconnected=self._verify_soon.set,
                 readiness=self._readiness,
                 readiness_detail=self._readiness_detail,
@@ -202,6 +216,7 @@ class Daemon:
                 heartbeat=self._heartbeat,
                 feed_lock=self._feed_lock,
                 verify_soon=self._verify_soon,
+                pools=pools,
             )
             return await Supervisor(
                 sweeps=sweeps, stopping=self._stopping, waker=self._waker, announce=self._announce

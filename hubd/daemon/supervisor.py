@@ -67,6 +67,7 @@ class Supervisor:
                 start("repair", self.sweeps.repair())
                 start("socket-check", self.sweeps.socket_check())
                 start("deadlines", self.sweeps.deadlines())
+                start("pools", self.sweeps.pools.run())
                 if self.sweeps.config.orphans.mode != "off":
                     start("orphans", self.sweeps.orphans())
                 for watch in self.sweeps.running.exits:

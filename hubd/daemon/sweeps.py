@@ -18,6 +18,7 @@ from hubd.config import Config
 from hubd.daemon.feedwatch import FeedLockWatch
 from hubd.daemon.heartbeat import Heartbeat
 from hubd.daemon.metrics import Metrics
+from hubd.daemon.pools import PoolKeeper
 from hubd.daemon.running import Running
 from hubd.daemon.systemd import notify, watchdog_interval
 from hubd.errors import StoreError
@@ -51,6 +52,7 @@ class Sweeps:
     feed_lock: FeedLockWatch
     verify_soon: asyncio.Event
     """Set when the sockets held here must be compared with the database soon."""
+    pools: PoolKeeper
 
     async def socket_check(self) -> None:
         """Compare the sockets held here with the database: on demand (a lapsed heartbeat, a

@@ -115,6 +115,7 @@ def allocation_json(info: AllocationInfo) -> dict[str, Any]:
         "end_reason": info.end_reason,
         "idle_timeout_s": None if info.idle_timeout is None else info.idle_timeout.total_seconds(),
         "idle_at": _time(info.idle_at),
+        "warm": info.warm,
     }
 
 
@@ -137,6 +138,7 @@ def event_json(event: Event) -> str:
             "expires_at": _time(event.expires_at),
             "idle_at": _time(event.idle_at),
             "end_reason": event.end_reason,
+            "warm": event.warm,
         }
     )
 

@@ -10,6 +10,7 @@ import asyncpg
 import attrs
 
 from hubd.store.database import Database
+from hubd.store.pools import PoolStats, pool_stats, untaken_members
 from hubd.store.queries import load_queries
 from hubd.store.rows import Status
 
@@ -41,6 +42,7 @@ class TenantCount:
 class MetricCounts:
     statuses: dict[Status, int]
     tenants: tuple[TenantCount, ...]
+    pools: tuple[PoolStats, ...] = ()
 
 
 async def status_counts(db: Database) -> dict[Status, int]:
@@ -64,6 +66,9 @@ async def metric_counts(db: Database, *, tenant_labels: int) -> MetricCounts:
     ):
         statuses = await _status_counts(db, conn)
         rows = await db.fetch("count tenants", SQL.tenant_counts(labels=tenant_labels), conn=conn)
+        # Members no tenant took are hubd's: not the untenanted requests' allocations.
+        members, members_pending = await untaken_members(db, conn)
+        pools = await pool_stats(db, conn)
     tenants = [_tenant_count(row) for row in rows]
     untenanted = [t for t in tenants if t.key == UNTENANTED]
     rest = [t for t in tenants if t.key != UNTENANTED]
@@ -72,12 +77,12 @@ async def metric_counts(db: Database, *, tenant_labels: int) -> MetricCounts:
     rest.append(
         TenantCount(
             key=UNTENANTED,
-            active=active - sum(t.active or 0 for t in rest),
-            pending=pending - sum(t.pending or 0 for t in rest),
+            active=active - members - sum(t.active or 0 for t in rest),
+            pending=pending - members_pending - sum(t.pending or 0 for t in rest),
             refusals=untenanted[0].refusals if untenanted else None,
         )
     )
-    return MetricCounts(statuses=statuses, tenants=tuple(rest))
+    return MetricCounts(statuses=statuses, tenants=tuple(rest), pools=tuple(pools))
 
 
 async def _status_counts(db: Database, conn: asyncpg.Connection) -> dict[Status, int]:

@@ -47,6 +47,7 @@ WITH counted AS (
            count(*) AS active, count(*) FILTER (WHERE a.status = 'pending') AS pending
     FROM hubd_allocations AS a
     WHERE a.status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing')
+      AND (a.pool_id IS NULL OR a.taken_at IS NOT NULL)
     GROUP BY 1
 ), keys AS (
     SELECT tenant_key FROM counted

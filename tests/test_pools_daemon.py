@@ -1,0 +1,55 @@
+"""Warm pools under ``hubd run`` with the ``local`` provisioner: the daemon fills its pool with
+real sidecars, a request takes one ready at once, and the pool is made whole again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hubd.store import Database
+from hubd.store.pools import PoolStore
+from tests.daemonkit import running, sidecar_pids, write_config
+from tests.polling import eventually
+
+POOL = '[[pools]]\nid = "warm"\nprovisioner = "local"\nsize = 2\nrefill_rate = 50\n'
+
+
+async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
+    database_url: str, db: Database, marker: str, state_dir: Path
+) -> None:
+    config = write_config(
+        state_dir / "hubd.toml",
+        database_url=database_url,
+        state_dir=state_dir,
+        marker=marker,
+        extra=POOL,
+    )
+    pools = PoolStore(db, instance_id="observer")
+
+    async def ready_members() -> int:
+        stats = await pools.stats()
+        return stats[0].ready if stats else 0
+
+    async def full() -> bool:
+        return await ready_members() == 2
+
+    async with running(config, env={"HUBD_DATABASE_URL": database_url}):
+        await eventually(full, within=60, every=0.2)
+        assert len(sidecar_pids(marker)) == 2
+        made = await db.pool.fetchrow("SELECT * FROM hubd_v1.request('local', 'acme')")
+        assert made is not None
+        assert (made["warm"], made["ready"], made["tenant"]) == (True, True, "acme")
+        # The taken sidecar keeps running for its tenant; a new member joins the pool.
+        await eventually(full, within=60, every=0.2)
+        assert len(sidecar_pids(marker)) == 3
+        released = await db.pool.fetchrow("SELECT * FROM hubd_v1.release($1)", made["id"])
+        assert released is not None
+
+        async def gone() -> bool:
+            status = await db.pool.fetchval(
+                "SELECT status FROM hubd_allocations WHERE id = $1", made["id"]
+            )
+            return status == "released" and len(sidecar_pids(marker)) == 2
+
+        await eventually(gone, within=60, every=0.2)
+        assert await ready_members() == 2
+        assert (await pools.stats())[0].taken == 1
