@@ -16,6 +16,7 @@ from hubd.store.channels import (
     CHANNELS,
     CONNECTED_CHANNEL,
     EVENTS_CHANNEL,
+    HANDOVER_CHANNEL,
     SELFCHECK_CHANNEL,
     SOCKETS_CHANNEL,
     TAG_LENGTH,
@@ -63,7 +64,13 @@ class TestChannels:
         """Each channel the database is meant to announce on appears in the SQL; only the
         self-check is sent from Python."""
         used = set().union(*(_notified(text) for text in _sql_texts().values()))
-        assert used == {WAKE_CHANNEL, CONNECTED_CHANNEL, SOCKETS_CHANNEL, EVENTS_CHANNEL}
+        assert used == {
+            WAKE_CHANNEL,
+            CONNECTED_CHANNEL,
+            SOCKETS_CHANNEL,
+            HANDOVER_CHANNEL,
+            EVENTS_CHANNEL,
+        }
         assert SELFCHECK_CHANNEL not in used
 
     def test_the_client_listens_on_the_events_channel(self) -> None:

@@ -3,14 +3,29 @@ real sidecars, a request takes one ready at once, and the pool is made whole aga
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 from hubd.store import Database
 from hubd.store.pools import PoolStore
-from tests.daemonkit import running, sidecar_pids, write_config
+from tests.daemonkit import running, sidecar_generations, write_config
 from tests.polling import eventually
 
 POOL = '[[pools]]\nid = "warm"\nprovisioner = "local"\nsize = 2\nrefill_rate = 50\n'
+
+# The sidecar's command: once the context file names a tenant (a hand-over), copy it to
+# <dir>/<allocation id>.json; keep running, as a sidecar's service does.
+WATCH_CONTEXT = """
+import json, os, pathlib, sys, time
+out, copied = pathlib.Path(sys.argv[1]), False
+while True:
+    context = json.loads(pathlib.Path(os.environ["HUBD_CONTEXT_FILE"]).read_text())
+    if context["tenant"] and not copied:
+        (out / (context["allocation_id"] + ".json")).write_text(json.dumps(context))
+        copied = True
+    time.sleep(0.1)
+"""
 
 
 async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
@@ -22,6 +37,7 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
         state_dir=state_dir,
         marker=marker,
         extra=POOL,
+        sidecar_args=("--", sys.executable, "-c", WATCH_CONTEXT, str(state_dir)),
     )
     pools = PoolStore(db, instance_id="observer")
 
@@ -34,13 +50,27 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
 
     async with running(config, env={"HUBD_DATABASE_URL": database_url}):
         await eventually(full, within=60, every=0.2)
-        assert len(sidecar_pids(marker)) == 2
+        assert len(_sidecars(marker)) == 2
         made = await db.pool.fetchrow("SELECT * FROM hubd_v1.request('local', 'acme')")
         assert made is not None
         assert (made["warm"], made["ready"], made["tenant"]) == (True, True, "acme")
+        # The sidecar is told its session over its socket; its command reads it in the
+        # context file, and the sidecar's acknowledgement is recorded after that.
+        copied = state_dir / f"{made['id']}.json"
+        await eventually(copied.exists, within=60, every=0.2)
+        context = json.loads(copied.read_text())
+        assert (context["tenant"], context["session"]) == ("acme", None)
+
+        async def acknowledged() -> bool:
+            pending = await db.pool.fetchval(
+                "SELECT handover_pending FROM hubd_allocations WHERE id = $1", made["id"]
+            )
+            return pending is False
+
+        await eventually(acknowledged, within=60, every=0.2)
         # The taken sidecar keeps running for its tenant; a new member joins the pool.
         await eventually(full, within=60, every=0.2)
-        assert len(sidecar_pids(marker)) == 3
+        assert len(_sidecars(marker)) == 3
         released = await db.pool.fetchrow("SELECT * FROM hubd_v1.release($1)", made["id"])
         assert released is not None
 
@@ -48,8 +78,13 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
             status = await db.pool.fetchval(
                 "SELECT status FROM hubd_allocations WHERE id = $1", made["id"]
             )
-            return status == "released" and len(sidecar_pids(marker)) == 2
+            return status == "released" and len(_sidecars(marker)) == 2
 
         await eventually(gone, within=60, every=0.2)
         assert await ready_members() == 2
         assert (await pools.stats())[0].taken == 1
+
+
+def _sidecars(marker: str) -> set[str]:
+    """The allocations with a live sidecar (the sidecar and its command carry the marker)."""
+    return {allocation for allocation, _ in sidecar_generations(marker)}

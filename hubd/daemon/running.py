@@ -33,9 +33,11 @@ from hubd.server.router import SocketRouter
 from hubd.store import AllocationStore, Database, LedgerStore, Status, connect_database
 from hubd.store.channels import (
     CONNECTED_CHANNEL,
+    HANDOVER_CHANNEL,
     SOCKETS_CHANNEL,
     NoticeKey,
     parse_connected_payload,
+    parse_handover_payload,
     parse_sockets_payload,
 )
 from hubd.store.connections import ConnectionStore
@@ -217,12 +219,20 @@ def wake_listener(
         repair.apply_control(control)
         metrics.remote_closes.inc(repair.remote_closes - before)
 
+    def on_handover(payload: str) -> None:
+        taken = parse_handover_payload(payload, key)
+        if taken is None:
+            metrics.notices_forged.labels(HANDOVER_CHANNEL).inc()
+            return
+        router.handover.taken(*taken)
+
     return NotificationListener(
         dsn=dsn,
         db=db,
         on_wake=on_wake,
         on_connected=on_connected,
         on_sockets=on_sockets,
+        on_handover=on_handover,
         on_reconnected=on_reconnected,
         selfcheck_interval=max(poll_interval * 2, 5.0),
         on_selfcheck_failure=metrics.selfcheck_failures.inc,

@@ -76,6 +76,11 @@ class Sweeps:
             self.metrics.remote_closes.inc(closed)
             if reasserted or closed:
                 log.info("socket_check", reasserted=reasserted, closed=closed)
+            if router.connection_count:
+                # A hand-over whose notice this replica missed goes now (architecture §4).
+                resent = await router.handover.resend()
+                if resent:
+                    log.info("handovers_resent", count=resent)
 
     async def orphans(self) -> None:
         """Sweep provisioners that can list their sidecars for orphans (one replica at a

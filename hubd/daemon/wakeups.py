@@ -3,7 +3,8 @@
 A dedicated connection of the store's (:func:`hubd.store.notifications.listen`) listens for
 ``hubd_wake`` (new request, release, sidecar connected), ``hubd_connected`` (a sidecar connected
 to some replica) and ``hubd_sockets`` (an allocation moved to a newer generation or a terminal
-status: sockets held here may have to close). When that connection is lost, or is not listening
+status: sockets held here may have to close) and ``hubd_handover`` (a pool member was taken: its
+sidecar, if held here, is told its session). When that connection is lost, or is not listening
 within :data:`LISTEN_SETUP_TIMEOUT` of its connect, it is re-opened with backoff and a full poll
 follows, since notifications sent meanwhile are gone. A self-notification sent through the
 ordinary pool every ``selfcheck_interval`` proves the path end to end; when it does not come back
@@ -28,6 +29,7 @@ from hubd.errors import StoreError
 from hubd.store.channels import (
     CHANNELS,
     CONNECTED_CHANNEL,
+    HANDOVER_CHANNEL,
     SELFCHECK_CHANNEL,
     SOCKETS_CHANNEL,
     WAKE_CHANNEL,
@@ -82,6 +84,7 @@ class NotificationListener:
         on_wake: Callable[[], None],
         on_connected: Callable[[str], None],
         on_sockets: Callable[[str], None] = lambda _payload: None,
+        on_handover: Callable[[str], None] = lambda _payload: None,
         on_reconnected: Callable[[], None] = lambda: None,
         selfcheck_interval: float = 10.0,
         selfcheck_timeout: float = 5.0,
@@ -92,6 +95,7 @@ class NotificationListener:
         self._on_wake = on_wake
         self._on_connected = on_connected
         self._on_sockets = on_sockets
+        self._on_handover = on_handover
         self._on_reconnected = on_reconnected
         self._selfcheck_interval = selfcheck_interval
         self._selfcheck_timeout = selfcheck_timeout
@@ -111,6 +115,8 @@ class NotificationListener:
             self._on_connected(payload)
         elif channel == SOCKETS_CHANNEL:
             self._on_sockets(payload)
+        elif channel == HANDOVER_CHANNEL:
+            self._on_handover(payload)
         elif channel == SELFCHECK_CHANNEL:
             waiter = self._nonces.get(payload)
             if waiter is not None and not waiter.done():

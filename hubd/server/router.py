@@ -49,6 +49,7 @@ from hubd.redaction import describe_error
 from hubd.routing import Arrivals, ConnectionEvents, Target, not_connected
 from hubd.server.activity import ActivityRecorder
 from hubd.server.batching import Batcher
+from hubd.server.handover import Handovers
 from hubd.server.handshake import CloseCode, HandshakeRequest
 from hubd.server.messages import Publish
 from hubd.server.registry import SocketRegistry
@@ -144,6 +145,16 @@ class SocketRouter:
             event_timeout=event_timeout,
         )
         """Where notifications of other replicas' writes, and the periodic check, go."""
+        self.handover = Handovers(
+            connections,
+            tasks=self._tasks,
+            sockets=self._registry.sockets,
+            allocation_of=self._registry.allocation,
+            close=self._registry.close,
+            follow=self.repair.follow_record,
+            timeout=event_timeout,
+        )
+        """What tells taken pool members' sidecars their session (architecture §4)."""
 
     # -- the Router seam ------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from hubd.server.messages import ProtocolError, parse_publish, parse_ready
 from hubd.server.router import SocketRouter
 from hubd.server.sockets import SocketEntry
 from hubd.server.wire import ServerStats
-from hubd.store.connection_values import PublishOutcome, Served
+from hubd.store.connection_values import Handover, PublishOutcome, Served
 
 __all__ = ["SessionHandler", "welcome_message"]
 
@@ -38,6 +38,7 @@ __all__ = ["SessionHandler", "welcome_message"]
 _PUBLISHED: Final = json.dumps({"type": "published"})
 _READY: Final = json.dumps({"type": "ready_recorded"})
 _NOT_READY: Final = json.dumps({"type": "not_ready_recorded"})
+_SESSION: Final = json.dumps({"type": "session_recorded"})
 # Whether the activity restarted an idle clock (one runs) or not (none does).
 _ACTIVITY: Final = {
     True: json.dumps({"type": "activity_recorded", "counted": True}),
@@ -90,8 +91,15 @@ class SessionHandler:
         try:
             if await self._router.open(entry, welcome=welcome):
                 self._stats.accepted += 1
-                # v1 sends no acknowledgement: its welcome is all it gets.
-                await self._read(connection, entry, acknowledged=secret is None)
+                owed = None
+                if served is not None and served.handover_pending:
+                    owed = Handover(
+                        target=entry.target, tenant=served.tenant, session=served.session
+                    )
+                if secret is None:
+                    # v1 sends no acknowledgement: its welcome is all it gets.
+                    self._acknowledged(entry, owed)
+                await self._read(connection, entry, acknowledged=secret is None, owed=owed)
             else:
                 # The router is closing it (or the peer left): let the close frame it chose go
                 # out before websockets closes the socket with 1000 on our return.
@@ -103,7 +111,12 @@ class SessionHandler:
             await self._router.unregister(entry)
 
     async def _read(
-        self, connection: SidecarConnection, entry: SocketEntry, *, acknowledged: bool
+        self,
+        connection: SidecarConnection,
+        entry: SocketEntry,
+        *,
+        acknowledged: bool,
+        owed: Handover | None,
     ) -> None:
         """Act on the socket's messages one at a time, in order: a publish is stored (or
         refused) before the message after it is read, so a ``ready`` after a ``publish`` finds
@@ -124,16 +137,30 @@ class SessionHandler:
                 data = self._dispatch(entry, message, acknowledged=acknowledged)
                 if data is _ACKNOWLEDGED:
                     acknowledged = True
+                    self._acknowledged(entry, owed)
                 elif data is not None:
                     await self._act(entry, data, acknowledged=acknowledged)
         except ConnectionClosed:
             pass
 
+    def _acknowledged(self, entry: SocketEntry, owed: Handover | None) -> None:
+        """The welcome is acknowledged: the hub may send more, first the hand-over the
+        admission found owed (a pool member taken since its sidecar last acknowledged one)."""
+        entry.acknowledged = True
+        if owed is not None:
+            self._router.handover.owed(entry, owed)
+
     async def _act(self, entry: SocketEntry, data: dict[str, Any], *, acknowledged: bool) -> None:
         """A ``publish``, a ``ready``, a ``not_ready`` or an ``activity``: refused with 4003
         when malformed or early, else written, fenced on the socket's record (architecture §4,
         *Publish and ready*, *Activity*)."""
-        if data["type"] == "activity":
+        if data["type"] == "session_ack":
+            if not acknowledged:
+                self._protocol_error(entry, ProtocolError("session_ack before welcome_ack"))
+                return
+            if await self._router.handover.acknowledge(entry):
+                await self._answer(entry, _SESSION)
+        elif data["type"] == "activity":
             if not acknowledged:
                 self._protocol_error(entry, ProtocolError("activity before welcome_ack"))
                 return
@@ -213,7 +240,7 @@ class SessionHandler:
         elif kind == "welcome_ack" and not acknowledged:
             self._router.acknowledge(entry)
             return _ACKNOWLEDGED
-        elif kind in ("publish", "ready", "not_ready", "activity"):
+        elif kind in ("publish", "ready", "not_ready", "activity", "session_ack"):
             result: dict[str, Any] = data
             return result
         else:

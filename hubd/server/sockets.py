@@ -99,6 +99,8 @@ class SocketEntry:
     """Set once the websocket is open: until then a close is only marked (closed_by_hub)."""
     abandoned: bool = False
     """Its handshake ended without an open socket after its admission was asked for."""
+    acknowledged: bool = False
+    """Its welcome was acknowledged (v1: sent): the hub may send it more than the welcome."""
 
 
 async def clear_record(

@@ -49,12 +49,13 @@ from hubd.sidecar.policy import (
     parse_retry_after,
 )
 from hubd.sidecar.settings import SidecarSettings
-from hubd.tokens import reconnect_secret_is_well_formed
+from hubd.sidecar.welcome import Welcome, handed_over, parse_welcome
 
 __all__ = [
     "ACTIVITY_SPACING",
     "SUBPROTOCOL",
     "Publication",
+    "SessionHandler",
     "SidecarClient",
     "SidecarExit",
     "WelcomeHandler",
@@ -72,6 +73,7 @@ ACTIVITY_SPACING: Final = 1.0
 """Seconds between two ``activity`` messages at least: the hub writes about once a second per
 allocation anyway."""
 _ACTIVITY: Final = json.dumps({"type": "activity"})
+_SESSION_ACK: Final = json.dumps({"type": "session_ack"})
 
 
 class _WireLogger(logging.LoggerAdapter[logging.Logger]):
@@ -93,13 +95,9 @@ class SidecarExit:
     reason: str
 
 
-@attrs.frozen
-class _Welcome:
-    interval: float
-    secret: str = attrs.field(repr=False)
-    context: dict[str, Any] = attrs.field(factory=dict, repr=False)
-    """What the welcome says the sidecar serves (never the secret)."""
-
+SessionHandler = Callable[[Mapping[str, Any]], Awaitable[None]]
+"""Called with the context as a hand-over changed it (a pool member was taken: tenant and
+session are new), before the sidecar acknowledges it to the hub (architecture §4)."""
 
 WelcomeHandler = Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
 """Called after each welcome is acknowledged with its context (allocation_id, sidecar_id,
@@ -131,6 +129,7 @@ class SidecarClient:
         ssl_context: ssl.SSLContext | None = None,
         publication: Publication | None = None,
         on_welcome: WelcomeHandler | None = None,
+        on_session: SessionHandler | None = None,
         ready: bool = True,
     ) -> None:
         """``ready``: whether the sidecar can serve from the start (``False``: not until
@@ -142,6 +141,9 @@ class SidecarClient:
         self._active = False
         self._active_told = -math.inf
         self._on_welcome = on_welcome
+        self._on_session = on_session
+        # A hand-over heard and not yet acknowledged: the context it brings.
+        self._handed: dict[str, Any] | None = None
         self._backoff = backoff or Backoff()
         self._random = random or secrets.SystemRandom().random
         self._open_timeout = open_timeout
@@ -174,6 +176,8 @@ class SidecarClient:
         """Declarations of readiness the hub answered."""
         self.withdrawn = 0
         """Declarations that the sidecar can no longer serve (``not_ready``) the hub answered."""
+        self.handovers = 0
+        """Hand-overs the hub recorded (``session_recorded``)."""
         self.activity_counted: bool | None = None
         """The hub's last answer to an ``activity``: whether it restarted an idle clock
         (``None``: none answered yet)."""
@@ -330,46 +334,13 @@ class SidecarClient:
         # _hold only returns once the connection closed without an exception reaching here.
         return _Ended(after_close(None), welcomed=welcomed)
 
-    async def _welcome(self, ws: ClientConnection) -> _Welcome | None:
-        """The heartbeat interval and reconnect secret of the hub's welcome; ``None`` if it is
-        not for us."""
+    async def _welcome(self, ws: ClientConnection) -> Welcome | None:
+        """The hub's welcome; ``None`` if it is not for us."""
         async with asyncio.timeout(self._open_timeout):
             message = await ws.recv()
-        try:
-            data: Any = json.loads(message)
-        except ValueError:
-            return None
-        settings = self._settings
-        if not (
-            isinstance(data, dict)
-            and data.get("type") == "welcome"
-            and data.get("allocation_id") == settings.allocation_id
-            and data.get("sidecar_id") == settings.sidecar_id
-            and data.get("generation") == settings.generation
-        ):
-            return None
-        interval = data.get("heartbeat_interval_s")
-        if not isinstance(interval, int | float) or isinstance(interval, bool) or interval <= 0:
-            return None
-        secret = data.get("reconnect_secret")
-        if not isinstance(secret, str) or not reconnect_secret_is_well_formed(secret):
-            return None
-        spec = data.get("spec")
-        context = {
-            "allocation_id": settings.allocation_id,
-            "sidecar_id": settings.sidecar_id,
-            "generation": settings.generation,
-            # A hub older than these fields sends none of them.
-            "spec": spec if isinstance(spec, dict) else {},
-            "tenant": _text_or_none(data.get("tenant")),
-            "session": _text_or_none(data.get("session")),
-            "ready_when": _text_or_none(data.get("ready_when")) or "connected",
-        }
-        return _Welcome(max(float(interval), 1.0), secret, context)
+        return parse_welcome(message, self._settings)
 
-    async def _hold(
-        self, ws: ClientConnection, welcome: _Welcome, extra: Mapping[str, Any]
-    ) -> None:
+    async def _hold(self, ws: ClientConnection, welcome: Welcome, extra: Mapping[str, Any]) -> None:
         """Stay connected: tell the hub what it has not been told (first of all the
         publication and, where the allocation waits for the sidecar's word, ``ready`` or
         ``not_ready``), answer pings (websockets does), read the hub's answers, and send a
@@ -413,6 +384,13 @@ class SidecarClient:
                     message = receiving.result()  # ConnectionClosed ends the session
                     receiving = None
                     self._answered(message)
+                    if self._handed is not None:
+                        handed, self._handed = self._handed, None
+                        self.context = handed
+                        self._log.info("sidecar_session_handed_over")
+                        if self._on_session is not None:
+                            await self._on_session(handed)
+                        await ws.send(_SESSION_ACK)
                 elif not done and not self._active:
                     await ws.send(heartbeat)
         finally:
@@ -422,7 +400,8 @@ class SidecarClient:
                 receiving.exception()
 
     def _answered(self, message: str | bytes) -> None:
-        """The hub's answer to a publish, a ready or a not_ready; anything else is ignored."""
+        """The hub's answer to a publish, a ready, a not_ready or an activity, or a hand-over
+        (acknowledged by the caller); anything else is ignored."""
         try:
             data: Any = json.loads(message)
         except ValueError:
@@ -439,7 +418,7 @@ class SidecarClient:
             self._log.info("sidecar_declared_not_ready")
         elif kind == "activity_recorded":
             self.activity_counted = data.get("counted") is True
-
-
-def _text_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) else None
+        elif kind == "session_recorded":
+            self.handovers += 1
+        elif kind == "session" and self.context is not None:
+            self._handed = handed_over(data, self._settings, self.context)

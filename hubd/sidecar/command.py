@@ -163,6 +163,11 @@ class CommandRunner:
             return {"command_pid": self.process.pid}
         return {}
 
+    async def handed_over(self, context: Mapping[str, Any]) -> None:
+        """A hand-over arrived (a pool member taken): the context file says the new tenant and
+        session before the hub hears that the sidecar holds them."""
+        self._write_context(context)
+
     def _write_context(self, context: Mapping[str, Any]) -> None:
         if self._path is None:
             if self._options.context_file is not None:

@@ -67,6 +67,7 @@ async def _main(
         settings,
         publication=Publication(endpoint=options.endpoint, metadata=options.metadata),
         on_welcome=runner.welcomed,
+        on_session=runner.handed_over,
         ready=check is None,
     )
     loop = asyncio.get_running_loop()

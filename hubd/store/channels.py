@@ -37,6 +37,7 @@ __all__ = [
     "CHANNELS",
     "CONNECTED_CHANNEL",
     "EVENTS_CHANNEL",
+    "HANDOVER_CHANNEL",
     "MAC_LENGTH",
     "SELFCHECK_CHANNEL",
     "SOCKETS_CHANNEL",
@@ -46,6 +47,7 @@ __all__ = [
     "NoticeKey",
     "SocketControl",
     "parse_connected_payload",
+    "parse_handover_payload",
     "parse_sockets_payload",
     "read_notice_key",
 ]
@@ -66,6 +68,7 @@ _CONNECTED: Final = re.compile(
     rf"([0-9a-f]{{{TAG_LENGTH}}}):([0-9]{{1,18}}):([0-9]{{1,18}}):([^:]+)"
 )
 _SOCKETS: Final = re.compile(rf"([0-9a-f]{{{TAG_LENGTH}}}):([0-9]{{1,18}}):(fence|retire)")
+_HANDOVER: Final = re.compile(rf"([0-9a-f]{{{TAG_LENGTH}}}):([0-9]{{1,18}}):take")
 
 WAKE_CHANNEL: Final = "hubd_wake"
 """Something became due (a request, a release, a sidecar connected); payload: the provisioner id
@@ -84,7 +87,18 @@ allocation's tag, the mac of the rest)."""
 SELFCHECK_CHANNEL: Final = "hubd_selfcheck"
 """A listener's own probe, sent through the ordinary pool; payload: a nonce."""
 
-CHANNELS: Final = (WAKE_CHANNEL, CONNECTED_CHANNEL, SOCKETS_CHANNEL, SELFCHECK_CHANNEL)
+HANDOVER_CHANNEL: Final = "hubd_handover"
+"""The NOTIFY channel on which a pool member's take is announced (``hubd_take_member``):
+payload ``<tag>:<gen>:take:<mac>``; the replica holding its sidecar's socket hands the session
+over (architecture §4, *Hand-over*)."""
+
+CHANNELS: Final = (
+    WAKE_CHANNEL,
+    CONNECTED_CHANNEL,
+    SOCKETS_CHANNEL,
+    HANDOVER_CHANNEL,
+    SELFCHECK_CHANNEL,
+)
 """Every channel a daemon listens on."""
 
 EVENTS_CHANNEL: Final = "hubd_events"
@@ -173,3 +187,13 @@ def parse_sockets_payload(payload: str, key: NoticeKey) -> SocketControl | None:
     if match is None or int(match[2]) < 1:
         return None
     return SocketControl(match[1], int(match[2]), retire=match[3] == "retire")
+
+
+def parse_handover_payload(payload: str, key: NoticeKey) -> tuple[str, int] | None:
+    """What a ``hubd_handover`` notification says (the taken allocation's tag and generation),
+    or ``None`` if ``key`` does not authenticate it or it is malformed."""
+    body = key.open(payload)
+    match = _HANDOVER.fullmatch(body) if body is not None else None
+    if match is None or int(match[2]) < 1:
+        return None
+    return match[1], int(match[2])

@@ -24,6 +24,7 @@ __all__ = [
     "Admitted",
     "Declaration",
     "Disconnect",
+    "Handover",
     "PublishOutcome",
     "Readiness",
     "Record",
@@ -138,6 +139,9 @@ class Served:
     session: str | None = None
     ready_when: str = READY_WHEN_CONNECTED
     """``connected`` (ready once connected) or ``declared`` (once the sidecar says so)."""
+    handover_pending: bool = False
+    """A pool member taken since its sidecar last acknowledged: the welcome's tenant and
+    session are new to it, and it owes a ``session_ack`` (architecture §4, *Hand-over*)."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Served:
@@ -146,6 +150,7 @@ class Served:
             tenant=row["tenant_id"],
             session=row["session_id"],
             ready_when=row["ready_when"] or READY_WHEN_CONNECTED,
+            handover_pending=bool(row.get("handover_pending")),
         )
 
 
@@ -234,3 +239,13 @@ class Disconnect:
 
     allocation_id: str
     connection_id: str
+
+
+@attrs.frozen(kw_only=True)
+class Handover:
+    """What a taken pool member's sidecar is owed (architecture §4, *Hand-over*): the session
+    its allocation now serves, at its generation."""
+
+    target: Target
+    tenant: str | None
+    session: str | None

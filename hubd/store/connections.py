@@ -10,7 +10,7 @@ answer is in :mod:`hubd.store.connection_values`.
 from __future__ import annotations
 
 import secrets as random_source
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from hubd.routing import Target
@@ -20,6 +20,7 @@ from hubd.store.connection_values import (
     Admitted,
     Declaration,
     Disconnect,
+    Handover,
     PublishOutcome,
     Readiness,
     Record,
@@ -223,6 +224,43 @@ class ConnectionStore:
         if row is None or not row["fenced_in"]:
             return Declaration(accepted=False)
         return Declaration(accepted=True, seq=row["seq"], ready=row["ready"])
+
+    async def handovers(self, allocation_ids: Sequence[str] | None = None) -> list[Handover]:
+        """The hand-overs still owed to the sidecars of ``allocation_ids`` (pool members taken
+        whose sidecar has not acknowledged its session); every one owed with ``None``."""
+        rows = await self._db.fetch(
+            "read hand-overs",
+            SQL.owed_handovers()
+            if allocation_ids is None
+            else SQL.handovers(allocation_ids=list(allocation_ids)),
+            pool=Pool.SOCKETS,
+        )
+        return [
+            Handover(
+                target=Target(row["id"], row["generation"]),
+                tenant=row["tenant_id"],
+                session=row["session_id"],
+            )
+            for row in rows
+        ]
+
+    async def acknowledge_handover(self, connection_id: str, target: Target) -> bool | None:
+        """Connection ``connection_id``'s sidecar holds its session, fenced as :meth:`publish`
+        is. ``True``: the hand-over was owed and is done; ``False``: none was owed; ``None``:
+        the fence refused it (the socket no longer holds the current record)."""
+        row = await self._db.fetchrow(
+            "acknowledge hand-over",
+            SQL.acknowledge_handover(
+                allocation_id=target.allocation_id,
+                generation=target.generation,
+                connection_id=connection_id,
+                instance_id=self.instance_id,
+            ),
+            pool=Pool.SOCKETS,
+        )
+        if row is None or not row["fenced_in"]:
+            return None
+        return bool(row["handed_over"])
 
     async def declare_not_ready(
         self, connection_id: str, target: Target, *, connect_timeout: float

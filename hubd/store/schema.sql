@@ -103,6 +103,9 @@ CREATE TABLE hubd_allocations (
     -- (NULL: a member no tenant owns yet; docs/pools.md).
     pool_id                         text,
     taken_at                        timestamptz,
+    -- A taken member's sidecar has not yet acknowledged its session (architecture §4,
+    -- "Hand-over"); cleared by the acknowledgement or a new generation.
+    handover_pending                boolean NOT NULL DEFAULT false,
     CONSTRAINT hubd_allocations_taken_check CHECK (taken_at IS NULL OR pool_id IS NOT NULL),
     CONSTRAINT hubd_allocations_exit_message_check CHECK (octet_length(exit_message) <= 8192),
     -- A lease is an id and an expiry together, never one without the other.
@@ -609,6 +612,15 @@ INSERT INTO hubd_event_horizon (position) VALUES (0);
 -- reader takes; pg_locks shows who waits (waitstart) and who holds it.
 CREATE TABLE hubd_feed_lock ();
 
+-- Whether the row reads ready to its application: allocated, its sidecar connected (and
+-- declared, where it must), and a taken member that must declare has acknowledged its session.
+CREATE FUNCTION hubd_ready_to_tenant(status text, connection_ready boolean,
+    handover_pending boolean, ready_when text)
+RETURNS boolean LANGUAGE sql IMMUTABLE AS $$
+    SELECT status = 'allocated' AND connection_ready
+        AND NOT (handover_pending AND ready_when IS NOT DISTINCT FROM 'declared')
+$$;
+
 -- Runs at commit (a deferred constraint trigger), once per changed row. SECURITY DEFINER: at
 -- commit the current role is the caller's again (an application's, after hubd_v1.request), which
 -- may not write the feed. It takes the feed's lock (hubd_feed_lock), held to the end of the
@@ -618,6 +630,9 @@ CREATE FUNCTION hubd_record_event() RETURNS trigger LANGUAGE plpgsql SECURITY DE
 AS $$
 DECLARE
     terminal boolean := NEW.status IN ('released', 'failed', 'destroy_failed');
+    now_ready boolean := hubd_ready_to_tenant(NEW.status, NEW.connection_ready,
+        NEW.handover_pending, NEW.ready_when);
+    was_ready boolean;
     kinds text[];
     kind text;
     at_position bigint;
@@ -627,24 +642,28 @@ BEGIN
     END IF;
     IF TG_OP = 'INSERT' THEN
         kinds := ARRAY['requested'];
-    ELSIF OLD.taken_at IS NULL AND NEW.taken_at IS NOT NULL THEN
-        kinds := CASE WHEN NEW.connection_ready AND NEW.status = 'allocated'
-                      THEN ARRAY['requested', 'ready'] ELSE ARRAY['requested'] END;
-    ELSIF terminal AND OLD.status IS DISTINCT FROM NEW.status THEN
-        kinds := ARRAY[NEW.status::text];
-    ELSIF NEW.connection_ready AND NOT OLD.connection_ready THEN
-        kinds := ARRAY['ready'];
-    ELSIF OLD.status IS DISTINCT FROM NEW.status OR OLD.generation <> NEW.generation THEN
-        kinds := ARRAY[NEW.status::text];
-    ELSIF OLD.connection_ready AND NOT NEW.connection_ready THEN
-        kinds := ARRAY['not_ready'];
-    ELSIF NEW.expiring AND NOT OLD.expiring THEN
-        kinds := ARRAY['expiring'];
-    ELSIF OLD.expires_at IS DISTINCT FROM NEW.expires_at
-          OR (OLD.expiring AND NOT NEW.expiring) THEN
-        kinds := ARRAY['extended'];
     ELSE
-        kinds := ARRAY['published'];
+        was_ready := hubd_ready_to_tenant(OLD.status, OLD.connection_ready,
+            OLD.handover_pending, OLD.ready_when);
+        IF OLD.taken_at IS NULL AND NEW.taken_at IS NOT NULL THEN
+            kinds := CASE WHEN now_ready THEN ARRAY['requested', 'ready']
+                          ELSE ARRAY['requested'] END;
+        ELSIF terminal AND OLD.status IS DISTINCT FROM NEW.status THEN
+            kinds := ARRAY[NEW.status::text];
+        ELSIF now_ready AND NOT was_ready THEN
+            kinds := ARRAY['ready'];
+        ELSIF OLD.status IS DISTINCT FROM NEW.status OR OLD.generation <> NEW.generation THEN
+            kinds := ARRAY[NEW.status::text];
+        ELSIF was_ready AND NOT now_ready THEN
+            kinds := ARRAY['not_ready'];
+        ELSIF NEW.expiring AND NOT OLD.expiring THEN
+            kinds := ARRAY['expiring'];
+        ELSIF OLD.expires_at IS DISTINCT FROM NEW.expires_at
+              OR (OLD.expiring AND NOT NEW.expiring) THEN
+            kinds := ARRAY['extended'];
+        ELSE
+            kinds := ARRAY['published'];
+        END IF;
     END IF;
     LOCK TABLE hubd_feed_lock IN EXCLUSIVE MODE;
     FOREACH kind IN ARRAY kinds LOOP
@@ -653,8 +672,8 @@ BEGIN
             ready, generation, endpoint, metadata, failure_code, failure_message, expires_at,
             end_reason, idle_at, warm)
         VALUES (at_position, NEW.id, NEW.tenant_id, NEW.session_id, kind, NEW.status,
-            NEW.connection_ready AND NEW.status = 'allocated', NEW.generation, NEW.endpoint,
-            NEW.metadata, NEW.failure_code, NEW.failure_message, NEW.expires_at,
+            now_ready, NEW.generation, NEW.endpoint, NEW.metadata, NEW.failure_code,
+            NEW.failure_message, NEW.expires_at,
             coalesce(NEW.end_reason, CASE WHEN terminal THEN NEW.failure_code END), NEW.idle_at,
             NEW.pool_id IS NOT NULL);
     END LOOP;
@@ -679,7 +698,8 @@ CREATE CONSTRAINT TRIGGER hubd_allocations_event_update
           OR OLD.metadata IS DISTINCT FROM NEW.metadata
           OR OLD.expiring IS DISTINCT FROM NEW.expiring
           OR OLD.expires_at IS DISTINCT FROM NEW.expires_at
-          OR OLD.taken_at IS DISTINCT FROM NEW.taken_at)
+          OR OLD.taken_at IS DISTINCT FROM NEW.taken_at
+          OR OLD.handover_pending IS DISTINCT FROM NEW.handover_pending)
     EXECUTE FUNCTION hubd_record_event();
 
 -- Deletes the events older than :keep seconds (at most :batch of them) and moves the horizon
@@ -867,6 +887,9 @@ BEGIN
     ELSIF NEW.status <> 'allocated' THEN
         NEW.starting_since := NULL;
     END IF;
+    IF NEW.generation <> OLD.generation THEN
+        NEW.handover_pending := false;
+    END IF;
     IF NEW.connection_ready AND NOT OLD.connection_ready THEN
         NEW.starting_since := NULL;
         IF NEW.idle_timeout IS NOT NULL THEN
@@ -1045,6 +1068,8 @@ CREATE UNIQUE INDEX hubd_pools_match_idx ON hubd_pools (provisioner_id, md5(spec
 CREATE INDEX hubd_allocations_warm_idx ON hubd_allocations (pool_id, created_at)
     WHERE pool_id IS NOT NULL AND taken_at IS NULL AND status = 'allocated'
       AND connection_ready;
+-- The hand-overs owed, for the periodic socket check: few at any moment, whatever the table.
+CREATE INDEX hubd_allocations_handover_idx ON hubd_allocations (id) WHERE handover_pending;
 CREATE INDEX hubd_allocations_members_idx ON hubd_allocations (pool_id)
     WHERE pool_id IS NOT NULL AND taken_at IS NULL
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
@@ -1086,10 +1111,13 @@ CREATE TRIGGER hubd_pools_counters AFTER INSERT OR DELETE ON hubd_pools
 -- no other transaction holds (SKIP LOCKED: concurrent requests take different members, on any
 -- replica, and none waits on another's), checked again as it is locked, so a member lost or
 -- taken meanwhile is never handed out. The row becomes the tenant's, with the request's
--- session, key and clocks; its sidecar, generation and connection stay as they are. NULL when
--- no member is ready (a miss).
-CREATE FUNCTION hubd_take_member(pool text, tenant text, session text, requested_key text,
-    requested_ready_when text, deadline timestamptz, idle double precision, instance text)
+-- session, key and clocks; its sidecar, generation and connection stay as they are. Its
+-- sidecar is owed its session (handover_pending; 'hubd_handover' tells the replica holding its
+-- socket); a member that is ready once its sidecar says so starts its provisioning clock
+-- again, which the acknowledgement stops. NULL when no member is ready (a miss).
+CREATE FUNCTION hubd_take_member(pool text, tenant text, session text,
+    requested_key text, requested_ready_when text, deadline timestamptz,
+    idle double precision, instance text)
 RETURNS hubd_allocations LANGUAGE plpgsql AS $$
 DECLARE
     taken hubd_allocations;
@@ -1097,7 +1125,9 @@ BEGIN
     UPDATE hubd_allocations AS a SET
         tenant_id = tenant, session_id = session, idempotency_key = requested_key,
         taken_at = now(), expires_at = deadline, expiring = false, idle_timeout = idle,
-        idle_at = now() + make_interval(secs => idle), updated_at = now()
+        idle_at = now() + make_interval(secs => idle), handover_pending = true,
+        starting_since = CASE WHEN a.ready_when = 'declared' THEN now() END,
+        updated_at = now()
     WHERE a.id = (
         SELECT m.id FROM hubd_allocations AS m
         WHERE m.pool_id = pool AND m.taken_at IS NULL AND m.status = 'allocated'
@@ -1114,6 +1144,7 @@ BEGIN
             (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
         VALUES (taken.id, taken.generation, instance, 'take', taken.status, taken.status,
             'committed', 'taken from pool ' || pool);
+        PERFORM pg_notify('hubd_handover', hubd_notice(taken.id, taken.generation || ':take'));
         RETURN taken;
     END IF;
     RETURN NULL;
@@ -1561,7 +1592,9 @@ CREATE SCHEMA hubd_v1;
 -- The stable columns: never a token hash, a secret or a lease. A walled caller sees its tenant's
 -- rows only; security_barrier: the wall is applied before any function of the caller's sees a row.
 CREATE VIEW hubd_v1.allocations WITH (security_barrier) AS
-SELECT a.id, a.status::text AS status, (a.status = 'allocated' AND a.connection_ready) AS ready,
+SELECT a.id, a.status::text AS status,
+    (a.status = 'allocated' AND a.connection_ready
+     AND NOT (a.handover_pending AND a.ready_when IS NOT DISTINCT FROM 'declared')) AS ready,
     a.generation::integer AS generation, a.provisioner_id AS provisioner, a.tenant_id AS tenant,
     a.session_id AS session, a.spec::jsonb AS spec, a.idempotency_key,
     a.ready_when::text AS ready_when, a.endpoint::text AS endpoint, a.metadata::jsonb AS metadata,

@@ -91,7 +91,7 @@ WITH given AS (
            s.secret_hash AS current_secret_hash, s.previous_hash AS current_previous_hash,
            s.acknowledged AS current_acknowledged, a.spec AS current_spec,
            a.tenant_id AS current_tenant_id, a.session_id AS current_session_id,
-           a.ready_when AS current_ready_when,
+           a.ready_when AS current_ready_when, a.handover_pending AS current_handover_pending,
            NOT g.authenticate OR coalesce(
                a.status IN ('provisioning', 'allocated')
                AND g.generation = a.generation
@@ -112,7 +112,7 @@ WITH given AS (
     -- Each row by its key (LIMIT 1 keeps the planner from turning the look-ups into a scan).
     LEFT JOIN LATERAL (
         SELECT status, generation, sidecar_id, token_hash, spec, tenant_id, session_id,
-               ready_when
+               ready_when, handover_pending
         FROM hubd_allocations
         WHERE id = g.allocation_id LIMIT 1
     ) AS a ON true
@@ -236,13 +236,15 @@ SELECT c.connection_id, c.allocation_id AS id, c.admitted, i.connection_id IS NU
        c.current_acknowledged AS acknowledged, w.seq,
        coalesce(alloc.ready_now, false) AS ready,
        -- What the sidecar serves, for its welcome: read from the row the admission checked
-       -- (spec, tenant and session never change; ready_when only while pending), and only
-       -- for a record written, so a refused handshake costs no copy of a spec.
+       -- (the spec never changes; tenant and session only at a pool member's take, which owes
+       -- the sidecar a hand-over; ready_when only while pending), and only for a record
+       -- written, so a refused handshake costs no copy of a spec.
        CASE WHEN w.seq IS NOT NULL THEN c.current_spec END AS spec,
        CASE WHEN w.seq IS NOT NULL THEN c.current_tenant_id END AS tenant_id,
        CASE WHEN w.seq IS NOT NULL THEN c.current_session_id END AS session_id,
        CASE WHEN w.seq IS NOT NULL THEN coalesce(c.current_ready_when, 'connected') END
            AS ready_when,
+       coalesce(w.seq IS NOT NULL AND c.current_handover_pending, false) AS handover_pending,
        i.rotate AND NOT EXISTS (
            SELECT 1 FROM rotated AS r WHERE r.allocation_id = i.allocation_id) AS rotation_lost,
        (SELECT count(*) FROM notified) AS notified
@@ -670,3 +672,53 @@ WITH input AS (
 )
 SELECT c.id, c.generation FROM current AS c
 WHERE NOT c.stale OR c.id IN (SELECT id FROM updated);
+
+-- name: handovers
+-- What the sidecars of :allocation_ids are owed at hand-over (a pool member taken): the
+-- allocation's generation, tenant and session, for each that still owes one.
+SELECT a.id, a.generation, a.tenant_id, a.session_id
+FROM hubd_allocations AS a
+WHERE a.id = ANY(:allocation_ids::text[]) AND a.handover_pending
+  AND a.status IN ('provisioning', 'allocated');
+
+-- name: owed_handovers
+-- Every hand-over still owed, as handovers answers (hubd_allocations_handover_idx): the socket
+-- check sends those whose sockets are held here again.
+SELECT a.id, a.generation, a.tenant_id, a.session_id
+FROM hubd_allocations AS a
+WHERE a.handover_pending AND a.status IN ('provisioning', 'allocated');
+
+-- name: acknowledge_handover
+-- Connection :connection_id of generation :generation of :allocation_id says its sidecar holds
+-- its session (a 'session_ack'). Fenced as publish is (the connection holds the current record
+-- of the current generation, provisioning or allocated, and the row's connection number is
+-- still the record's). Clears handover_pending, and with it the provisioning clock the take of
+-- a member that must declare started (an allocation that reads ready to its application from
+-- here gets a 'ready' event), with a ledger row 'handover' by :instance_id. Returns one row:
+-- whether the fence held, and whether a hand-over was owed (and is now done).
+WITH current AS (
+    SELECT c.seq FROM hubd_sidecar_connections AS c
+    WHERE c.allocation_id = :allocation_id AND c.connection_id = :connection_id
+      AND c.generation = :generation
+), fenced AS (
+    SELECT a.id, a.handover_pending FROM hubd_allocations AS a
+    WHERE a.id = :allocation_id AND a.generation = :generation
+      AND a.status IN ('provisioning', 'allocated')
+      AND a.connection_seq = (SELECT seq FROM current)
+    FOR NO KEY UPDATE
+), updated AS (
+    UPDATE hubd_allocations AS a SET
+        handover_pending = false,
+        starting_since = CASE WHEN a.connection_ready THEN NULL ELSE a.starting_since END,
+        updated_at = now()
+    FROM fenced AS f
+    WHERE a.id = f.id AND a.id = :allocation_id AND f.handover_pending
+    RETURNING a.id, a.generation, a.status
+), logged AS (
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    SELECT u.id, u.generation, :instance_id, 'handover', u.status, u.status, 'committed',
+        'the sidecar holds its session'
+    FROM updated AS u
+)
+SELECT EXISTS (SELECT 1 FROM fenced) AS fenced_in, EXISTS (SELECT 1 FROM updated) AS handed_over;

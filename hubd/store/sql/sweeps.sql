@@ -65,7 +65,8 @@ SELECT u.id, u.generation, (SELECT count(*) FROM notified) AS notified FROM upda
 -- release does (pending: released at once; otherwise releasing under a new generation, due
 -- now), with end_reason 'expired' or 'idle' and a ledger row 'expire'. One claimed but not
 -- ready for its provisioner's provisioning_timeout since its provisioning clock started
--- (starting_since) is given up: releasing under a new generation with give_up set, so it ends
+-- (starting_since; for a taken pool member that must declare, the take, until its sidecar
+-- acknowledged its session) is given up: releasing under a new generation with give_up set, so it ends
 -- failed, failure and end_reason 'provisioning_timeout', ledger 'give_up'. A pending one older
 -- than its provisioner's pending_timeout (else :pending_timeout seconds; 0: none) fails as
 -- 'unserved', nothing having been bound. One whose nearer end is :warning seconds away or less
@@ -110,7 +111,8 @@ WITH limits AS (
     JOIN limits AS l ON l.provisioner_id = a.provisioner_id
     WHERE a.starting_since IS NOT NULL
       AND a.starting_since < now() - make_interval(secs => l.provisioning_timeout)
-      AND a.status IN ('provisioning', 'allocated', 'replacing') AND NOT a.connection_ready
+      AND a.status IN ('provisioning', 'allocated', 'replacing')
+      AND (NOT a.connection_ready OR a.handover_pending)
       AND a.id <> ALL (ARRAY(SELECT id FROM due_expired) || ARRAY(SELECT id FROM due_idle))
     ORDER BY a.starting_since
     LIMIT :batch

@@ -1,0 +1,144 @@
+"""Hand-over (architecture §4): a taken pool member's sidecar learns the session it now serves.
+
+A request that takes a member writes the tenant and session on its row and marks it
+``handover_pending`` in its own statement (``hubd_take_member``), and announces the take on
+``hubd_handover``. The replica holding the member's socket sends the socket a ``session``
+message; the sidecar answers ``session_ack``, written fenced on its connection, which clears the
+mark. The message goes again after every welcome while the mark stands (the admission read it),
+and the periodic socket check sends it to every held socket still owed one, so a notification
+lost with a LISTEN connection delays a hand-over by one check at most, never loses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+from hubd.aio import TrackedTasks
+from hubd.errors import StoreError
+from hubd.redaction import describe_error
+from hubd.server.handshake import CloseCode
+from hubd.server.sockets import SocketEntry
+from hubd.store.connection_values import Handover
+from hubd.store.connections import ConnectionStore
+
+__all__ = ["Handovers", "session_message"]
+
+
+def session_message(handover: Handover) -> str:
+    """The ``session`` message of a hand-over."""
+    return json.dumps(
+        {
+            "type": "session",
+            "allocation_id": handover.target.allocation_id,
+            "generation": handover.target.generation,
+            "tenant": handover.tenant,
+            "session": handover.session,
+        }
+    )
+
+
+class Handovers:
+    """Sends hand-overs to the sockets held here, and writes their acknowledgements."""
+
+    def __init__(
+        self,
+        connections: ConnectionStore,
+        *,
+        tasks: TrackedTasks,
+        sockets: Callable[[str], list[SocketEntry]],
+        allocation_of: Callable[[str], str | None],
+        close: Callable[[SocketEntry, CloseCode], None],
+        follow: Callable[[SocketEntry], Awaitable[None]],
+        timeout: float,
+    ) -> None:
+        self._connections = connections
+        self._tasks = tasks
+        self._sockets = sockets
+        self._allocation_of = allocation_of
+        self._close = close
+        self._follow = follow
+        self._timeout = timeout
+        self.sent = 0
+        """``session`` messages sent."""
+        self.acknowledged = 0
+        """Hand-overs the sidecars acknowledged here."""
+
+    def owed(self, entry: SocketEntry, handover: Handover) -> None:
+        """``entry``'s welcome was acknowledged and its admission found a hand-over owed."""
+        self._tasks.spawn(self._send([entry], handover), name=f"handover-{entry.connection_id}")
+
+    def taken(self, tag: str, generation: int) -> None:
+        """A ``hubd_handover`` notice: the allocation tagged ``tag`` was taken at
+        ``generation``. Nothing when no socket of it is held here."""
+        allocation_id = self._allocation_of(tag)
+        if allocation_id is None:
+            return
+        self._tasks.spawn(self._fetch_and_send([allocation_id]), name=f"handover-{tag[:8]}")
+
+    async def resend(self) -> int:
+        """Send every hand-over still owed to a socket held here; how many were sent. A
+        failing database sends nothing this time."""
+        try:
+            owed = await self._connections.handovers()
+        except StoreError:
+            return 0
+        sent = 0
+        for handover in owed:
+            sent += await self._send(self._sockets(handover.target.allocation_id), handover)
+        return sent
+
+    async def acknowledge(self, entry: SocketEntry) -> bool:
+        """``entry``'s sidecar says it holds its session: written fenced on its record, as a
+        publish is (architecture §4). Whether to answer it: a write the fence refuses closes
+        the socket as the database says it no longer belongs, and one whose outcome is unknown
+        closes it with 1011 (the sidecar reconnects, is told again, and acknowledges again)."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                done = await self._connections.acknowledge_handover(
+                    entry.connection_id, entry.target
+                )
+        except (StoreError, TimeoutError) as exc:
+            entry.log.warning("handover_acknowledgement_failed", error=describe_error(exc))
+            self._close(entry, CloseCode.INTERNAL_ERROR)
+            return False
+        if done is None:
+            await self._follow(entry)
+            return False
+        if done:
+            self.acknowledged += 1
+            entry.log.info("handover_acknowledged")
+        return True
+
+    async def _fetch_and_send(self, allocation_ids: list[str]) -> int:
+        if not allocation_ids:
+            return 0
+        try:
+            owed = await self._connections.handovers(allocation_ids)
+        except StoreError:
+            return 0
+        sent = 0
+        for handover in owed:
+            sent += await self._send(self._sockets(handover.target.allocation_id), handover)
+        return sent
+
+    async def _send(self, entries: list[SocketEntry], handover: Handover) -> int:
+        message = session_message(handover)
+        sent = 0
+        for entry in entries:
+            # Only to a socket of the generation taken, once its welcome was acknowledged:
+            # before that, its own welcome comes first, and its acknowledgement sends this.
+            if entry.target != handover.target or not entry.acknowledged:
+                continue
+            if entry.closed_by_hub is not None:
+                continue
+            try:
+                await entry.ws.send(message)
+            except Exception as exc:  # noqa: BLE001 -- a peer that vanished is not an error
+                entry.log.info("handover_not_sent", error=describe_error(exc))
+                continue
+            entry.log.info("handover_sent")
+            sent += 1
+        self.sent += sent
+        return sent
