@@ -12,6 +12,7 @@
      │    ├── SchemaMissing                           the database was never migrated
      │    ├── EventCursorExpired                      a cursor older than the feed keeps
      │    ├── QuotaExceeded                           the tenant's quota refused a request
+     │    ├── PoolEmpty                               a warm pool refused a miss
      │    └── InvalidRequest (ValueError)             bad input to the store
      │         └── IdempotencyConflict                the key names another request
      ├── LeaseLost                        a claim no longer owns its allocation
@@ -46,6 +47,7 @@ __all__ = [
     "OperationTimeout",
     "PluginError",
     "PluginLoadError",
+    "PoolEmpty",
     "QuotaExceeded",
     "SchemaMissing",
     "SidecarNotConnected",
@@ -108,6 +110,16 @@ class QuotaExceeded(StoreError):
         return float(found.group(1)) if found else None
 
 
+class PoolEmpty(StoreError):
+    """The request's warm pool had no member ready and refuses a miss (docs/api.md, ``HU503``);
+    ``retry_after`` is the wait its message names, in seconds."""
+
+    @property
+    def retry_after(self) -> float | None:
+        found = re.search(r"retry in ([0-9.]+) s", str(self))
+        return float(found.group(1)) if found else None
+
+
 class EventCursorExpired(StoreError):
     """The event cursor is older than the feed keeps: read the state again, then follow on."""
 
@@ -146,5 +158,6 @@ API_SQLSTATES: dict[str, type[StoreError]] = {
     "HU409": IdempotencyConflict,
     "HU410": EventCursorExpired,
     "HU429": QuotaExceeded,
+    "HU503": PoolEmpty,
 }
 """The SQLSTATEs the application API (``hubd_v1``, docs/api.md) raises, by the error each is."""

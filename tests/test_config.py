@@ -424,6 +424,8 @@ class TestPools:
                 "spec": {"image": "python:3.12"},
                 "size": 4,
                 "refill_rate": 20.0,
+                "miss": "cold",
+                "miss_wait": "",
             }
         ]
 
@@ -436,8 +438,11 @@ class TestPools:
             ("refill_rate = 0", r"pools\[0\]\.refill_rate: must be a number"),
             ("spec = 3", r"pools\[0\]\.spec: must be a table"),
             ("colour = 1", r"pools\[0\]\.colour: unknown key"),
+            ('miss = "later"', r'pools\[0\]\.miss: must be "cold", "wait" or "refuse"'),
+            ('miss = "wait"', r"pools\[0\]\.miss_wait: must be a duration with miss"),
+            ('miss_wait = "31s"', r'pools\[0\]\.miss_wait: must be "" or a duration up to 30s'),
         ],
-        ids=["provisioner", "size", "size-bool", "rate", "spec", "unknown"],
+        ids=["provisioner", "size", "size-bool", "rate", "spec", "unknown", "miss", "wait", "long"],
     )
     def test_a_bad_entry_is_named(self, tmp_path: pathlib.Path, extra: str, message: str) -> None:
         text = '[[pools]]\nid = "py"\nprovisioner = "local"\nsize = 4\n'

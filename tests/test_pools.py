@@ -17,8 +17,9 @@ from hubd.store import Database
 from hubd.store.pools import Pool, PoolStore
 from hubd.store.quotas import Quotas, QuotaScope
 from tests.apikit import app_role
+from tests.polling import eventually
 
-SPEC = {"image": "python:3.12", "cpu": 1}
+SPEC: dict[str, object] = {"image": "python:3.12", "cpu": 1}
 REQUEST = "SELECT * FROM hubd_v1.request($1, $2, spec => $3, idempotency_key => $4)"
 
 
@@ -27,8 +28,24 @@ def pools(db: Database) -> PoolStore:
     return PoolStore(db, instance_id="test-instance")
 
 
-async def keep(pools: PoolStore, size: int, *, rate: float = 1000.0, spec: object = SPEC) -> None:
-    pool = Pool(id="warm", provisioner="local", spec=spec, size=size, refill_rate=rate)  # type: ignore[arg-type]
+async def keep(
+    pools: PoolStore,
+    size: int,
+    *,
+    rate: float = 1000.0,
+    spec: dict[str, object] = SPEC,
+    miss: str = "cold",
+    miss_wait: float = 0.0,
+) -> None:
+    pool = Pool(
+        id="warm",
+        provisioner="local",
+        spec=spec,
+        size=size,
+        refill_rate=rate,
+        miss=miss,
+        miss_wait=miss_wait,
+    )
     await pools.set_pools([pool], served=["local"])
 
 
@@ -258,3 +275,52 @@ class TestRefill:
             ("released", "pool"),
         }
         assert len(rows) == 6
+
+
+class TestMiss:
+    async def test_a_pool_that_refuses_a_miss_says_when_to_retry(
+        self, db: Database, pools: PoolStore
+    ) -> None:
+        await keep(pools, 1, miss="refuse")
+        await pools.refill("warm", most=1)  # a member on its way, none ready
+        async with db.pool.acquire() as conn:
+            with pytest.raises(asyncpg.PostgresError, match="retry in 1 s") as refused:
+                await request(conn, "acme")
+        assert refused.value.sqlstate == "HU503"
+        assert (await pools.stats())[0].missed == 1
+        assert await db.pool.fetchval("SELECT count(*) FROM hubd_allocations") == 1
+
+    async def test_a_pool_that_waits_takes_the_member_made_ready_meanwhile(
+        self, db: Database, pools: PoolStore, database_url: str
+    ) -> None:
+        await keep(pools, 1, miss="wait", miss_wait=30.0)
+        await pools.refill("warm", most=1)
+        other = await asyncpg.connect(database_url)
+        try:
+            asking = asyncio.ensure_future(request(other, "acme"))
+
+            async def waiting() -> bool:
+                # The request's backend sleeps between its looks at the pool.
+                return bool(
+                    await db.pool.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE wait_event = 'PgSleep' AND query LIKE '%hubd_v1.request%'"
+                    )
+                )
+
+            await eventually(waiting, within=30, every=0.05)
+            [member] = await ready_members(db)
+            made = await asyncio.wait_for(asking, 30)
+        finally:
+            await other.close()
+        assert (made["id"], made["warm"], made["ready"]) == (member, True, True)
+        stats = (await pools.stats())[0]
+        assert (stats.taken, stats.missed) == (1, 0)
+
+    async def test_a_wait_that_runs_out_goes_cold(self, db: Database, pools: PoolStore) -> None:
+        await keep(pools, 1, miss="wait", miss_wait=0.2)
+        await pools.refill("warm", most=1)
+        async with db.pool.acquire() as conn:
+            made = await request(conn, "acme")
+        assert (made["warm"], made["status"]) == (False, "pending")
+        assert (await pools.stats())[0].missed == 1

@@ -8,12 +8,14 @@ from typing import Any, Final
 
 import attrs
 
-from hubd.config.kinds import problem, toml_type
+from hubd.config.kinds import Duration, problem, toml_type
 
 __all__ = ["MAX_POOL_SIZE", "PoolConfig", "parse_pools"]
 
 _POOL_ID: Final = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
-_KEYS: Final = ("id", "provisioner", "spec", "size", "refill_rate")
+_KEYS: Final = ("id", "provisioner", "spec", "size", "refill_rate", "miss", "miss_wait")
+MISSES: Final = ("cold", "wait", "refuse")
+MAX_MISS_WAIT: Final = 30.0
 MAX_POOL_SIZE: Final = 100_000
 MAX_REFILL_RATE: Final = 100_000.0
 DEFAULT_REFILL_RATE: Final = 20.0
@@ -30,6 +32,10 @@ class PoolConfig:
     spec: dict[str, Any] = attrs.field(factory=dict, hash=False)
     size: int
     refill_rate: float = DEFAULT_REFILL_RATE
+    miss: str = "cold"
+    """What a request does when no member is ready: ``cold`` (made as without a pool),
+    ``wait`` (looks again for up to ``miss_wait`` seconds, then cold) or ``refuse`` (HU503)."""
+    miss_wait: float = 0.0
 
 
 def parse_pools(raw: Any) -> tuple[PoolConfig, ...]:
@@ -83,6 +89,19 @@ def parse_pools(raw: Any) -> tuple[PoolConfig, ...]:
                 f"must be a number of members a second above 0 and at most {MAX_REFILL_RATE:g}, "
                 f"not {rate!r:.40}",
             )
+        miss = entry.get("miss", "cold")
+        if miss not in MISSES:
+            raise problem(f"{where}.miss", f'must be "cold", "wait" or "refuse", not {miss!r:.40}')
+        raw_wait = entry.get("miss_wait", "")
+        miss_wait = (
+            0.0 if raw_wait == "" else float(Duration().from_toml(f"{where}.miss_wait", raw_wait))
+        )
+        if not 0 <= miss_wait <= MAX_MISS_WAIT:
+            raise problem(
+                f"{where}.miss_wait", f'must be "" or a duration up to {MAX_MISS_WAIT:g}s'
+            )
+        if miss == "wait" and miss_wait == 0:
+            raise problem(f"{where}.miss_wait", 'must be a duration with miss = "wait"')
         parsed.append(
             PoolConfig(
                 id=entry["id"],
@@ -90,6 +109,8 @@ def parse_pools(raw: Any) -> tuple[PoolConfig, ...]:
                 spec=spec,
                 size=size,
                 refill_rate=float(rate),
+                miss=miss,
+                miss_wait=miss_wait,
             )
         )
     return tuple(parsed)

@@ -164,6 +164,8 @@ class Config:
                 "spec": p.spec,
                 "size": p.size,
                 "refill_rate": p.refill_rate,
+                "miss": p.miss,
+                "miss_wait": "" if not p.miss_wait else format_duration(p.miss_wait),
             }
             for p in self.pools
         ]

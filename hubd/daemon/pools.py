@@ -114,6 +114,8 @@ class PoolKeeper:
                 spec=p.spec,
                 size=p.size,
                 refill_rate=p.refill_rate,
+                miss=p.miss,
+                miss_wait=p.miss_wait,
             )
             for p in pools
         )

@@ -19,6 +19,7 @@ from hubd.errors import (
     HubdError,
     IdempotencyConflict,
     InvalidRequest,
+    PoolEmpty,
     QuotaExceeded,
 )
 
@@ -31,6 +32,7 @@ _STATUSES: Final[tuple[tuple[type[HubdError], int, str], ...]] = (
     (AllocationNotFound, 404, "not_found"),
     (EventCursorExpired, 410, "cursor_expired"),
     (QuotaExceeded, 429, "quota_exceeded"),
+    (PoolEmpty, 503, "pool_empty"),
     (DatabaseUnavailable, 503, "database_unavailable"),
 )
 
@@ -54,7 +56,7 @@ def from_hubd_error(exc: HubdError) -> ApiError:
     for kind, status, code in _STATUSES:
         if isinstance(exc, kind):
             headers = {}
-            if isinstance(exc, QuotaExceeded):
+            if isinstance(exc, QuotaExceeded | PoolEmpty):
                 wait = exc.retry_after
                 headers["Retry-After"] = str(max(1, math.ceil(wait if wait is not None else 1)))
             elif isinstance(exc, DatabaseUnavailable):

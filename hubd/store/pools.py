@@ -33,6 +33,10 @@ class Pool:
     size: int
     refill_rate: float
     """At most this many members made a second, by all daemons together."""
+    miss: str = "cold"
+    """What a request does when no member is ready: ``cold``, ``wait`` or ``refuse``."""
+    miss_wait: float = 0.0
+    """With ``wait``: how long it looks for a member before it goes cold (seconds)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -74,6 +78,8 @@ class PoolStore:
                 specs=[json.dumps(p.spec) for p in pools],
                 sizes=[p.size for p in pools],
                 refill_rates=[p.refill_rate for p in pools],
+                misses=[p.miss for p in pools],
+                miss_waits=[p.miss_wait for p in pools],
                 served=list(served),
             ),
         )

@@ -1057,7 +1057,12 @@ CREATE TABLE hubd_pools (
     -- 1/refill_rate seconds, holding at most a second's worth (or one member) when idle.
     refilled_at    timestamptz NOT NULL DEFAULT '-infinity',
     -- Names the pool's take and miss counters (hubd_pool_counter): a number, not the name.
-    counter_id     bigint GENERATED ALWAYS AS IDENTITY
+    counter_id     bigint GENERATED ALWAYS AS IDENTITY,
+    -- What a request does when no member is ready: 'cold', 'wait' (up to miss_wait seconds,
+    -- then cold) or 'refuse' (HU503).
+    miss           text NOT NULL DEFAULT 'cold' CHECK (miss IN ('cold', 'wait', 'refuse')),
+    miss_wait      double precision NOT NULL DEFAULT 0
+        CHECK (miss_wait >= 0 AND miss_wait <= 30)
 );
 -- jsonb's text is canonical (keys sorted, no spacing): equal specs have equal digests, and a
 -- 64 KiB spec fits no index entry while its digest does.
@@ -1155,8 +1160,9 @@ $$;
 -- writes the ledger row; NULL for an application). A key already used returns its allocation
 -- if the request is the same, and fails naming the key (HU409) if it is not. A new one must be
 -- admitted by the tenant's quota (hubd_admit_request, HU429); it then takes a ready member of
--- the pool of its provisioner and spec, if there is one (hubd_take_member), and is made cold
--- otherwise. A taken member wakes the daemons, which make a new one in its place.
+-- the pool of its provisioner and spec, if there is one (hubd_take_member), as the pool's miss
+-- says when none is ready (HU503 for 'refuse'), and is made cold otherwise. A taken member
+-- wakes the daemons, which make a new one in its place.
 CREATE FUNCTION hubd_request_allocation(provisioner text, tenant text,
     session text, requested_spec jsonb, requested_key text, requested_ready_when text,
     instance text, requested_lifetime double precision DEFAULT NULL,
@@ -1169,6 +1175,8 @@ DECLARE
     deadline timestamptz;
     idle double precision;
     pool hubd_pools;
+    waited_until timestamptz;
+    pause double precision := 0.005;
 BEGIN
     PERFORM hubd_check_request(provisioner, tenant, session, wanted_spec, requested_key,
         requested_ready_when);
@@ -1202,9 +1210,29 @@ BEGIN
         IF existing.id IS NULL THEN
             created := hubd_take_member(pool.pool_id, tenant, session, requested_key,
                 requested_ready_when, deadline, idle, instance);
+            -- A pool that waits on a miss looks again until a member is ready or its wait is
+            -- over, each look in a snapshot of its own: only under READ COMMITTED, where a
+            -- member made ready meanwhile can be seen at all. Looks come 5 ms apart at first,
+            -- then 50 ms: a burst that emptied the pool costs each waiter a look per 50 ms.
+            IF created.id IS NULL AND pool.miss = 'wait'
+               AND current_setting('transaction_isolation') = 'read committed' THEN
+                waited_until := clock_timestamp() + make_interval(secs => pool.miss_wait);
+                WHILE created.id IS NULL AND clock_timestamp() < waited_until LOOP
+                    PERFORM pg_sleep(least(pause,
+                        extract(epoch FROM waited_until - clock_timestamp())::float8));
+                    pause := least(pause * 2, 0.05);
+                    created := hubd_take_member(pool.pool_id, tenant, session, requested_key,
+                        requested_ready_when, deadline, idle, instance);
+                END LOOP;
+            END IF;
             -- nextval is strict: a counter dropped with its pool meanwhile counts nothing.
             PERFORM nextval(to_regclass(hubd_pool_counter(pool.counter_id,
                 CASE WHEN created.id IS NULL THEN 'missed' ELSE 'taken' END)));
+            IF created.id IS NULL AND pool.miss = 'refuse' THEN
+                RAISE EXCEPTION 'pool % has no member ready: retry in 1 s',
+                    quote_literal(pool.pool_id)
+                    USING ERRCODE = 'HU503', DETAIL = 'retry_after=1';
+            END IF;
             IF created.id IS NOT NULL THEN
                 PERFORM pg_notify('hubd_wake', provisioner);
                 RETURN NEXT created;

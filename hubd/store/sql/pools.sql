@@ -3,31 +3,37 @@
 
 -- name: set_pools
 -- The pools of this daemon's configuration: :pool_ids[i] of :provisioner_ids[i] with
--- :specs[i], :sizes[i] members, refilled at :refill_rates[i] a second. A pool of a provisioner
+-- :specs[i], :sizes[i] members, refilled at :refill_rates[i] a second, a request that finds
+-- none ready doing :misses[i] ('cold', 'wait' up to :miss_waits[i] seconds, 'refuse'). A pool of a provisioner
 -- in :served that the configuration no longer names is removed (its members are released by
 -- release_orphaned_members); the last daemon to start wins, as for the provisioners' limits.
 WITH wanted AS (
-    SELECT w.pool_id, w.provisioner_id, w.spec::jsonb AS spec, w.size, w.refill_rate
+    SELECT w.pool_id, w.provisioner_id, w.spec::jsonb AS spec, w.size, w.refill_rate, w.miss,
+           w.miss_wait
     FROM unnest(:pool_ids::text[], :provisioner_ids::text[], :specs::text[],
-                :sizes::integer[], :refill_rates::float8[])
-        AS w (pool_id, provisioner_id, spec, size, refill_rate)
+                :sizes::integer[], :refill_rates::float8[], :misses::text[],
+                :miss_waits::float8[])
+        AS w (pool_id, provisioner_id, spec, size, refill_rate, miss, miss_wait)
 ), removed AS (
     DELETE FROM hubd_pools AS p
     WHERE p.provisioner_id = ANY(:served::text[])
       AND NOT EXISTS (SELECT 1 FROM wanted AS w WHERE w.pool_id = p.pool_id)
     RETURNING p.pool_id
 ), written AS (
-    INSERT INTO hubd_pools AS p (pool_id, provisioner_id, spec, size, refill_rate)
+    INSERT INTO hubd_pools AS p (pool_id, provisioner_id, spec, size, refill_rate, miss,
+        miss_wait)
     SELECT * FROM wanted
     ON CONFLICT (pool_id) DO UPDATE SET
         provisioner_id = EXCLUDED.provisioner_id,
         spec = EXCLUDED.spec,
         size = EXCLUDED.size,
         refill_rate = EXCLUDED.refill_rate,
+        miss = EXCLUDED.miss,
+        miss_wait = EXCLUDED.miss_wait,
         updated_at = now()
-    WHERE (p.provisioner_id, p.spec, p.size, p.refill_rate)
+    WHERE (p.provisioner_id, p.spec, p.size, p.refill_rate, p.miss, p.miss_wait)
           IS DISTINCT FROM (EXCLUDED.provisioner_id, EXCLUDED.spec, EXCLUDED.size,
-                            EXCLUDED.refill_rate)
+                            EXCLUDED.refill_rate, EXCLUDED.miss, EXCLUDED.miss_wait)
     RETURNING p.pool_id
 )
 SELECT (SELECT count(*) FROM removed) AS removed, (SELECT count(*) FROM written) AS written;
