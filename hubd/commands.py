@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
+import attrs
+
 from hubd.client import Client
 from hubd.config import Config
 from hubd.errors import InvalidRequest, PluginError
@@ -26,6 +28,7 @@ from hubd.store import AllocationStore, Database, LedgerStore, Status
 from hubd.store.connect import open_database
 from hubd.store.instances import InstanceStore
 from hubd.store.migrate import apply_migrations
+from hubd.store.pools import pool_stats
 
 __all__ = [
     "CLI_INSTANCE",
@@ -70,7 +73,7 @@ async def cmd_migrate(config: Config, _args: argparse.Namespace) -> int:
 def add_alloc_commands(
     alloc_commands: Any, common: argparse.ArgumentParser, *, seconds: Callable[[str], float]
 ) -> None:
-    """``hubd alloc extend``, ``touch`` and ``logs``; ``seconds`` parses a duration."""
+    """``hubd alloc extend``, ``touch``, ``logs`` and ``pools``; ``seconds`` parses a duration."""
     extend = alloc_commands.add_parser(
         "extend",
         help="make a live allocation end later, within its provisioner's max_lifetime",
@@ -98,6 +101,12 @@ def add_alloc_commands(
     logs.add_argument(
         "-f", "--follow", action="store_true", help="then follow what it writes until it stops"
     )
+    pools = alloc_commands.add_parser(
+        "pools",
+        help="the warm pools: size, members ready and starting, takes and misses",
+        parents=[common],
+    )
+    pools.add_argument("--json", action="store_true", help="a JSON array instead of a table")
 
 
 def _positive_int(text: str) -> int:
@@ -152,17 +161,13 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
             print(f"{released.id} {released.status}")
             return EXIT_OK
         if command == "extend":
-            extended = await store.extend(args.id, args.lifetime)
-            ends = rfc3339(extended.expires_at) or "never"
-            print(f"{extended.id} {extended.status} ends {ends}")
-            return EXIT_OK
+            return await _extend(store, args.id, args.lifetime)
         if command == "touch":
-            touched = await store.touch(args.id)
-            idle = rfc3339(touched.idle_at) if touched.status is Status.ALLOCATED else None
-            print(f"{touched.id} {touched.status} idle at {idle or 'never'}")
-            return EXIT_OK
+            return await _touch(store, args.id)
         if command == "forget":
             return await _forget(store, args.id, args.reason)
+        if command == "pools":
+            return await _pools(db, as_json=args.json)
         if command == "list":
             status = Status(args.status) if args.status else None
             rows = await store.list_allocations(status=status, limit=args.limit)
@@ -186,6 +191,35 @@ async def cmd_alloc(config: Config, args: argparse.Namespace) -> int:
         raise AssertionError(command)
 
     return await _with_database(config, work)
+
+
+async def _extend(store: AllocationStore, allocation_id: str, lifetime: float) -> int:
+    extended = await store.extend(allocation_id, lifetime)
+    ends = rfc3339(extended.expires_at) or "never"
+    print(f"{extended.id} {extended.status} ends {ends}")
+    return EXIT_OK
+
+
+async def _touch(store: AllocationStore, allocation_id: str) -> int:
+    touched = await store.touch(allocation_id)
+    idle = rfc3339(touched.idle_at) if touched.status is Status.ALLOCATED else None
+    print(f"{touched.id} {touched.status} idle at {idle or 'never'}")
+    return EXIT_OK
+
+
+async def _pools(db: Database, *, as_json: bool) -> int:
+    found = await pool_stats(db)
+    if as_json:
+        print(json.dumps([attrs.asdict(p) for p in found], indent=2))
+        return EXIT_OK
+    print_table(
+        ("POOL", "PROVISIONER", "SIZE", "READY", "STARTING", "TAKEN", "MISSED"),
+        [
+            (p.id, p.provisioner, *map(str, (p.size, p.ready, p.starting, p.taken, p.missed)))
+            for p in found
+        ],
+    )
+    return EXIT_OK
 
 
 async def _forget(store: AllocationStore, allocation_id: str, reason: str) -> int:

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from hubd.store import Database
+from hubd.store import Database, connect_database
 from hubd.store.pools import Pool, PoolStore
 from hubd.store.quotas import Quotas, QuotaScope
 from tests.apikit import app_role
@@ -230,6 +230,27 @@ class TestWall:
         status = await db.pool.fetchval("SELECT status FROM hubd_allocations WHERE id = $1", member)
         assert status == "allocated"
 
+    async def test_counters_shadowed_in_the_temporary_schema_leave_the_count_with_hubd(
+        self, db: Database, pools: PoolStore, database_url: str
+    ) -> None:
+        await filled(db, pools, 1)
+        counter = await db.pool.fetchval("SELECT counter_id FROM hubd_pools")
+        async with walled(database_url, "acme") as acme:
+            for kind in ("taken", "missed"):
+                await acme.execute(f"CREATE TEMPORARY SEQUENCE hubd_pool_{kind}_{counter}")
+            assert (await request(acme, None))["warm"] is True
+            assert (await request(acme, None))["warm"] is False
+            shadows = await acme.fetch(
+                "SELECT sequencename, last_value FROM pg_sequences "
+                "WHERE sequencename LIKE 'hubd\\_pool\\_%' AND schemaname LIKE 'pg\\_temp%'"
+            )
+        assert sorted((r["sequencename"], r["last_value"]) for r in shadows) == [
+            (f"hubd_pool_missed_{counter}", None),
+            (f"hubd_pool_taken_{counter}", None),
+        ]
+        stats = (await pools.stats())[0]
+        assert (stats.taken, stats.missed) == (1, 1)
+
     async def test_members_count_against_no_quota_of_requests_with_no_tenant(
         self, db: Database, pools: PoolStore
     ) -> None:
@@ -254,6 +275,34 @@ class TestRefill:
         assert (first.made, first.lacking) == (2, 3)
         again = await pools.refill("warm", most=100)
         assert again.made == 0
+
+    async def test_replicas_refilling_at_once_never_make_more_than_the_size(
+        self, db: Database, pools: PoolStore, database_url: str
+    ) -> None:
+        await keep(pools, 7)
+        replica = await connect_database(database_url, pool_size=8)
+        try:
+            other = PoolStore(replica, instance_id="other-instance")
+            start = asyncio.Event()
+
+            async def refill(store: PoolStore) -> int:
+                await start.wait()
+                return (await store.refill("warm", most=3)).made
+
+            tasks = [asyncio.ensure_future(refill(pools if n % 2 else other)) for n in range(16)]
+            start.set()
+            made = await asyncio.gather(*tasks)
+            # Whoever held the pool's lock made what it lacked, at most 3 a turn; the others
+            # skipped their turn, and the next turns made the rest.
+            while (await pools.refill("warm", most=3)).made:
+                pass
+        finally:
+            await replica.close()
+        members = await db.pool.fetchval(
+            "SELECT count(*) FROM hubd_allocations WHERE pool_id = 'warm' AND taken_at IS NULL"
+        )
+        assert members == 7
+        assert sum(made) <= 7
 
     async def test_a_shrunk_changed_or_removed_pool_releases_its_surplus(
         self, db: Database, pools: PoolStore

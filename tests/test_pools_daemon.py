@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hubd.store import Database
 from hubd.store.pools import PoolStore
+from tests.clikit import run_hubd_async
 from tests.daemonkit import running, sidecar_generations, write_config
 from tests.polling import eventually
 
@@ -82,7 +83,16 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
 
         await eventually(gone, within=60, every=0.2)
         assert await ready_members() == 2
-        assert (await pools.stats())[0].taken == 1
+        env = {"HUBD_DATABASE_URL": database_url}
+        listed = await run_hubd_async("alloc", "pools", "--json", env=env)
+        assert listed.code == 0, listed.err
+        [pool] = json.loads(listed.out)
+        assert (pool["id"], pool["size"], pool["ready"], pool["taken"]) == ("warm", 2, 2, 1)
+        shown = await run_hubd_async("alloc", "show", made["id"], "--json", env=env)
+        assert shown.code == 0, shown.err
+        detail = json.loads(shown.out)
+        assert (detail["pool"], detail["handover_pending"]) == ("warm", False)
+        assert detail["taken_at"] is not None
 
 
 def _sidecars(marker: str) -> set[str]:

@@ -119,6 +119,12 @@ class Allocation:
     readiness on)."""
     starting_since: datetime | None = None
     """When its provisioning clock started (claimed or replacing, not ready since)."""
+    pool_id: str | None = None
+    """The warm pool that made it (docs/pools.md); ``None``: made for its request."""
+    taken_at: datetime | None = None
+    """When a request took it from its pool; ``None`` with a pool: a member no one took."""
+    handover_pending: bool = False
+    """Taken, and its sidecar has not yet acknowledged its session (architecture §4)."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Allocation:
