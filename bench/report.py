@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from bench import http
+from bench import http, pools
 
 __all__ = ["Measures", "profile_summary", "render", "round_ratios", "storm_ratios"]
 
@@ -33,6 +33,19 @@ class Target:
     def met(self, hubd: float, ratio: float | None) -> bool | None:
         subject = ratio if self.on == "ratio" else hubd
         return None if subject is None else _COMPARE[self.op](subject, self.value)
+
+
+def _parts(row: Callable[..., None], results: dict[str, Any]) -> None:
+    """The rows of the parts that report their own measures."""
+    # The HTTP API (bench.http): HTTP's figures beside SQL's on one daemon; stream delivery
+    # and the wait's answer from the feed's commit time; idle streams' memory.
+    for key, label, ours, base, goal, unit in http.measures(results.get("http")):
+        target = None if goal is None else Target(on="hubd", op="<=", value=goal)
+        row(key, label, ours, base, target, unit)
+    # Warm pools (bench.pools): warm beside cold on one daemon, bursts, the refill rate.
+    for key, label, value, bound, unit in pools.measures(results.get("pools")):
+        target = None if bound is None else Target(on="hubd", op=bound[0], value=bound[1])
+        row(key, label, value, None, target, unit)
 
 
 def _get(results: dict[str, Any], *path: str) -> Any:
@@ -252,11 +265,7 @@ class Measures:
                 Target(on="hubd", op="<=", value=0),
                 "allocations",
             )
-        # The HTTP API (bench.http): HTTP's figures beside SQL's on one daemon; stream delivery
-        # and the wait's answer from the feed's commit time; idle streams' memory.
-        for key, label, ours, base, goal, unit in http.measures(results.get("http")):
-            target = None if goal is None else Target(on="hubd", op="<=", value=goal)
-            row(key, label, ours, base, target, unit)
+        _parts(row, results)
         small, large = size.small_rows, size.large_rows
         for name, label in (
             ("claim", "claim statement (16 slots)"),

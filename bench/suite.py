@@ -21,7 +21,10 @@ What runs, in order, on one PostgreSQL (the embedded one in a temporary director
    and restarted, and whether any ended twice or never;
 6. the HTTP API (``bench.http``): on a fresh daemon serving it, request → ready through HTTP
    against SQL, event stream delivery and the wait's answer after commit, idle streams' memory;
-7. for every socket count, a fresh daemon and a fresh bare websockets server: RSS per idle
+7. warm pools (``bench.pools``): on a fresh daemon with a pool of each provisioner, warm
+   request → ready beside cold, a burst against the full pool, recovery after one of twice
+   its size, the refill rate;
+8. for every socket count, a fresh daemon and a fresh bare websockets server: RSS per idle
    socket and the reconnect storm.
 
 See docs/performance.md for what each measure means and a recorded run.
@@ -50,7 +53,7 @@ from typing import Any
 import asyncpg
 import attrs
 
-from bench import baselines, databases, deadlines, fairness, http, phases, scale
+from bench import baselines, databases, deadlines, fairness, http, phases, pools, scale
 from bench.procs import DaemonProcess, FarmClient, raise_open_files, server_processes
 from bench.report import Measures, profile_summary, render
 from bench.watch import Watcher, xact_commit
@@ -368,6 +371,20 @@ class Run:
         finally:
             await self.watcher.unmute()
 
+    async def pools_phase(self) -> dict[str, Any]:
+        """``bench.pools`` at this run's size, the watcher muted as for fairness."""
+        await self.watcher.mute()
+        try:
+            return await pools.measure(
+                self.dsn,
+                self.farm,
+                self.workdir,
+                pools.LOADS[self.args.size],
+                root=self.daemon_root,
+            )
+        finally:
+            await self.watcher.unmute()
+
     async def socket_phase(self, n: int) -> dict[str, Any]:
         # The bare server's sockets stay open (idle, in their own process) while hubd's are
         # measured, so that each of its storms can run just before one of hubd's.
@@ -571,6 +588,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 -- t
             await bench_run.step("fairness", bench_run.fairness_phase)
             await bench_run.step("deadlines", bench_run.deadlines_phase)
             await bench_run.step("http", bench_run.http_phase)
+            await bench_run.step("pools", bench_run.pools_phase)
             await bench_run.step(
                 "statements",
                 lambda: scale.statement_costs(
@@ -635,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             "fairness",
             "deadlines",
             "http",
+            "pools",
             "sockets",
         ],
         help="run only these parts (repeatable; the table then has gaps)",

@@ -15,7 +15,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from bench import deadlines, fairness, http, procs
+from bench import deadlines, fairness, http, pools, procs
 from bench.report import render, round_ratios, storm_ratios
 from hubd.store import AllocationStore, Database
 from tests.clikit import hubd_env
@@ -60,6 +60,7 @@ EVERY_MEASURE = {
     "deadline_twice",
     "deadline_never",
     *(key for key, *_ in http.measures(None)),
+    *(key for key, *_ in pools.measures(None)),
     "claim_cost",
     "renewal_cost",
     "status_count_cost",
@@ -97,6 +98,7 @@ WITH_BASELINE = EVERY_MEASURE - {
     "deadline_twice",
     "deadline_never",
     *(key for key, *_ in http.measures(None) if "_sse" in key or "_idle" in key),
+    *(key for key, *_ in pools.measures(None)),
     "loss_rate_30",
     "storm_cpu_postgres_30",
     "storm_cpu_bench_30",

@@ -116,6 +116,12 @@ class TestHandover:
             assert (await row(db, sidecar.allocation_id))["handover_pending"] is True
             await ws.send(json.dumps({"type": "session_ack"}))
             assert await message_of(ws) == {"type": "session_recorded"}
+            # Ready at the take already: the acknowledgement changes nothing the tenant reads.
+            events = await db.pool.fetch(
+                "SELECT event FROM hubd_v1.events WHERE allocation_id = $1 ORDER BY position",
+                sidecar.allocation_id,
+            )
+            assert [e["event"] for e in events] == ["requested", "ready"]
         assert (await row(db, sidecar.allocation_id))["handover_pending"] is False
         kinds = await db.pool.fetch(
             "SELECT kind FROM hubd_allocation_ledger WHERE allocation_id = $1 ORDER BY seq",

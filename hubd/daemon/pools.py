@@ -2,7 +2,7 @@
 
 Each daemon writes the ``[[pools]]`` of its configuration at its start, then refills every pool
 of a provisioner it serves: at once when the database says a member was taken (the take
-notifies ``hubd_wake``), again soon while a pool still lacks members, and every
+notifies ``hubd_handover``), again soon while a pool still lacks members, and every
 :data:`IDLE_INTERVAL` otherwise, which also replaces members lost or ended meanwhile. Any
 replica may refill a pool; the pool's row lock makes one do it at a time, and the pool's
 refill rate is counted in the database, so it holds across replicas. The members are claimed,

@@ -193,6 +193,7 @@ def wake_listener(
     on_wake: Callable[[], None],
     on_reconnected: Callable[[], None],
     poll_interval: float,
+    on_taken: Callable[[], None] = lambda: None,
 ) -> NotificationListener:
     """The LISTEN connection, wired to ``router``'s repair: a sidecar connected on a peer
     resolves the waits here; a fence or a retirement closes the sockets it names. Both name
@@ -225,6 +226,8 @@ def wake_listener(
             metrics.notices_forged.labels(HANDOVER_CHANNEL).inc()
             return
         router.handover.taken(*taken)
+        # A member left its pool: the pools refill now, not at their next turn.
+        on_taken()
 
     return NotificationListener(
         dsn=dsn,
@@ -277,6 +280,7 @@ class Running:
         readiness: Callable[[], str | None],
         readiness_detail: Callable[[], Sequence[str]] = lambda: (),
         on_notified: Callable[[], None] | None = None,
+        on_taken: Callable[[], None] = lambda: None,
     ) -> Running:
         rc, db, router = config.reconciler, parts.db, parts.router
         store = AllocationStore(db, instance_id=parts.instance_id)
@@ -326,6 +330,7 @@ class Running:
             on_wake=on_notified or on_wake,
             on_reconnected=on_reconnected,
             poll_interval=rc.poll_interval,
+            on_taken=on_taken,
         )
         statuses = [str(status) for status in Status]
 

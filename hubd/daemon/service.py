@@ -149,11 +149,6 @@ class Daemon:
                 metrics=self.metrics.pools,
             )
 
-            def notified() -> None:
-                # A take notifies hubd_wake too: its pool lacks a member now.
-                self._waker.notify()
-                pools.nudge()
-
             running = Running.build(
                 cfg,
                 parts,
@@ -162,7 +157,8 @@ class Daemon:
                 metrics=self.metrics,
                 on_ready=self._on_ready,
                 on_wake=self._waker.wake,
-                on_notified=notified,
+                on_notified=self._waker.notify,
+                on_taken=pools.nudge,
                 on_reconnected=self._verify_soon.set,
                 readiness=self._readiness,
                 readiness_detail=self._readiness_detail,

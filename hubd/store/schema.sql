@@ -661,8 +661,13 @@ BEGIN
         ELSIF OLD.expires_at IS DISTINCT FROM NEW.expires_at
               OR (OLD.expiring AND NOT NEW.expiring) THEN
             kinds := ARRAY['extended'];
-        ELSE
+        ELSIF OLD.endpoint IS DISTINCT FROM NEW.endpoint
+              OR OLD.metadata IS DISTINCT FROM NEW.metadata THEN
             kinds := ARRAY['published'];
+        ELSE
+            -- Nothing the application reads changed (a connection lost and found while a
+            -- hand-over was owed, the hand-over's acknowledgement where it was ready already).
+            RETURN NULL;
         END IF;
     END IF;
     LOCK TABLE hubd_feed_lock IN EXCLUSIVE MODE;
@@ -1234,7 +1239,8 @@ BEGIN
                     USING ERRCODE = 'HU503', DETAIL = 'retry_after=1';
             END IF;
             IF created.id IS NOT NULL THEN
-                PERFORM pg_notify('hubd_wake', provisioner);
+                -- No hubd_wake: a take leaves nothing due to claim, and the daemons hear of
+                -- it on hubd_handover (hubd_take_member), which also starts their refill.
                 RETURN NEXT created;
                 RETURN;
             END IF;
