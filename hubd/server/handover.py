@@ -11,13 +11,15 @@ lost with a LISTEN connection delays a hand-over by one check at most, never los
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from hubd.aio import TrackedTasks
-from hubd.errors import StoreError
+from hubd.errors import BatchFull, StoreError
 from hubd.redaction import describe_error
+from hubd.routing import Target
+from hubd.server.batching import Batcher
 from hubd.server.handshake import CloseCode
 from hubd.server.sockets import SocketEntry
 from hubd.store.connection_values import Handover
@@ -40,7 +42,11 @@ def session_message(handover: Handover) -> str:
 
 
 class Handovers:
-    """Sends hand-overs to the sockets held here, and writes their acknowledgements."""
+    """Sends hand-overs to the sockets held here, and writes their acknowledgements.
+
+    A burst of takes is a burst of notices, and then of acknowledgements: the reads of what
+    each is owed, and the acknowledgements' writes, that arrive while one statement runs go in
+    the next (:class:`~hubd.server.batching.Batcher`), as the activity reports do."""
 
     def __init__(
         self,
@@ -59,11 +65,23 @@ class Handovers:
         self._allocation_of = allocation_of
         self._close = close
         self._follow = follow
-        self._timeout = timeout
+        self._reads: Batcher[str, Handover] = Batcher(
+            self._owed, name="handover-reads", timeout=timeout, max_waiting=16384
+        )
+        self._writes: Batcher[tuple[str, Target], bool] = Batcher(
+            connections.acknowledge_handovers,
+            name="handover-acknowledgements",
+            timeout=timeout,
+            max_waiting=16384,
+        )
         self.sent = 0
         """``session`` messages sent."""
         self.acknowledged = 0
         """Hand-overs the sidecars acknowledged here."""
+
+    @property
+    def batchers(self) -> tuple[Batcher[Any, Any], ...]:
+        return (self._reads, self._writes)
 
     def owed(self, entry: SocketEntry, handover: Handover) -> None:
         """``entry``'s welcome was acknowledged and its admission found a hand-over owed."""
@@ -75,7 +93,7 @@ class Handovers:
         allocation_id = self._allocation_of(tag)
         if allocation_id is None:
             return
-        self._tasks.spawn(self._fetch_and_send([allocation_id]), name=f"handover-{tag[:8]}")
+        self._tasks.spawn(self._read_and_send(allocation_id), name=f"handover-{tag[:8]}")
 
     async def resend(self) -> int:
         """Send every hand-over still owed to a socket held here; how many were sent. A
@@ -95,11 +113,8 @@ class Handovers:
         the socket as the database says it no longer belongs, and one whose outcome is unknown
         closes it with 1011 (the sidecar reconnects, is told again, and acknowledges again)."""
         try:
-            async with asyncio.timeout(self._timeout):
-                done = await self._connections.acknowledge_handover(
-                    entry.connection_id, entry.target
-                )
-        except (StoreError, TimeoutError) as exc:
+            done = await self._writes.request((entry.connection_id, entry.target))
+        except (StoreError, TimeoutError, BatchFull) as exc:
             entry.log.warning("handover_acknowledgement_failed", error=describe_error(exc))
             self._close(entry, CloseCode.INTERNAL_ERROR)
             return False
@@ -111,17 +126,21 @@ class Handovers:
             entry.log.info("handover_acknowledged")
         return True
 
-    async def _fetch_and_send(self, allocation_ids: list[str]) -> int:
-        if not allocation_ids:
-            return 0
+    async def close(self) -> None:
+        await self._reads.close()
+        await self._writes.close()
+
+    async def _owed(self, allocation_ids: list[str]) -> Mapping[str, Handover]:
+        owed = await self._connections.handovers(allocation_ids)
+        return {handover.target.allocation_id: handover for handover in owed}
+
+    async def _read_and_send(self, allocation_id: str) -> None:
         try:
-            owed = await self._connections.handovers(allocation_ids)
-        except StoreError:
-            return 0
-        sent = 0
-        for handover in owed:
-            sent += await self._send(self._sockets(handover.target.allocation_id), handover)
-        return sent
+            handover = await self._reads.request(allocation_id)
+        except (StoreError, TimeoutError, BatchFull):
+            return  # the socket check sends it
+        if handover is not None:
+            await self._send(self._sockets(allocation_id), handover)
 
     async def _send(self, entries: list[SocketEntry], handover: Handover) -> int:
         message = session_message(handover)

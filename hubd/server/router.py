@@ -399,6 +399,7 @@ class SocketRouter:
         await self._acknowledgements.close()
         await self._clears.close()
         await self.activity.close()
+        await self.handover.close()
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -420,7 +421,12 @@ class SocketRouter:
 
     @property
     def batchers(self) -> tuple[Batcher[Any, Any], ...]:
-        return (self._acknowledgements, self._clears, self.activity.batcher)
+        return (
+            self._acknowledgements,
+            self._clears,
+            self.activity.batcher,
+            *self.handover.batchers,
+        )
 
     @property
     def busy_allocations(self) -> int:

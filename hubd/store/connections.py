@@ -244,23 +244,24 @@ class ConnectionStore:
             for row in rows
         ]
 
-    async def acknowledge_handover(self, connection_id: str, target: Target) -> bool | None:
-        """Connection ``connection_id``'s sidecar holds its session, fenced as :meth:`publish`
-        is. ``True``: the hand-over was owed and is done; ``False``: none was owed; ``None``:
-        the fence refused it (the socket no longer holds the current record)."""
-        row = await self._db.fetchrow(
-            "acknowledge hand-over",
-            SQL.acknowledge_handover(
-                allocation_id=target.allocation_id,
-                generation=target.generation,
-                connection_id=connection_id,
+    async def acknowledge_handovers(
+        self, acknowledged: list[tuple[str, Target]]
+    ) -> Mapping[tuple[str, Target], bool]:
+        """Connections ``(connection_id, target)`` say their sidecars hold their sessions,
+        each fenced as :meth:`publish` is. Maps each whose fence held to whether a hand-over
+        was owed (and is now done); one the fence refused is absent."""
+        rows = await self._db.fetch(
+            "acknowledge hand-overs",
+            SQL.acknowledge_handovers(
+                connection_ids=[c for c, _ in acknowledged],
+                allocation_ids=[t.allocation_id for _, t in acknowledged],
+                generations=[t.generation for _, t in acknowledged],
                 instance_id=self.instance_id,
             ),
             pool=Pool.SOCKETS,
         )
-        if row is None or not row["fenced_in"]:
-            return None
-        return bool(row["handed_over"])
+        by_connection = {key[0]: key for key in acknowledged}
+        return {by_connection[row["connection_id"]]: row["handed_over"] for row in rows}
 
     async def declare_not_ready(
         self, connection_id: str, target: Target, *, connect_timeout: float

@@ -688,31 +688,42 @@ SELECT a.id, a.generation, a.tenant_id, a.session_id
 FROM hubd_allocations AS a
 WHERE a.handover_pending AND a.status IN ('provisioning', 'allocated');
 
--- name: acknowledge_handover
--- Connection :connection_id of generation :generation of :allocation_id says its sidecar holds
--- its session (a 'session_ack'). Fenced as publish is (the connection holds the current record
--- of the current generation, provisioning or allocated, and the row's connection number is
--- still the record's). Clears handover_pending, and with it the provisioning clock the take of
--- a member that must declare started (an allocation that reads ready to its application from
--- here gets a 'ready' event), with a ledger row 'handover' by :instance_id. Returns one row:
--- whether the fence held, and whether a hand-over was owed (and is now done).
-WITH current AS (
-    SELECT c.seq FROM hubd_sidecar_connections AS c
-    WHERE c.allocation_id = :allocation_id AND c.connection_id = :connection_id
-      AND c.generation = :generation
+-- name: acknowledge_handovers
+-- Connections :connection_ids[i] of generations :generations[i] of :allocation_ids[i] say their
+-- sidecars hold their sessions (a 'session_ack' each). Each fenced as publish is (the
+-- connection holds the current record of the current generation, provisioning or allocated,
+-- and the row's connection number is still the record's); the rows locked in id order, as
+-- every multi-row statement takes them. Each one owed a hand-over has handover_pending
+-- cleared, and with it the provisioning clock the take of a member that must declare started
+-- (an allocation that reads ready to its application from here gets a 'ready' event), with a
+-- ledger row 'handover' by :instance_id. Returns a row per connection whose fence held: whether
+-- a hand-over was owed (and is now done).
+WITH input AS (
+    SELECT DISTINCT i.connection_id, i.allocation_id, i.generation
+    FROM unnest(:connection_ids::text[], :allocation_ids::text[], :generations::integer[])
+        AS i (connection_id, allocation_id, generation)
+    ORDER BY i.allocation_id
 ), fenced AS (
-    SELECT a.id, a.handover_pending FROM hubd_allocations AS a
-    WHERE a.id = :allocation_id AND a.generation = :generation
-      AND a.status IN ('provisioning', 'allocated')
-      AND a.connection_seq = (SELECT seq FROM current)
-    FOR NO KEY UPDATE
+    SELECT i.connection_id, a.id, a.handover_pending
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT x.id, x.handover_pending FROM hubd_allocations AS x
+        WHERE x.id = i.allocation_id AND x.generation = i.generation
+          AND x.status IN ('provisioning', 'allocated')
+          AND x.connection_seq = (
+              SELECT c.seq FROM hubd_sidecar_connections AS c
+              WHERE c.allocation_id = i.allocation_id AND c.connection_id = i.connection_id
+                AND c.generation = i.generation)
+        LIMIT 1
+        FOR NO KEY UPDATE
+    ) AS a
 ), updated AS (
     UPDATE hubd_allocations AS a SET
         handover_pending = false,
         starting_since = CASE WHEN a.connection_ready THEN NULL ELSE a.starting_since END,
         updated_at = now()
-    FROM fenced AS f
-    WHERE a.id = f.id AND a.id = :allocation_id AND f.handover_pending
+    FROM (SELECT DISTINCT f.id FROM fenced AS f WHERE f.handover_pending) AS f
+    WHERE a.id = f.id AND a.id = ANY (:allocation_ids::text[])
     RETURNING a.id, a.generation, a.status
 ), logged AS (
     INSERT INTO hubd_allocation_ledger
@@ -721,4 +732,5 @@ WITH current AS (
         'the sidecar holds its session'
     FROM updated AS u
 )
-SELECT EXISTS (SELECT 1 FROM fenced) AS fenced_in, EXISTS (SELECT 1 FROM updated) AS handed_over;
+SELECT f.connection_id, EXISTS (SELECT 1 FROM updated AS u WHERE u.id = f.id) AS handed_over
+FROM fenced AS f;
