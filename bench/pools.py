@@ -18,7 +18,8 @@ and, for a cold request, the whole provisioning.
    not matching it (cold).
 2. **burst**: ``pool`` requests at once against the full pool (32 connections, each warmed up
    by a request first, as an application's are).
-3. **recovery**: twice ``pool`` requests at once (half of them miss and go cold), then requests at
+3. **recovery**: twice ``pool`` requests at once (those the refill does not make in time miss
+   and go cold), then requests at
    ``rate`` a second for ``recovery`` seconds (12): the first second from the burst's end whose
    p90 is back under the warm p99 goal, and when the pool was full again.
 4. **local**: ``local_samples`` requests at 2 a second matching the ``local`` pool, then as
