@@ -10,7 +10,7 @@ from pathlib import Path
 from hubd.store import Database
 from hubd.store.pools import PoolStore
 from tests.clikit import run_hubd_async
-from tests.daemonkit import running, sidecar_generations, write_config
+from tests.daemonkit import http_get, kill_sidecars, running, sidecar_generations, write_config
 from tests.polling import eventually
 
 POOL = '[[pools]]\nid = "warm"\nprovisioner = "local"\nsize = 2\nrefill_rate = 50\n'
@@ -49,7 +49,7 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
     async def full() -> bool:
         return await ready_members() == 2
 
-    async with running(config, env={"HUBD_DATABASE_URL": database_url}):
+    async with running(config, env={"HUBD_DATABASE_URL": database_url}) as daemon:
         await eventually(full, within=60, every=0.2)
         assert len(_sidecars(marker)) == 2
         made = await db.pool.fetchrow("SELECT * FROM hubd_v1.request('local', 'acme')")
@@ -93,6 +93,27 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
         detail = json.loads(shown.out)
         assert (detail["pool"], detail["handover_pending"]) == ("warm", False)
         assert detail["taken_at"] is not None
+
+        scrapes: list[str] = []
+
+        async def scraped() -> bool:
+            scrapes.append((await http_get(daemon.admin_url + "/metrics"))[1])
+            return 'hubd_pool_takes_total{pool="warm"} 1.0' in scrapes[-1]
+
+        await eventually(scraped, within=30, every=0.5)
+        metrics = scrapes[-1]
+        assert 'hubd_pool_members{pool="warm",state="ready"} 2.0' in metrics
+        assert 'hubd_pool_size{pool="warm"} 2.0' in metrics
+
+        # Members whose sidecars die are replaced, and no application hears of them.
+        events = await db.pool.fetchval("SELECT count(*) FROM hubd_v1.events")
+        kill_sidecars(marker)
+
+        async def replaced() -> bool:
+            return len(_sidecars(marker)) == 2 and await full()
+
+        await eventually(replaced, within=60, every=0.2)
+        assert await db.pool.fetchval("SELECT count(*) FROM hubd_v1.events") == events
 
 
 def _sidecars(marker: str) -> set[str]:
