@@ -3,7 +3,7 @@
 Each daemon writes the ``[[pools]]`` of its configuration at its start, then refills every pool
 of a provisioner it serves: at once when the database says a member was taken (the take
 notifies ``hubd_handover``), again soon while a pool still lacks members, and every
-:data:`IDLE_INTERVAL` otherwise, which also replaces members lost or ended meanwhile. Any
+:data:`IDLE_INTERVAL` otherwise, which also replaces members that ended meanwhile. Any
 replica may refill a pool; the pool's row lock makes one do it at a time, and the pool's
 refill rate is counted in the database, so it holds across replicas. The members are claimed,
 provisioned and watched like any allocation.
@@ -29,8 +29,10 @@ __all__ = ["IDLE_INTERVAL", "PoolKeeper", "PoolMetrics"]
 
 log = structlog.get_logger(__name__)
 
-IDLE_INTERVAL = 1.0
-"""The longest a pool goes without a refill: members lost or ended are replaced within this."""
+IDLE_INTERVAL = 5.0
+"""The longest a pool goes without a refill: members that ended for good are replaced within
+this. A take starts one at once; a member whose sidecar died is replaced by the reconciler as
+any allocation is. Each turn is a transaction, one of the few an idle daemon makes."""
 BUSY_INTERVAL = 0.05
 """The wait before the next turn while a pool still lacks members."""
 MOST_PER_TURN = 500
