@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 
 import structlog
@@ -37,6 +38,8 @@ BUSY_INTERVAL = 0.05
 """The wait before the next turn while a pool still lacks members."""
 MOST_PER_TURN = 500
 """Members one statement makes at most, whatever the refill rate allows."""
+ORPHAN_TURNS = 12
+"""Turns between two looks for members of pools no longer configured."""
 
 
 class PoolMetrics:
@@ -143,15 +146,18 @@ class PoolKeeper:
             except StoreError as exc:
                 log.warning("pools_not_written", error=str(exc))
                 await asyncio.sleep(IDLE_INTERVAL)
-        while True:
+        for turn in itertools.count():
             raise_if_cancelled()
             wait = IDLE_INTERVAL
             # Cleared before the turn: a take heard during it brings the next one at once.
             self._due.clear()
             try:
-                released = await self._store.release_orphaned()
-                if released:
-                    log.info("pool_members_orphaned_released", count=released)
+                # Pools are removed only by a daemon's start, which releases their members
+                # itself; this is for one that stopped before it could.
+                if turn % ORPHAN_TURNS == 0:
+                    released = await self._store.release_orphaned()
+                    if released:
+                        log.info("pool_members_orphaned_released", count=released)
                 for pool in self._pools:
                     refilled = await self._store.refill(pool.id, most=MOST_PER_TURN)
                     if refilled.made:
