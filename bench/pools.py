@@ -5,11 +5,11 @@ in the same run, on the instant provisioner and on ``local``.
 
 One ``hubd run`` (production defaults, the instant provisioner and the farm of ``python -m
 bench``, and the ``local`` provisioner running ``hubd sidecar``) with two pools: ``pool``
-members of the instant provisioner refilled as fast as the daemon can, and ``local_pool`` of
-``local``. Every latency runs from the moment this process sends ``hubd_v1.request`` to the
-``at`` of the allocation's ``ready`` event (``clock_timestamp()`` in the commit that wrote it;
-the same system clock as ``time.time()`` here), so it holds the request's statement, its commit
-and, for a cold request, the whole provisioning.
+members of the instant provisioner refilled at 250 a second, and ``local_pool`` of ``local``.
+Every latency runs from the moment this process sends ``hubd_v1.request`` to the ``at`` of the
+allocation's ``ready`` event (``clock_timestamp()`` in the commit that wrote it; the same system
+clock as ``time.time()`` here), so it holds the request's statement, its commit and, for a cold
+request, the whole provisioning.
 
 0. **refill**: the pool's first fill, from its first member's ``created_at`` to ``pool``
    members ready, members a second (the local pool is then waited for: its processes' start
@@ -56,6 +56,9 @@ COLD = {"pool": "none"}
 LOCAL = "local"
 BURST_CONNECTIONS = 32
 WARM_P99_GOAL = 40.0
+REFILL_RATE = 250
+"""The instant pool's refill_rate: above the steady stream's 100 a second, so the pool keeps
+up with it, and paced, so that a burst's refill does not take the cores from the burst."""
 
 
 @attrs.frozen(kw_only=True)
@@ -95,7 +98,7 @@ id = "bench"
 provisioner = "{provisioner}"
 spec = {{ pool = "bench" }}
 size = {pool}
-refill_rate = 100000
+refill_rate = {refill_rate}
 [[pools]]
 id = "local"
 provisioner = "local"
@@ -228,7 +231,7 @@ async def measure(
     command = json.dumps([sys.executable, "-m", "hubd.cli", "sidecar"])
     with config.open("a") as text:
         text.write(POOLS.format(command=command, provisioner=PROVISIONER, pool=load.pool,
-                                local_pool=load.local_pool))  # fmt: skip
+                                local_pool=load.local_pool, refill_rate=REFILL_RATE))  # fmt: skip
     daemon = DaemonProcess(config, max_sockets=load.sockets, root=root)
     result: dict[str, Any] = {"load": attrs.asdict(load)}
     async with contextlib.AsyncExitStack() as undo:

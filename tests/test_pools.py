@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
+from hubd.client import Client
+from hubd.errors import PoolEmpty
 from hubd.store import Database, connect_database
 from hubd.store.pools import Pool, PoolStore
 from hubd.store.quotas import Quotas, QuotaScope
@@ -338,6 +340,20 @@ class TestMiss:
         assert refused.value.sqlstate == "HU503"
         assert (await pools.stats())[0].missed == 1
         assert await db.pool.fetchval("SELECT count(*) FROM hubd_allocations") == 1
+
+    async def test_the_client_raises_pool_empty_and_returns_warm_allocations(
+        self, db: Database, pools: PoolStore, database_url: str
+    ) -> None:
+        [member] = await filled(db, pools, 1, miss="refuse")
+        client = await Client.connect(database_url)
+        try:
+            taken = await client.request("local", tenant="acme", spec=SPEC)
+            assert (taken.id, taken.warm, taken.ready) == (member, True, True)
+            with pytest.raises(PoolEmpty) as refused:
+                await client.request("local", tenant="acme", spec=SPEC)
+        finally:
+            await client.close()
+        assert refused.value.retry_after == 1.0
 
     async def test_a_pool_that_waits_takes_the_member_made_ready_meanwhile(
         self, db: Database, pools: PoolStore, database_url: str
