@@ -127,7 +127,11 @@ class TestHandover:
             "SELECT kind FROM hubd_allocation_ledger WHERE allocation_id = $1 ORDER BY seq",
             sidecar.allocation_id,
         )
-        assert [k["kind"] for k in kinds][-2:] == ["take", "handover"]
+        # The socket's close may have written its own row after them.
+        assert [k["kind"] for k in kinds if k["kind"] in ("take", "handover")] == [
+            "take",
+            "handover",
+        ]
 
     async def test_a_member_that_must_declare_reads_ready_only_once_it_acknowledged(
         self, db: Database, hub: Hub, database_url: str
