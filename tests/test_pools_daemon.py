@@ -15,17 +15,13 @@ from tests.polling import eventually
 
 POOL = '[[pools]]\nid = "warm"\nprovisioner = "local"\nsize = 2\nrefill_rate = 50\n'
 
-# The sidecar's command: once the context file names a tenant (a hand-over), copy it to
-# <dir>/<allocation id>.json; keep running, as a sidecar's service does.
-WATCH_CONTEXT = """
-import json, os, pathlib, sys, time
-out, copied = pathlib.Path(sys.argv[1]), False
-while True:
-    context = json.loads(pathlib.Path(os.environ["HUBD_CONTEXT_FILE"]).read_text())
-    if context["tenant"] and not copied:
-        (out / (context["allocation_id"] + ".json")).write_text(json.dumps(context))
-        copied = True
-    time.sleep(0.1)
+# The sidecar's command: says where its context file is (<dir>/<allocation id>.path), then
+# waits for its stop signal, as a sidecar's service runs until it is stopped.
+SAY_CONTEXT = """
+import os, pathlib, signal, sys
+name = os.environ["HUBD_ALLOCATION_ID"] + ".path"
+pathlib.Path(sys.argv[1], name).write_text(os.environ["HUBD_CONTEXT_FILE"])
+signal.pause()
 """
 
 
@@ -38,7 +34,7 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
         state_dir=state_dir,
         marker=marker,
         extra=POOL,
-        sidecar_args=("--", sys.executable, "-c", WATCH_CONTEXT, str(state_dir)),
+        sidecar_args=("--", sys.executable, "-c", SAY_CONTEXT, str(state_dir)),
     )
     pools = PoolStore(db, instance_id="observer")
 
@@ -57,10 +53,13 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
         assert (made["warm"], made["ready"], made["tenant"]) == (True, True, "acme")
         # The sidecar is told its session over its socket; its command reads it in the
         # context file, and the sidecar's acknowledgement is recorded after that.
-        copied = state_dir / f"{made['id']}.json"
-        await eventually(copied.exists, within=60, every=0.2)
-        context = json.loads(copied.read_text())
-        assert (context["tenant"], context["session"]) == ("acme", None)
+        said = state_dir / f"{made['id']}.path"
+
+        def handed_over() -> bool:
+            context = json.loads(Path(said.read_text()).read_text())
+            return (context["tenant"], context["session"]) == ("acme", None)
+
+        await eventually(handed_over, within=60, every=0.2)
 
         async def acknowledged() -> bool:
             pending = await db.pool.fetchval(
