@@ -180,6 +180,32 @@ class TestHandover:
             assert await message_of(ws) == {"type": "session_recorded"}
         assert (await row(db, sidecar.allocation_id))["handover_pending"] is False
 
+    async def test_an_ack_from_a_socket_another_replica_superseded_writes_nothing(
+        self, db: Database, hub: Hub
+    ) -> None:
+        """The sidecar reconnected to a second replica after the take; the first replica has
+        not heard of it yet, and the old socket's acknowledgement comes late (a paused peer,
+        a slow network): the fence on its record refuses it, and the hand-over stays owed
+        until the current socket acknowledges."""
+        sidecar = await member(db)
+        async with (
+            running_hub(db, ready_on_connect=True, instance_id="in_two") as two,
+            dial(hub.url, sidecar.headers()) as old,
+        ):
+            first = await welcomed(old)
+            await eventually(lambda: ready_row(db, sidecar.allocation_id), within=30)
+            await take(db)
+            secret = {"Hubd-Reconnect-Secret": first["reconnect_secret"]}
+            async with dial(two.url, sidecar.headers(**secret)) as new:
+                await welcomed(new)
+                assert (await message_of(new))["type"] == "session"
+                await old.send(json.dumps({"type": "session_ack"}))
+                assert await close_code_of(old) == 4000
+                assert (await row(db, sidecar.allocation_id))["handover_pending"] is True
+                await new.send(json.dumps({"type": "session_ack"}))
+                assert await message_of(new) == {"type": "session_recorded"}
+        assert (await row(db, sidecar.allocation_id))["handover_pending"] is False
+
     async def test_a_missed_notice_is_made_good_by_the_socket_check(
         self, db: Database, hub: Hub
     ) -> None:

@@ -196,6 +196,27 @@ class TestTake:
         assert made[0]["warm"] is True
         assert (await pools.stats())[0].ready == 3
 
+    async def test_a_member_another_transaction_is_losing_is_skipped_not_waited_for(
+        self, db: Database, pools: PoolStore
+    ) -> None:
+        """A daemon marking a member's sidecar lost holds its row: a request meanwhile goes
+        cold at once rather than wait, and never takes the member it would find lost."""
+        [member] = await filled(db, pools, 1)
+        async with db.pool.acquire() as daemon, db.pool.acquire() as app:
+            losing = daemon.transaction()
+            await losing.start()
+            await daemon.execute(
+                "UPDATE hubd_allocations SET connection_ready = false WHERE id = $1", member
+            )
+            during = await asyncio.wait_for(request(app, "acme"), 30)
+            await losing.commit()
+            after = await request(app, "acme")
+        assert (during["warm"], after["warm"]) == (False, False)
+        taken = await db.pool.fetchval(
+            "SELECT taken_at FROM hubd_allocations WHERE id = $1", member
+        )
+        assert taken is None
+
     async def test_a_take_rolled_back_leaves_the_member_in_the_pool(
         self, db: Database, pools: PoolStore
     ) -> None:
@@ -231,6 +252,36 @@ class TestWall:
                     await every.execute(call, member)
         status = await db.pool.fetchval("SELECT status FROM hubd_allocations WHERE id = $1", member)
         assert status == "allocated"
+
+    async def test_a_take_held_open_stalls_no_one_and_the_pools_are_out_of_reach(
+        self, db: Database, pools: PoolStore, database_url: str
+    ) -> None:
+        members = await filled(db, pools, 2)
+        counter = await db.pool.fetchval("SELECT counter_id FROM hubd_pools")
+        async with walled(database_url, "acme") as acme, walled(database_url, "globex") as globex:
+            holding = acme.transaction()
+            await holding.start()
+            held = await request(acme, None, "order-1")
+            # Another tenant, keyed or not, waits on nothing acme holds: it takes the other
+            # member, then goes cold (the deadline only says "not stalled").
+            other = await asyncio.wait_for(request(globex, None, "order-1"), 30)
+            cold = await asyncio.wait_for(request(globex, None), 30)
+            assert (held["warm"], other["warm"], cold["warm"]) == (True, True, False)
+            assert {held["id"], other["id"]} == set(members)
+            for attack in (
+                "SELECT * FROM hubd_pools FOR UPDATE",
+                "LOCK TABLE hubd_pools",
+                f"SELECT nextval('hubd_pool_taken_{counter}')",
+                "SELECT hubd_take_member('warm', 'globex', NULL, NULL, NULL, NULL, NULL, NULL)",
+                "SELECT * FROM hubd_refill_pool('warm', 1, NULL)",
+                "SELECT hubd_release_orphaned_members(NULL)",
+            ):
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    async with globex.transaction():
+                        await globex.execute(attack)
+            await holding.rollback()
+        # Rolled back, acme's member is the pool's again.
+        assert (await pools.stats())[0].ready == 1
 
     async def test_counters_shadowed_in_the_temporary_schema_leave_the_count_with_hubd(
         self, db: Database, pools: PoolStore, database_url: str
