@@ -14,6 +14,7 @@ from aiohttp import web
 from hubd.client import Client
 from hubd.http.errors import ApiError
 from hubd.http.feed import FeedSignal
+from hubd.http.hangups import HangUps
 from hubd.http.pages import TenantPages
 from hubd.store.api_keys import ApiKeyStore
 
@@ -41,6 +42,8 @@ class HttpState:
     """Set when the API shuts down: streams and waits answer at once."""
     open_streams: collections.Counter[str] = attrs.field(factory=collections.Counter)
     """Event streams and waits open now, by key id."""
+    hangups: HangUps = attrs.field(factory=HangUps)
+    """Ends the quiet streams whose readers hung up."""
 
 
 @attrs.frozen(kw_only=True)

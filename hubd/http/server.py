@@ -150,6 +150,7 @@ class HttpApi:
             self._follower.cancel()
             await asyncio.gather(self._follower, return_exceptions=True)
         await self._runner.cleanup()
+        await self.state.hangups.close()
         await self.state.client.close()
 
 

@@ -6,8 +6,8 @@ gap-free (docs/api.md, "Events"). A stream reads the feed under the key's wall w
 feed's one follower (:class:`~hubd.http.feed.FeedSignal`) says it moved, a page at a time; while
 nothing happens it sends a comment every ``HEARTBEAT`` seconds. A reader too slow to take a
 page within ``WRITE_TIMEOUT`` is cut off: a stream never holds more than one page for it. A
-reader that hung up gives its key's stream slot back within ``GONE_CHECK`` seconds, not at the
-next write: a client that reconnects at once finds its slot free.
+reader that hung up gives its key's stream slot back within half a second, not at the next
+write (:mod:`hubd.http.hangups`): a client that reconnects at once finds its slot free.
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ __all__ = ["events"]
 PAGE: Final = 500
 HEARTBEAT: Final = 15.0
 WRITE_TIMEOUT: Final = 10.0
-# aiohttp tells a handler of a lost connection only at its next write, and a quiet stream
-# writes every HEARTBEAT; the transport's state is looked at this often between.
-GONE_CHECK: Final = 0.5
 
 
 async def events(request: web.Request) -> web.StreamResponse:
@@ -95,16 +92,14 @@ async def _follow(
             # Woken by the caller's tenant's events only: another tenant's would cost a
             # read of the feed that finds nothing (hubd/http/feed.py).
             while state.feed.position_of(caller.tenant) <= checked and not state.closing.is_set():
-                if _gone(request):
-                    return
                 left = quiet_until - loop.time()
                 if left <= 0:
                     if not await _send(response, ": heartbeat\n\n"):
                         return
                     quiet_until = loop.time() + HEARTBEAT
                     continue
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(left, GONE_CHECK)):
+                with contextlib.suppress(TimeoutError), state.hangups.quiet(request):
+                    async with asyncio.timeout(left):
                         await state.feed.moved_past(checked, caller.tenant)
             if state.closing.is_set():
                 break
@@ -125,11 +120,6 @@ async def _follow(
             # The answer has begun: say why it ends, then end it; the client resumes.
             await _send(response, f"event: error\ndata: {_reason(exc)}\n\n")
             break
-
-
-def _gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
 
 
 def _reason(exc: Exception) -> str:
