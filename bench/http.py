@@ -44,6 +44,7 @@ import attrs
 from bench import standalone
 from bench.phases import PROVISIONER, daemon_config, percentile, say, vacuum
 from bench.procs import DaemonProcess, FarmClient, rss_kib
+from bench.table import columns, labels, lookup, number
 from hubd.client import Client
 from hubd.http.stream import HEARTBEAT
 from hubd.store import connect_database
@@ -394,31 +395,20 @@ GOALS = {"http_wait_p99": 20.0, "http_sse_p99": 50.0, "http_sse_idle_p99": 50.0}
 GOALS |= dict.fromkeys(("http_sse_missed", "http_sse_idle_missed", "http_idle_lost"), 0.0)
 
 
-class _Names(dict[str, str]):
-    def __missing__(self, key: str) -> str:
-        return "N"  # the part did not run
-
-
 def measures(result: dict[str, Any] | None) -> list[tuple[Any, ...]]:
     """The table's rows, as ``(key, measure, HTTP, SQL, goal, unit)``: HTTP is hubd's column,
     SQL the baseline's; a goal is an upper bound; ``None`` where the part did not run."""
     got = result or {}
-    load = {k: f"{v:,}" if isinstance(v, int) else f"{v:g}" for k, v in got.get("load", {}).items()}
+    load = got.get("load", {})
     rows = []
     for spec in ROWS:
         key, label, path, unit = spec.split("|")
         for q in ("p50", "p99") if "{q}" in key else ("",):
             name = "http_" + key.format(q=q)
-            ours, base = (_at(got, path.format(q=q, w=w)) for w in ("http", "sql"))
-            text = label.format_map(_Names(load, q=q))
+            ours, base = (lookup(got, path.format(q=q, w=w)) for w in ("http", "sql"))
+            text = label.format_map(labels(load, q=q))
             rows.append((name, text, ours, base if "{w}" in path else None, GOALS.get(name), unit))
     return rows
-
-
-def _at(node: Any, path: str) -> Any:
-    for key in path.split("."):
-        node = node.get(key) if isinstance(node, dict) else None
-    return node
 
 
 def render(result: dict[str, Any]) -> str:
@@ -427,21 +417,13 @@ def render(result: dict[str, Any]) -> str:
     for _, label, ours, base, goal, unit in measures(result):
         met = "" if goal is None or ours is None else ("yes" if ours <= goal else "NO")
         goal_text = "" if goal is None else f"≤ {goal:g}"
-        lines.append((label, unit, _number(base), _number(ours), goal_text, met))
-    widths = [max(len(line[i]) for line in lines) for i in range(6)]
-    out = ["  ".join(c.rjust(w) if i in (2, 3) else c.ljust(w)
-                     for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip()
-           for line in lines]  # fmt: skip
-    out.insert(1, "  ".join("-" * w for w in widths))
+        lines.append((label, unit, number(base), number(ours), goal_text, met))
+    out = columns(lines, right=(2, 3))
     i = result["idle"]
     out.append(f"\n{i['n']:,} idle streams on {i['keys']} keys: RSS {i['rss_before_kib']:,} → "
                f"{i['rss_after_kib']:,} KiB, {i['rss_held_kib']:,} after {i['held_seconds']:g} s; "
                f"{i['with_heartbeat']:,} had a heartbeat")  # fmt: skip
     return "\n".join(out)
-
-
-def _number(value: float | None) -> str:
-    return "—" if value is None else f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:

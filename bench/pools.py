@@ -48,6 +48,7 @@ import attrs
 from bench import standalone
 from bench.phases import PROVISIONER, daemon_config, percentile, say, vacuum
 from bench.procs import DaemonProcess, FarmClient
+from bench.table import columns, labels, lookup, number
 
 __all__ = ["GOALS", "LOADS", "Load", "main", "measure", "measures", "render"]
 
@@ -388,25 +389,14 @@ def measures(result: dict[str, Any] | None) -> list[tuple[Any, ...]]:
     """The table's rows, as ``(key, measure, value, goal, unit)``: a goal is ``("<=", n)`` or
     ``(">=", n)``, ``None`` without one; a value is ``None`` where the part did not run."""
     got = result or {}
-    load = {k: f"{v:,}" if isinstance(v, int) else f"{v:g}" for k, v in got.get("load", {}).items()}
+    load = got.get("load", {})
     rows = []
     for spec in ROWS:
         key, label, path, unit, _ = spec.split("|")
         name = f"pools_{key}"
-        text = label.format_map(_Names(load))
-        rows.append((name, text, _at(got, path), GOALS.get(name), unit))
+        text = label.format_map(labels(load))
+        rows.append((name, text, lookup(got, path), GOALS.get(name), unit))
     return rows
-
-
-class _Names(dict[str, str]):
-    def __missing__(self, key: str) -> str:
-        return "N"  # the part did not run
-
-
-def _at(node: Any, path: str) -> Any:
-    for key in path.split("."):
-        node = node.get(key) if isinstance(node, dict) else None
-    return node
 
 
 def render(result: dict[str, Any]) -> str:
@@ -418,17 +408,8 @@ def render(result: dict[str, Any]) -> str:
             op, bound = goal
             met = "yes" if (value <= bound if op == "<=" else value >= bound) else "NO"
         goal_text = "" if goal is None else f"{'≤' if goal[0] == '<=' else '≥'} {goal[1]:g}"
-        lines.append((label, unit, _number(value), goal_text, met))
-    widths = [max(len(line[i]) for line in lines) for i in range(5)]
-    out = ["  ".join(c.rjust(w) if i == 2 else c.ljust(w)
-                     for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip()
-           for line in lines]  # fmt: skip
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def _number(value: float | None) -> str:
-    return "—" if value is None else f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}"
+        lines.append((label, unit, number(value), goal_text, met))
+    return "\n".join(columns(lines, right=(2,)))
 
 
 def main(argv: list[str] | None = None) -> int:
