@@ -35,7 +35,8 @@ IDLE_INTERVAL = 5.0
 this. A take starts one at once; a member whose sidecar died is replaced by the reconciler as
 any allocation is. Each turn is a transaction, one of the few an idle daemon makes."""
 BUSY_INTERVAL = 0.05
-"""The wait before the next turn while a pool still lacks members."""
+"""The wait before the next turn while a pool still lacks members, and the least time between
+two turns whatever nudged them."""
 MOST_PER_TURN = 500
 """Members one statement makes at most, whatever the refill rate allows."""
 ORPHAN_TURNS = 12
@@ -146,8 +147,14 @@ class PoolKeeper:
             except StoreError as exc:
                 log.warning("pools_not_written", error=str(exc))
                 await asyncio.sleep(IDLE_INTERVAL)
+        loop = asyncio.get_running_loop()
+        last = -BUSY_INTERVAL
         for turn in itertools.count():
             raise_if_cancelled()
+            # Turns at most BUSY_INTERVAL apart: takes at 100 a second, each heard by every
+            # replica, are a refill statement per replica every 50 ms, not one per take.
+            await asyncio.sleep(max(0.0, last + BUSY_INTERVAL - loop.time()))
+            last = loop.time()
             wait = IDLE_INTERVAL
             # Cleared before the turn: a take heard during it brings the next one at once.
             self._due.clear()
