@@ -308,6 +308,28 @@ class TestTheWatch:
         assert metric_total(scraped, "hubd_feed_lock_holders_terminated_total") == 1
         assert metric_total(scraped, "hubd_feed_lock_waiters") == 0
 
+    async def test_a_free_lock_is_read_once_an_alarm_a_held_one_every_second(
+        self,
+    ) -> None:
+        """An idle daemon reads the lock every alarm, not every second; once a reading finds
+        it held or waited for (which any wait needs first), every second again."""
+        store = _Readings()
+        watch = FeedLockWatch(store, Metrics(), alarm=5, limit=30)
+        await watch.check()
+        assert watch.interval == pytest.approx(5.0)
+        store.lock = _reading(waiters=0, wait=0, pid=7)
+        await watch.check()
+        assert watch.interval == pytest.approx(1.0)
+        store.lock = _reading(waiters=1, wait=0.5, pid=7)
+        await watch.check()
+        assert watch.interval == pytest.approx(1.0)
+        store.lock = _reading(waiters=0, wait=0, pid=None)
+        await watch.check()
+        assert watch.interval == pytest.approx(5.0)
+        short = FeedLockWatch(store, Metrics(), alarm=0.2, limit=1)
+        await short.check()
+        assert short.interval <= 0.2
+
 
 class TestTheDaemon:
     async def test_a_holder_past_the_limit_is_ended_and_the_daemon_is_ready_again(

@@ -259,6 +259,34 @@ class TestThroughDaemon:
         assert "expiring" in events
         assert events[-2:] == ["releasing", "released"]
 
+    async def test_an_idle_daemon_is_woken_for_the_deadlines_of_a_new_request(
+        self, database_url: str, observer: AllocationStore, marker: str, state_dir: Path
+    ) -> None:
+        """With nothing active the deadline sweep waits for a request's notification rather
+        than running every second (its quiet wait is 30 s): a request made while it waits
+        still ends at its 2 s lifetime."""
+        config = write_config(
+            state_dir / "hubd.toml", database_url=database_url, state_dir=state_dir, marker=marker
+        )
+        async with running(config):
+            conn = await asyncpg.connect(database_url)
+            try:
+                assert not await conn.fetchval(
+                    "SELECT count(*) FROM hubd_allocations WHERE status IN "
+                    "('pending', 'provisioning', 'allocated', 'replacing', 'releasing')"
+                )
+            finally:
+                await conn.close()
+            made = await observer.request(provisioner_id="local", lifetime=2)
+
+            async def ended() -> bool:
+                return (await observer.get(made.id)).status is Status.RELEASED
+
+            # Far short of the quiet wait: only the notification can have run the sweep.
+            await eventually(ended, within=15, every=0.1)
+            row = await observer.get(made.id)
+            assert row.end_reason == "expired"
+
 
 async def _no_sidecars(marker: str) -> bool:
     return not sidecar_pids(marker)

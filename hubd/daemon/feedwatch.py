@@ -4,11 +4,15 @@ Every commit that changes an allocation takes the feed's lock (``hubd_feed_lock`
 moments, so positions are commit order (docs/api.md). An application role cannot lock the table,
 but a transaction that runs ``SET CONSTRAINTS ALL IMMEDIATE`` after a request takes it at once and
 holds it for as long as it stays open: every other such commit, the daemon's own included, waits.
-The watch reads ``pg_locks`` every second on the lease pool, which never waits for that lock (see
-:mod:`hubd.store.events`); while the longest wait is past ``events.lock_wait_alarm`` ``/readyz``
-names the holder, and past ``events.lock_hold_limit`` a holder of another role than the daemon's
-is ended (docs/operations.md, "The feed's lock"). Every replica watches; when two end the same
-holder, the second finds it gone.
+The watch reads ``pg_locks`` on the lease pool, which never waits for that lock (see
+:mod:`hubd.store.events`): every second while a reading found the lock held or waited for, and
+otherwise every ``events.lock_wait_alarm`` (5 s at the default), so an idle daemon does not
+commit a reading a second. A wait can only begin while the lock is held, so the first reading
+after a hold began sees the holder before any wait has reached the alarm, and the readings go
+to every second: a wait past the alarm is seen within a second. While the longest wait is past
+``events.lock_wait_alarm`` ``/readyz`` names the holder, and past ``events.lock_hold_limit`` a
+holder of another role than the daemon's is ended (docs/operations.md, "The feed's lock"). Every
+replica watches; when two end the same holder, the second finds it gone.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ __all__ = ["CHECK_INTERVAL", "FeedLockStore", "FeedLockWatch", "Judgement", "jud
 log = structlog.get_logger(__name__)
 
 CHECK_INTERVAL: Final = 1.0
-"""Seconds between two readings at most (one cheap statement each)."""
+"""Seconds between two readings at most while the lock is held or waited for (one cheap
+statement each)."""
+
 
 CHECK_BUDGET: Final = 5.0
 """Seconds one reading and its cut-off may take."""
@@ -109,6 +115,9 @@ class FeedLockWatch:
         self._alarm = alarm
         self._limit = limit
         self._interval = min(interval, alarm / 2)
+        self._quiet_interval = max(self._interval, alarm)
+        self._busy = False
+        """Whether the last reading found the lock held or waited for."""
         self._clock = clock
         self.problem: str | None = None
         """Read by readiness on the admin thread: one reference, replaced whole."""
@@ -121,7 +130,7 @@ class FeedLockWatch:
     async def run(self) -> None:
         while True:
             raise_if_cancelled()
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(self.interval)
             try:
                 async with asyncio.timeout(CHECK_BUDGET):
                     await self.check()
@@ -134,10 +143,16 @@ class FeedLockWatch:
             else:
                 self._failing = False
 
+    @property
+    def interval(self) -> float:
+        """Seconds until the next reading."""
+        return self._interval if self._busy or self._failing else self._quiet_interval
+
     async def check(self) -> Judgement:
         """One reading: the metrics, readiness and the log brought up to it, and a holder past
         the limit ended."""
         lock = await self._events.feed_lock()
+        self._busy = lock.holder is not None or lock.waiters > 0
         self._metrics.feed_lock_waiters.set(lock.waiters)
         self._metrics.feed_lock_wait.set(lock.longest_wait)
         verdict = judge(lock, alarm=self._alarm, limit=self._limit)

@@ -66,7 +66,7 @@ class Supervisor:
                 start("feed-lock-watch", self.sweeps.feed_lock.run())
                 start("repair", self.sweeps.repair())
                 start("socket-check", self.sweeps.socket_check())
-                start("deadlines", self.sweeps.deadlines())
+                start("deadlines", self.sweeps.deadlines(self.waker.requested))
                 start("pools", self.sweeps.pools.run())
                 if self.sweeps.config.orphans.mode != "off":
                     start("orphans", self.sweeps.orphans())

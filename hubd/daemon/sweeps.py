@@ -36,6 +36,9 @@ DEAD_INSTANCE_TTLS = 10
 DEADLINE_INTERVAL = 1.0
 """The longest the deadline sweep waits between runs: an allocation made with a lifetime
 after a run learns of it within this."""
+DEADLINE_QUIET = 30.0
+"""The longest it waits while no allocation is active: a request wakes it (``hubd_wake``, and a
+re-opened listener's catch-up), so this only bounds a notification lost some other way."""
 DEADLINE_FLOOR = 0.05
 """The shortest: a deadline the last run saw as passed (it moved it) is not run for again
 at once."""
@@ -151,10 +154,12 @@ class Sweeps:
             except StoreError as exc:
                 log.warning("repair_sweep_failed", error=str(exc))
 
-    async def deadlines(self) -> None:
+    async def deadlines(self, requested: asyncio.Event) -> None:
         """End what expired, fail what no daemon took in time, warn of what expires soon:
         every second at most, sooner when the next deadline the last run saw is nearer. Any
-        replica may run it first; a row is moved once."""
+        replica may run it first; a row is moved once. While no allocation is active nothing
+        can come due, and it waits for ``requested`` (set by every ``hubd_wake``: a request,
+        a pool's refill) instead, so an idle daemon commits no sweep a second."""
         rc, store, metrics = self.config.reconciler, self.running.store, self.metrics
         limits = {
             p.id: ProvisionerLimits(
@@ -176,6 +181,7 @@ class Sweeps:
         while True:
             raise_if_cancelled()
             wait = DEADLINE_INTERVAL
+            requested.clear()
             try:
                 swept = await store.sweep_deadlines(
                     warning=rc.expiry_warning, pending_timeout=rc.pending_timeout
@@ -202,6 +208,13 @@ class Sweeps:
                     )
                 if swept.next_in is not None:
                     wait = min(wait, max(swept.next_in, DEADLINE_FLOOR))
+                elif not swept.active:
+                    # Cleared before the sweep: a request committed after its snapshot
+                    # notifies after the clear, so it is never slept through.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(DEADLINE_QUIET):
+                            await requested.wait()
+                    continue
             await asyncio.sleep(wait)
 
 

@@ -53,6 +53,10 @@ class Waker:
     def __init__(self) -> None:
         self._event = asyncio.Event()
         self._notified = False
+        self.requested = asyncio.Event()
+        """Set by every ``hubd_wake`` (and a re-opened listener's catch-up), cleared by its one
+        reader, the deadline sweep, which waits on it while no allocation is active: a new
+        allocation is announced by one."""
 
     def wake(self) -> None:
         """Local work settled: something may be claimable here."""
@@ -62,6 +66,7 @@ class Waker:
         """The database said something became due (``hubd_wake``)."""
         self._notified = True
         self._event.set()
+        self.requested.set()
 
     async def wait(self, limit: float) -> bool:
         """Return when woken (now, if woken since the last wait) or after ``limit`` seconds

@@ -187,6 +187,7 @@ class AllocationStore:
             unserved=row["unserved"],
             warned=row["warned"],
             next_in=row["next_in"],
+            active=row["active"],
         )
 
     async def release(

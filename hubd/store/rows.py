@@ -320,3 +320,5 @@ class Deadlines:
     unserved: int
     warned: int
     next_in: float | None
+    active: bool = True
+    """Whether any allocation was active: with none, nothing can come due before a request."""

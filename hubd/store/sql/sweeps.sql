@@ -72,7 +72,9 @@ SELECT u.id, u.generation, (SELECT count(*) FROM notified) AS notified FROM upda
 -- 'unserved', nothing having been bound. One whose nearer end is :warning seconds away or less
 -- is marked expiring (an 'expiring' event). At most :batch rows of each, oldest first,
 -- skipping rows another statement holds (the next run takes them). Returns how many of each
--- moved, and the seconds until the next end or warning known now (NULL: none).
+-- moved, the seconds until the next end or warning known now (NULL: none), and whether any
+-- allocation is active at all (one that is not may never come due: the caller may wait for a
+-- request's notification instead of running again).
 WITH limits AS (
     SELECT l.provisioner_id, l.pending_timeout, l.provisioning_timeout
     FROM hubd_provisioner_limits AS l
@@ -217,6 +219,9 @@ SELECT (SELECT count(*) FROM ended WHERE expires_at <= now()) AS expired,
        (SELECT count(*) FROM failed) AS unserved,
        (SELECT count(*) FROM warned) AS warned,
        (SELECT count(*) FROM woken) AS woken,
+       EXISTS (SELECT 1 FROM hubd_allocations AS x
+               WHERE x.status IN ('pending', 'provisioning', 'allocated', 'replacing',
+                                  'releasing')) AS active,
        -- The next moment this statement has something to do, among the earliest ends: a warning
        -- not yet given, or an end.
        extract(epoch FROM least(
