@@ -15,9 +15,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from bench import deadlines, fairness, http, pools, procs
+from bench import deadlines, fairness, http, pools, procs, waits
 from bench.report import render, round_ratios, storm_ratios
 from hubd.store import AllocationStore, Database
+from hubd.store.queries import load_queries
 from tests.clikit import hubd_env
 from tests.conftest import PostgresServer
 from tests.polling import eventually
@@ -460,3 +461,22 @@ async def test_the_farm_runs_on_the_loop_it_is_given(tmp_path: Path, loop: str) 
         assert (await farm.call("status"))["sidecars"] == 0
     finally:
         await farm.stop()
+
+
+@pytest.mark.parametrize(
+    ("filename", "name", "expected"),
+    [
+        ("claims.sql", "claim_due", "claim (claim_due)"),
+        ("transitions.sql", "park", "park"),
+        ("connections.sql", "record", "admission (record)"),
+        ("transitions.sql", "mark_released", "mark_released"),
+        ("transitions.sql", "mark_connection_ready", "mark_connection_ready"),
+    ],
+)
+def test_the_wait_sampler_knows_each_lifecycle_statement_by_its_text(
+    filename: str, name: str, expected: str
+) -> None:
+    """bench.waits names a sampled statement by the start of the text the daemon sends: a
+    reworded description would leave its samples uncounted."""
+    sql = load_queries(filename)[name].sql
+    assert waits.statement(sql.lstrip()[:40]) == expected
