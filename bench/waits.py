@@ -6,8 +6,8 @@ suite's claim part runs.
 ``--database-url`` is a maintenance DSN of a server this runs ``python -m bench --only claims``
 against (``--size``, ``--rounds`` passed on). Meanwhile a connection of its own samples
 ``pg_stat_activity`` every 5 ms: for every active backend of the bench's databases, the
-statement (by its first comment line: every statement of hubd's SQL files starts with its
-description) and its wait event, ``CPU`` when it has none (running, or runnable and waiting
+statement (by its description, the comment it starts with in hubd's SQL files) and its wait
+event, ``CPU`` when it has none (running, or runnable and waiting
 for a core). With ``pg_stat_statements`` loaded (``shared_preload_libraries``), it is reset
 first and the daemon's statements are reported too: calls, rows, execution time per call and
 per row, WAL per call. docs/performance.md, "Where the lifecycle waits", has a run and how to
@@ -27,32 +27,57 @@ from typing import Any
 import asyncpg
 
 from bench.table import columns
+from hubd.store.queries import load_queries
 
 __all__ = ["main"]
 
-STATEMENTS = {
-    "-- Lease up to one due": "claim (claim_due)",
-    "-- Nothing to do until": "park",
-    "-- Connections become the current": "admission (record)",
-    "-- releasing → released": "mark_released",
-    "-- Finish initialization. Ready": "mark_connection_ready",
+LIFECYCLE = {
+    ("claims.sql", "claim_due"): "claim (claim_due)",
+    ("transitions.sql", "park"): "park",
+    ("connections.sql", "record"): "admission (record)",
+    ("transitions.sql", "mark_released"): "mark_released",
+    ("transitions.sql", "mark_connection_ready"): "mark_connection_ready",
 }
-"""The daemon's statements of a lifecycle, by the start of their description."""
+"""The daemon's statements of a lifecycle, by file and name in ``hubd/store/sql``."""
+
+HEAD = 100
+"""Characters of a statement's body (whitespace made single spaces) that name it where its
+description is not there: ``pg_stat_activity`` shows the text as sent, the description's first
+line first; ``pg_stat_statements`` keeps it from the statement on, without the comment."""
+
+
+def _single_spaced(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _heads() -> list[tuple[str, str, str]]:
+    heads = []
+    for (filename, name), label in LIFECYCLE.items():
+        lines = load_queries(filename)[name].sql.splitlines()
+        body = "\n".join(line for line in lines if not line.lstrip().startswith("--"))
+        heads.append((_single_spaced(lines[0]), _single_spaced(body)[:HEAD], label))
+    return heads
+
+
+HEADS = _heads()
+
+
+def statement(text: str) -> str | None:
+    """Which lifecycle statement ``text`` (as either view shows it) is, if any."""
+    text = _single_spaced(text)
+    for described, body, label in HEADS:
+        if text.startswith(described) or text[:HEAD] == body:
+            return label
+    return None
+
 
 SAMPLE = """
 SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU') AS wait,
-       left(ltrim(query), 40) AS head
+       left(query, 400) AS head
 FROM pg_stat_activity
 WHERE state = 'active' AND pid <> pg_backend_pid() AND datname LIKE 'hubd_bench%'
   AND backend_type = 'client backend'
 """
-
-
-def statement(head: str) -> str | None:
-    for start, name in STATEMENTS.items():
-        if head.startswith(start):
-            return name
-    return None
 
 
 async def sample(dsn: str, stop: asyncio.Event) -> dict[str, collections.Counter[str]]:
@@ -72,7 +97,7 @@ async def sample(dsn: str, stop: asyncio.Event) -> dict[str, collections.Counter
 
 async def statement_costs(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     rows = await conn.fetch(
-        "SELECT left(ltrim(query), 40) AS head, calls, rows, total_exec_time, wal_bytes "
+        "SELECT left(query, 400) AS head, calls, rows, total_exec_time, wal_bytes "
         "FROM pg_stat_statements"
     )
     costs: dict[str, dict[str, float]] = {}
@@ -117,7 +142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             bench = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "bench", "--only", "claims", "--size", args.size,
                 "--rounds", str(args.rounds), "--database-url", args.database_url,
-                "--json", str(args.bench_json),
+                "--json", str(args.bench_json), stdout=sys.stderr,
             )  # fmt: skip
             code = await bench.wait()
         finally:
@@ -136,10 +161,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     waits = sorted(result["waits"].items(), key=lambda item: -sum(item[1].values()))
-    rows = [["statement", "samples", "wait events (CPU: none)"]]
+    rows = [["statement", "samples", "wait events, 1% and more (CPU: none)"]]
     for name, found in waits:
         total = sum(found.values())
-        shares = ", ".join(f"{wait} {count / total:.0%}" for wait, count in found.items())
+        shares = ", ".join(
+            f"{wait} {count / total:.0%}" for wait, count in found.items() if count / total >= 0.01
+        )
         rows.append([name, f"{total:,}", shares])
     lines = columns(rows, right=[1])
     if result["statements"] is None:

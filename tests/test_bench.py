@@ -473,10 +473,16 @@ async def test_the_farm_runs_on_the_loop_it_is_given(tmp_path: Path, loop: str) 
         ("transitions.sql", "mark_connection_ready", "mark_connection_ready"),
     ],
 )
-def test_the_wait_sampler_knows_each_lifecycle_statement_by_its_text(
+def test_the_wait_sampler_knows_each_lifecycle_statement_as_both_views_show_it(
     filename: str, name: str, expected: str
 ) -> None:
-    """bench.waits names a sampled statement by the start of the text the daemon sends: a
-    reworded description would leave its samples uncounted."""
+    """bench.waits names a statement from the text the daemon sends (pg_stat_activity: its
+    description first) and from the text without the leading comment, its lines re-wrapped
+    (pg_stat_statements); another statement of the same file is none of them."""
     sql = load_queries(filename)[name].sql
-    assert waits.statement(sql.lstrip()[:40]) == expected
+    assert waits.statement(sql) == expected
+    body = "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
+    assert waits.statement("  ".join(body.split())) == expected
+    others = [n for n in load_queries(filename).names() if n not in {s for _, s in waits.LIFECYCLE}]
+    for other in others:
+        assert waits.statement(load_queries(filename)[other].sql) is None
