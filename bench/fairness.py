@@ -107,18 +107,20 @@ async def measure(
     load: Load,
     *,
     shared_farm: bool = False,
+    per_tenant: int = 0,
     root: Path | None = None,
 ) -> dict[str, Any]:
     """The three scenarios ``load.rounds`` times on one fresh daemon (of the checkout ``root``;
     ``None``: this one) whose config goes in ``workdir``; A's sidecars from ``farm``, B's from a
-    farm started here (with ``shared_farm``, from ``farm`` too). The summary of each scenario's
+    farm started here (with ``shared_farm``, from ``farm`` too); ``per_tenant`` is the daemon's
+    ``max_claims_per_tenant`` (0: its default, half the slots). The summary of each scenario's
     rounds."""
     farms = [farm]
     b_provisioner = PROVISIONER
     if not shared_farm:
         farms.append(FarmClient(workdir / "farm-b.sock", loop=farm.loop))
         b_provisioner = B_PROVISIONER
-    config = _config(workdir, dsn, [each.socket_path for each in farms])
+    config = _config(workdir, dsn, [each.socket_path for each in farms], per_tenant=per_tenant)
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in SCENARIOS}
     daemon = DaemonProcess(
         config, max_sockets=load.requests * (BURST_FACTOR + 1) + 1_000, root=root
@@ -173,6 +175,7 @@ async def measure(
             **attrs.asdict(load),
             "burst": load.requests * BURST_FACTOR,
             "claims": CLAIMS,
+            "per_tenant": per_tenant,
             "shared_farm": shared_farm,
         },
         **{name: summarize(rounds[name]) for name in SCENARIOS},
@@ -190,9 +193,9 @@ def _per_statement(before: dict[str, float], after: dict[str, float]) -> float:
     return spent("hubd_claims_total") / max(statements, 1.0)
 
 
-def _config(workdir: Path, dsn: str, farms: list[Path]) -> Path:
+def _config(workdir: Path, dsn: str, farms: list[Path], *, per_tenant: int = 0) -> Path:
     """The suite's daemon config (``bench.phases.daemon_config``) at the default claim count,
-    with B's provisioner added when B has a farm of its own."""
+    with B's provisioner added when B has a farm of its own, and ``max_claims_per_tenant``."""
     path = daemon_config(
         workdir / "hubd-fairness.toml",
         database_url=dsn,
@@ -200,6 +203,10 @@ def _config(workdir: Path, dsn: str, farms: list[Path]) -> Path:
         farm=farms[0],
         claims=CLAIMS,
     )
+    if per_tenant:
+        text = path.read_text()
+        claims = f"max_concurrent_claims = {CLAIMS}\n"
+        path.write_text(text.replace(claims, f"{claims}max_claims_per_tenant = {per_tenant}\n"))
     if len(farms) > 1:
         with path.open("a") as config:
             config.write(
@@ -510,8 +517,9 @@ def render(result: dict[str, Any]) -> str:
     out.append(
         f"B: {load['requests']} requests per scenario, {load['per_tick']} every "
         f"{TICK * 1000:.0f} ms, its sidecars from {farm} farm; A: {load['burst']} in one "
-        f"transaction; {load['claims']} claims; {load['rounds']} rounds, percentiles over the "
-        "rounds pooled."
+        f"transaction; {load['claims']} claims, at most "
+        f"{load.get('per_tenant') or load['claims'] // 2} a tenant while another is in sight; "
+        f"{load['rounds']} rounds, percentiles over the rounds pooled."
     )
     out.append(
         f"Goal, B's p99 under the burst ≤ 2x alone: {'met' if ratio <= 2 else 'NOT met'} "
@@ -530,11 +538,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="B's sidecars from A's farm, queued with A's handshakes (default: a farm of B's own)",
     )
+    parser.add_argument(
+        "--max-claims-per-tenant",
+        dest="per_tenant",
+        type=int,
+        default=0,
+        help="the daemon's [reconciler] max_claims_per_tenant (default 0: half the slots)",
+    )
     args = parser.parse_args(argv)
     load = LOADS[args.size]
 
     async def measured(dsn: str, farm: FarmClient, workdir: Path) -> dict[str, Any]:
-        return await measure(dsn, farm, workdir, load, shared_farm=args.shared_farm)
+        return await measure(
+            dsn, farm, workdir, load, shared_farm=args.shared_farm, per_tenant=args.per_tenant
+        )
 
     return standalone.report("fairness", args, measured, render)
 

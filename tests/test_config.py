@@ -214,6 +214,20 @@ class TestValidation:
         with pytest.raises(ConfigError, match=r"^reconciler\.max_concurrent_claims: "):
             load(tmp_path, "[reconciler]\nmax_concurrent_claims = 0\n")
 
+    @pytest.mark.parametrize("value", ["-1", "17"])
+    def test_max_claims_per_tenant_bounds(self, tmp_path: pathlib.Path, value: str) -> None:
+        """0 (half) to max_concurrent_claims; the error names both ends."""
+        with pytest.raises(ConfigError, match=r"^reconciler\.max_claims_per_tenant: .*\(16\)"):
+            load(tmp_path, f"[reconciler]\nmax_claims_per_tenant = {value}\n")
+
+    def test_max_claims_per_tenant_is_the_tenant_room(self, tmp_path: pathlib.Path) -> None:
+        assert ReconcilerSettings(max_concurrent_claims=16).tenant_room == 8
+        assert ReconcilerSettings(max_concurrent_claims=1).tenant_room == 1
+        four = ReconcilerSettings(max_concurrent_claims=16, max_claims_per_tenant=4)
+        assert four.tenant_room == 4
+        config = load(tmp_path, "[reconciler]\nmax_claims_per_tenant = 4\n")
+        assert config.reconciler.max_claims_per_tenant == 4
+
     def test_pool_size_zero_rejected(self, tmp_path: pathlib.Path) -> None:
         """database.pool_size must be at least 1."""
         with pytest.raises(ConfigError, match=r"^database\.pool_size: "):

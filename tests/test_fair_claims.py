@@ -1,17 +1,18 @@
 """A claim shares the due work among the tenants that have some (hubd_due_allocations): a burst
 of one tenant does not queue another's request behind it, nor hold every claim slot while
-another tenant is in sight (Reconciler.most_per_tenant)."""
+another tenant is in sight (Reconciler.rooms, [reconciler] max_claims_per_tenant)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import asyncpg
+import attrs
 
 from hubd.routing import MemoryRouter
 from hubd.store import AllocationStore, Database
 from tests.polling import scaled
-from tests.reconcilerkit import Gate, ScriptedProvisioner, make_reconciler
+from tests.reconcilerkit import SETTINGS, Gate, ScriptedProvisioner, make_reconciler
 
 
 async def request(store: AllocationStore, tenant: str | None, count: int = 1) -> list[str]:
@@ -145,6 +146,34 @@ class TestBound:
             )
             assert [(row["tenant_id"], row["n"]) for row in leased] == [("a", 2), ("b", 1)]
             assert (await store.get(late)).lease_id is not None
+        finally:
+            release.set()
+            await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
+
+    async def test_the_operator_may_leave_a_burst_fewer_slots(
+        self, db: Database, store: AllocationStore
+    ) -> None:
+        """With max_claims_per_tenant 1 of four slots, a's burst claims one while b is in
+        sight, and b's next request is claimed beside it."""
+        provisioner = ScriptedProvisioner("p")
+        settings = attrs.evolve(SETTINGS, max_claims_per_tenant=1)
+        reconciler = make_reconciler(db, MemoryRouter(), provisioner, settings=settings)
+        await request(store, "b")
+        assert await reconciler.claim_batch() == 1
+        await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
+        release = asyncio.Event()
+        provisioner.ensure_script.extend(Gate(release=release) for _ in range(2))
+        await request(store, "a", 20)
+        assert await reconciler.claim_batch() == 1
+        assert reconciler.holding_back
+        await request(store, "b")
+        try:
+            assert await reconciler.claim_batch() == 1
+            leased = await db.pool.fetch(
+                "SELECT tenant_id, count(*) AS n FROM hubd_allocations "
+                "WHERE lease_expires_at > now() GROUP BY tenant_id ORDER BY tenant_id"
+            )
+            assert [(row["tenant_id"], row["n"]) for row in leased] == [("a", 1), ("b", 1)]
         finally:
             release.set()
             await asyncio.wait_for(reconciler.wait_claims(), scaled(10))

@@ -289,6 +289,10 @@ class ReconcilerConfig:
     connected gets to come back, whatever its deadline was (``connect_timeout`` when longer)."""
     operation_timeout: float = _duration("30s")
     max_concurrent_claims: int = _integer(16)
+    max_claims_per_tenant: int = _integer(0)
+    """Claim slots one tenant may hold while another tenant is in sight (claimed for within a
+    minute); 0: half of ``max_concurrent_claims``. Fewer isolate the others from a burst
+    better and leave more of the slots unused while the burst waits (docs/operations.md)."""
     poll_interval: float = _duration("5s")
     repair_interval: float = _duration("30s")
     shutdown_grace: float = _duration("20s")
@@ -313,6 +317,12 @@ class ReconcilerConfig:
         if self.replacement_limit < 0:
             limit = self.replacement_limit
             raise problem("reconciler.replacement_limit", f"must be 0 or more, not {limit}")
+        if not 0 <= self.max_claims_per_tenant <= self.max_concurrent_claims:
+            raise problem(
+                "reconciler.max_claims_per_tenant",
+                f"must be 0 (half of max_concurrent_claims) to max_concurrent_claims "
+                f"({self.max_concurrent_claims}), not {self.max_claims_per_tenant}",
+            )
         broken = claim_rules_problem(
             lease_duration=self.lease_duration,
             operation_timeout=self.operation_timeout,

@@ -298,6 +298,7 @@ class Running:
                 restart_window=rc.restart_window,
                 operation_timeout=rc.operation_timeout,
                 max_concurrent_claims=rc.max_concurrent_claims,
+                max_claims_per_tenant=rc.max_claims_per_tenant,
                 automatic_replacement_recovery=rc.automatic_replacement_recovery,
                 replacement_limit=ReplacementLimit(rc.replacement_limit, rc.replacement_window),
                 instance_ttl=config.instance.ttl,

@@ -162,9 +162,10 @@ class Reconciler:
     def rooms(self) -> tuple[int | None, dict[str, int]]:
         """How many more claims each tenant ('' for none) may hold here: the room of a tenant
         not in the mapping, ``None`` for no bound, and the mapping. While another tenant is in
-        sight (claimed for within ``TENANTS_IN_SIGHT``), half the slots stay out of a tenant's
-        reach: its burst would otherwise hold every slot, and the other tenant's request would
-        wait for one of the burst's claims to end, then share the daemon with all of them."""
+        sight (claimed for within ``TENANTS_IN_SIGHT``), a tenant holds at most
+        ``tenant_room`` of the slots (half, unless ``max_claims_per_tenant`` says): its burst
+        would otherwise hold every slot, and the other tenant's request would wait for one of
+        the burst's claims to end, then share the daemon with all of them."""
         slots = self.settings.max_concurrent_claims
         now = self._clock.monotonic()
         for tenant, at in list(self._seen.items()):
@@ -172,7 +173,7 @@ class Reconciler:
                 del self._seen[tenant]
         if not self._seen or slots < 2:
             return None, {}
-        most = slots // 2
+        most = self.settings.tenant_room
         return most, {
             tenant: (most if self._seen.keys() - {tenant} else slots) - self._held.get(tenant, 0)
             for tenant in self._seen.keys() | self._held.keys()

@@ -33,6 +33,8 @@ class ReconcilerSettings:
     connect_timeout: float = 120.0
     operation_timeout: float = 30.0
     max_concurrent_claims: int = 16
+    max_claims_per_tenant: int = 0
+    """Claim slots one tenant may hold while another is in sight; 0: half of them."""
     automatic_replacement_recovery: bool = False
     replacement_limit: ReplacementLimit = DEFAULT_REPLACEMENT_LIMIT
     """How often an allocation's sidecars may fail within a window before it is given up."""
@@ -46,6 +48,11 @@ class ReconcilerSettings:
     """Provisioner id → how its allocations become ready unless requested otherwise
     (``"connected"``, the default for a provisioner not named, or ``"declared"``); written
     on the row by the claim that binds it."""
+
+    @property
+    def tenant_room(self) -> int:
+        """The claim slots one tenant may hold while another tenant is in sight."""
+        return self.max_claims_per_tenant or max(1, self.max_concurrent_claims // 2)
 
     def ready_when_of(self, provisioner_id: str) -> str:
         return self.ready_when.get(provisioner_id, "connected")
