@@ -162,10 +162,9 @@ class Reconciler:
     def rooms(self) -> tuple[int | None, dict[str, int]]:
         """How many more claims each tenant ('' for none) may hold here: the room of a tenant
         not in the mapping, ``None`` for no bound, and the mapping. While another tenant is in
-        sight (claimed for within ``TENANTS_IN_SIGHT``), a tenant holds at most
-        ``tenant_room`` of the slots (half, unless ``max_claims_per_tenant`` says): its burst
-        would otherwise hold every slot, and the other tenant's request would wait for one of
-        the burst's claims to end, then share the daemon with all of them."""
+        sight (claimed for within ``TENANTS_IN_SIGHT``), a tenant holds ``tenant_room`` slots
+        at most: its burst would otherwise hold every slot, and the other tenant's request
+        would wait for one of its claims to end, then share the daemon with all of them."""
         slots = self.settings.max_concurrent_claims
         now = self._clock.monotonic()
         for tenant, at in list(self._seen.items()):
