@@ -8,6 +8,7 @@ import asyncio
 
 import asyncpg
 import attrs
+import pytest
 
 from hubd.routing import MemoryRouter
 from hubd.store import AllocationStore, Database
@@ -119,24 +120,26 @@ class TestBound:
             )
             assert [row["id"] for row in rows] == [burst[0], late[0], late[1]]
 
-    async def test_a_burst_leaves_a_quarter_of_the_slots_to_another_tenant(
-        self, db: Database, store: AllocationStore
+    @pytest.mark.parametrize(("per_tenant", "room"), [(0, 2), (1, 1)])
+    async def test_a_burst_leaves_the_other_slots_to_another_tenant(
+        self, db: Database, store: AllocationStore, per_tenant: int, room: int
     ) -> None:
-        """While another tenant is in sight, a's burst claims two of the four slots and no
-        more, however many of its rows are due: b's request, made while those claims still
-        run, is claimed at once instead of waiting for one of them to end."""
+        """While another tenant is in sight, a's burst claims its room of the four slots and
+        no more, however many of its rows are due (half by default, or the operator's
+        max_claims_per_tenant): b's request, made while those claims still run, is claimed at
+        once instead of waiting for one of them to end."""
         provisioner = ScriptedProvisioner("p")
-        reconciler = make_reconciler(db, MemoryRouter(), provisioner)
+        settings = attrs.evolve(SETTINGS, max_claims_per_tenant=per_tenant)
+        reconciler = make_reconciler(db, MemoryRouter(), provisioner, settings=settings)
         assert reconciler.settings.max_concurrent_claims == 4
         await request(store, "b")
         assert await reconciler.claim_batch() == 1
         await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
         release = asyncio.Event()
-        provisioner.ensure_script.extend(Gate(release=release) for _ in range(3))
+        provisioner.ensure_script.extend(Gate(release=release) for _ in range(room + 1))
         await request(store, "a", 20)
-        assert await reconciler.claim_batch() == 2
+        assert await reconciler.claim_batch() == room
         assert reconciler.holding_back
-        assert reconciler.free_capacity == 0
         (late,) = await request(store, "b")
         try:
             assert await reconciler.claim_batch() == 1
@@ -144,36 +147,8 @@ class TestBound:
                 "SELECT tenant_id, count(*) AS n FROM hubd_allocations "
                 "WHERE lease_expires_at > now() GROUP BY tenant_id ORDER BY tenant_id"
             )
-            assert [(row["tenant_id"], row["n"]) for row in leased] == [("a", 2), ("b", 1)]
+            assert [(row["tenant_id"], row["n"]) for row in leased] == [("a", room), ("b", 1)]
             assert (await store.get(late)).lease_id is not None
-        finally:
-            release.set()
-            await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
-
-    async def test_the_operator_may_leave_a_burst_fewer_slots(
-        self, db: Database, store: AllocationStore
-    ) -> None:
-        """With max_claims_per_tenant 1 of four slots, a's burst claims one while b is in
-        sight, and b's next request is claimed beside it."""
-        provisioner = ScriptedProvisioner("p")
-        settings = attrs.evolve(SETTINGS, max_claims_per_tenant=1)
-        reconciler = make_reconciler(db, MemoryRouter(), provisioner, settings=settings)
-        await request(store, "b")
-        assert await reconciler.claim_batch() == 1
-        await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
-        release = asyncio.Event()
-        provisioner.ensure_script.extend(Gate(release=release) for _ in range(2))
-        await request(store, "a", 20)
-        assert await reconciler.claim_batch() == 1
-        assert reconciler.holding_back
-        await request(store, "b")
-        try:
-            assert await reconciler.claim_batch() == 1
-            leased = await db.pool.fetch(
-                "SELECT tenant_id, count(*) AS n FROM hubd_allocations "
-                "WHERE lease_expires_at > now() GROUP BY tenant_id ORDER BY tenant_id"
-            )
-            assert [(row["tenant_id"], row["n"]) for row in leased] == [("a", 1), ("b", 1)]
         finally:
             release.set()
             await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
