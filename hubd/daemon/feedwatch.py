@@ -39,7 +39,6 @@ CHECK_INTERVAL: Final = 1.0
 """Seconds between two readings at most while the lock is held or waited for (one cheap
 statement each)."""
 
-
 CHECK_BUDGET: Final = 5.0
 """Seconds one reading and its cut-off may take."""
 
