@@ -10,7 +10,7 @@ statement (by its description, the comment it starts with in hubd's SQL files) a
 event, ``CPU`` when it has none (running, or runnable and waiting
 for a core). With ``pg_stat_statements`` loaded (``shared_preload_libraries``), it is reset
 first and the daemon's statements are reported too: calls, rows, execution time per call and
-per row, WAL per call. docs/performance.md, "Where the lifecycle waits", has a run and how to
+per row, WAL per call. docs/measurements.md, "Where the lifecycle waits", has a run and how to
 start a server with the extension from the embedded PostgreSQL's own binaries.
 """
 
