@@ -15,9 +15,11 @@ import asyncpg
 import pytest
 from websockets.asyncio.client import ClientConnection
 
+from hubd.routing import Target
 from hubd.store import AllocationStore, Database
 from hubd.store.allocations import ProvisionerLimits
 from hubd.store.channels import HANDOVER_CHANNEL, parse_handover_payload
+from hubd.store.connections import ConnectionStore
 from hubd.store.pools import Pool, PoolStore
 from tests.polling import eventually
 from tests.wskit import Hub, Sidecar, bind_identity, close_code_of, dial, running_hub, welcome_of
@@ -205,6 +207,37 @@ class TestHandover:
                 await new.send(json.dumps({"type": "session_ack"}))
                 assert await message_of(new) == {"type": "session_recorded"}
         assert (await row(db, sidecar.allocation_id))["handover_pending"] is False
+
+    async def test_acknowledgements_written_together_are_each_fenced_on_their_own(
+        self, db: Database, hub: Hub
+    ) -> None:
+        """A burst's acknowledgements go in one statement; a late one from a socket that no
+        longer holds the record (a paused replica's, a superseded connection's) sits in the
+        same batch as the current socket's: it writes nothing, and the current one is done
+        once. Written again, the current one finds nothing owed."""
+        sidecar = await member(db)
+        async with dial(hub.url, sidecar.headers()) as ws:
+            await welcomed(ws)
+            await eventually(lambda: ready_row(db, sidecar.allocation_id), within=30)
+            await take(db)
+            current = await db.pool.fetchval(
+                "SELECT connection_id FROM hubd_sidecar_connections WHERE allocation_id = $1",
+                sidecar.allocation_id,
+            )
+            target = Target(
+                sidecar.allocation_id, (await row(db, sidecar.allocation_id))["generation"]
+            )
+            late = ConnectionStore(db, instance_id="in_paused")
+            batch = [("co_superseded", target), (current, target)]
+            assert await late.acknowledge_handovers(batch) == {(current, target): True}
+            assert (await row(db, sidecar.allocation_id))["handover_pending"] is False
+            assert await late.acknowledge_handovers(batch) == {(current, target): False}
+        assert (
+            await db.pool.fetchval(
+                "SELECT count(*) FROM hubd_allocation_ledger WHERE kind = 'handover'"
+            )
+            == 1
+        )
 
     async def test_a_missed_notice_is_made_good_by_the_socket_check(
         self, db: Database, hub: Hub
