@@ -4,8 +4,21 @@ the configuration's ``[reconciler]`` section both check them, so neither imports
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
-__all__ = ["claim_rules_problem"]
+__all__ = ["DEFAULT_CLAIMS", "TENANT_ROOM", "claim_rules_problem"]
+
+DEFAULT_CLAIMS: Final = 64
+"""Claims a daemon works on at once unless configured: at 64 the claims of a backlog overlap
+(the statements of one cohort run while the last one's sidecars connect) where at 16 they went
+in lockstep, for 1.5 times the lifecycle and two thirds of the CPU per allocation
+(docs/performance.md, "Claims at once")."""
+
+TENANT_ROOM: Final = 8
+"""The most claim slots one tenant holds, unless configured, while another tenant is in sight
+(half the slots when fewer). Another tenant's p99 under a burst grew with the burst's claims
+beyond 8 (3.5 times alone at 32) and did not fall below it (2 and 4 as 8): what remains is the
+daemon's pauses, not the burst's share (docs/measurements.md, "Fair claiming among tenants")."""
 
 
 def claim_rules_problem(

@@ -30,7 +30,9 @@ EVERY_MEASURE = {
     "lifecycle_rate_16",
     "ready_rate_one_source",
     "ready_rate_one_source_256",
+    "lifecycle_rate_default",
     "lifecycle_vs_pgqueuer",
+    "lifecycle_vs_pgqueuer_16",
     "ready_rate_64",
     "lifecycle_rate_64",
     "ready_rate_256",
@@ -153,7 +155,7 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     for key, row in measures.items():
         assert isinstance(row["hubd"], float), key
         if key in WITH_BASELINE and not (
-            key == "lifecycle_vs_pgqueuer" and "skipped" in report["results"]["pgqueuer"]
+            key.startswith("lifecycle_vs_pgqueuer") and "skipped" in report["results"]["pgqueuer"]
         ):
             assert isinstance(row["baseline"], float), key
             assert isinstance(row["ratio"], float), key
@@ -237,6 +239,7 @@ def test_round_ratios_pair_each_round_with_its_own_baseline() -> None:
     }
     assert dict(round_ratios(results)) == {
         "lifecycle, 16 claims / hand floor": pytest.approx([1 / 3, 0.5]),
+        "lifecycle, 64 claims (the default) / hand floor": pytest.approx([0.5, 0.5]),
         "lifecycle, 64 / 16 claims": pytest.approx([1.5, 1.0]),
         "pending→ready, 64 / 16 claims": pytest.approx([0.5, 2.0]),
     }

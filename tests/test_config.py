@@ -53,7 +53,7 @@ class TestDefaults:
         assert config.reconciler.lease_duration == 60.0
         assert config.reconciler.connect_timeout == 120.0
         assert config.reconciler.operation_timeout == 30.0
-        assert config.reconciler.max_concurrent_claims == 16
+        assert config.reconciler.max_concurrent_claims == 64
         assert config.reconciler.poll_interval == 5.0
         assert config.reconciler.repair_interval == 30.0
         assert config.reconciler.shutdown_grace == 20.0
@@ -214,15 +214,19 @@ class TestValidation:
         with pytest.raises(ConfigError, match=r"^reconciler\.max_concurrent_claims: "):
             load(tmp_path, "[reconciler]\nmax_concurrent_claims = 0\n")
 
-    @pytest.mark.parametrize("value", ["-1", "17"])
+    @pytest.mark.parametrize("value", ["-1", "65"])
     def test_max_claims_per_tenant_bounds(self, tmp_path: pathlib.Path, value: str) -> None:
         """0 (half) to max_concurrent_claims; the error names both ends."""
-        with pytest.raises(ConfigError, match=r"^reconciler\.max_claims_per_tenant: .*\(16\)"):
+        with pytest.raises(ConfigError, match=r"^reconciler\.max_claims_per_tenant: .*\(64\)"):
             load(tmp_path, f"[reconciler]\nmax_claims_per_tenant = {value}\n")
 
     def test_max_claims_per_tenant_is_the_tenant_room(self, tmp_path: pathlib.Path) -> None:
         assert ReconcilerSettings(max_concurrent_claims=16).tenant_room == 8
         assert ReconcilerSettings(max_concurrent_claims=1).tenant_room == 1
+        assert ReconcilerSettings(max_concurrent_claims=6).tenant_room == 3
+        # The default: 64 slots, 8 of them for one tenant while another is in sight.
+        assert ReconcilerSettings().tenant_room == 8
+        assert ReconcilerSettings(max_concurrent_claims=256).tenant_room == 8
         four = ReconcilerSettings(max_concurrent_claims=16, max_claims_per_tenant=4)
         assert four.tenant_room == 4
         config = load(tmp_path, "[reconciler]\nmax_claims_per_tenant = 4\n")

@@ -114,7 +114,8 @@ class Hub:
         **overrides: Any,
     ) -> Path:
         """The daemon's config in the state dir: the suite's settings (with an 8 s operation
-        timeout and the default claim limit), ``extra`` sections, and the container provisioner
+        timeout and 16 claims at once, fewer than the twenty of the concurrency test), ``extra``
+        sections, and the container provisioner
         on ``engine`` (the test's by default) publishing port 18080, with ``overrides`` of its
         options."""
         options = containerkit.options(
@@ -127,7 +128,7 @@ class Hub:
                 state_dir=self.state_dir,
                 server_port=server_port,
                 operation_timeout="8s",
-                max_concurrent_claims=None,
+                max_concurrent_claims=16,
             )
             + LOG_SECTION
             + extra

@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 import attrs
 import platformdirs
 
-from hubd.claimrules import claim_rules_problem
+from hubd.claimrules import DEFAULT_CLAIMS, TENANT_ROOM, claim_rules_problem
 from hubd.config.kinds import (
     Choice,
     Duration,
@@ -288,11 +288,12 @@ class ReconcilerConfig:
     """At a start that finds no other live replica, the least time each sidecar that is not
     connected gets to come back, whatever its deadline was (``connect_timeout`` when longer)."""
     operation_timeout: float = _duration("30s")
-    max_concurrent_claims: int = _integer(16)
+    max_concurrent_claims: int = _integer(DEFAULT_CLAIMS)
     max_claims_per_tenant: int = _integer(0)
     """Claim slots one tenant may hold while another tenant is in sight (claimed for within a
-    minute); 0: half of ``max_concurrent_claims``. Fewer isolate the others from a burst
-    better and leave more of the slots unused while the burst waits (docs/operations.md)."""
+    minute); 0: half of ``max_concurrent_claims``, at most ``TENANT_ROOM`` (8). Fewer isolate
+    the others from a burst better and leave more of the slots unused while the burst waits
+    (docs/operations.md)."""
     poll_interval: float = _duration("5s")
     repair_interval: float = _duration("30s")
     shutdown_grace: float = _duration("20s")
@@ -320,8 +321,9 @@ class ReconcilerConfig:
         if not 0 <= self.max_claims_per_tenant <= self.max_concurrent_claims:
             raise problem(
                 "reconciler.max_claims_per_tenant",
-                f"must be 0 (half of max_concurrent_claims) to max_concurrent_claims "
-                f"({self.max_concurrent_claims}), not {self.max_claims_per_tenant}",
+                f"must be 0 (half of max_concurrent_claims, at most {TENANT_ROOM}) to "
+                f"max_concurrent_claims ({self.max_concurrent_claims}), "
+                f"not {self.max_claims_per_tenant}",
             )
         broken = claim_rules_problem(
             lease_duration=self.lease_duration,

@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from hubd.claimrules import claim_rules_problem
+from hubd.claimrules import DEFAULT_CLAIMS, TENANT_ROOM, claim_rules_problem
 from hubd.store.inputs import DEFAULT_REPLACEMENT_LIMIT, ReplacementLimit
 from hubd.store.rows import Allocation
 from hubd.units import positive
@@ -32,9 +32,10 @@ class ReconcilerSettings:
     lease_duration: float = 60.0
     connect_timeout: float = 120.0
     operation_timeout: float = 30.0
-    max_concurrent_claims: int = 16
+    max_concurrent_claims: int = DEFAULT_CLAIMS
     max_claims_per_tenant: int = 0
-    """Claim slots one tenant may hold while another is in sight; 0: half of them."""
+    """Claim slots one tenant may hold while another is in sight; 0: half of them, at most
+    :data:`TENANT_ROOM`."""
     automatic_replacement_recovery: bool = False
     replacement_limit: ReplacementLimit = DEFAULT_REPLACEMENT_LIMIT
     """How often an allocation's sidecars may fail within a window before it is given up."""
@@ -52,7 +53,8 @@ class ReconcilerSettings:
     @property
     def tenant_room(self) -> int:
         """The claim slots one tenant may hold while another tenant is in sight."""
-        return self.max_claims_per_tenant or max(1, self.max_concurrent_claims // 2)
+        half = max(1, self.max_concurrent_claims // 2)
+        return self.max_claims_per_tenant or min(half, TENANT_ROOM)
 
     def ready_when_of(self, provisioner_id: str) -> str:
         return self.ready_when.get(provisioner_id, "connected")
