@@ -57,6 +57,7 @@ from bench import baselines, databases, deadlines, fairness, http, phases, pools
 from bench.procs import DaemonProcess, FarmClient, raise_open_files, server_processes
 from bench.report import Measures, profile_summary, render
 from bench.watch import Watcher, xact_commit
+from hubd.claimrules import DEFAULT_CLAIMS
 from hubd.daemon.loops import EVENT_LOOPS
 from hubd.store.embedded import EmbeddedPostgres
 
@@ -245,7 +246,7 @@ class Run:
             # only their own.
             await asyncio.sleep(phases.STATS_LAG)
             result["idle"] = await phases.idle_commits(self.stats, seconds=self.size.idle_seconds)
-            if self.args.profile and claims == CLAIMS[0] and first:
+            if self.args.profile and claims == DEFAULT_CLAIMS and first:
                 profiler = await _start_profiler(daemon.pid, self.args.profile)
 
             async def stop() -> None:
@@ -667,7 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=Path("bench-results.json"))
     parser.add_argument(
-        "--profile", type=Path, help="py-spy raw profile of the 16-claim lifecycle run"
+        "--profile",
+        type=Path,
+        help="py-spy raw profile of the lifecycle at the default claim count",
     )
     parser.add_argument("--render", type=Path, help="print the table of a saved JSON and exit")
     args = parser.parse_args(argv)
