@@ -11,7 +11,7 @@ __all__ = ["DEFAULT_CLAIMS", "TENANT_ROOM", "claim_rules_problem"]
 DEFAULT_CLAIMS: Final = 64
 """Claims a daemon works on at once unless configured: at 64 the claims of a backlog overlap
 (the statements of one cohort run while the last one's sidecars connect) where at 16 they went
-in lockstep, for 1.5 times the lifecycle and two thirds of the CPU per allocation
+in lockstep, for 1.24 to 1.49 times the lifecycle and two thirds of the CPU per allocation
 (docs/performance.md, "Claims at once")."""
 
 TENANT_ROOM: Final = 8
