@@ -10,6 +10,7 @@ import asyncpg
 import attrs
 import pytest
 
+from hubd.claimrules import DEFAULT_CLAIMS
 from hubd.routing import MemoryRouter
 from hubd.store import AllocationStore, Database
 from tests.polling import scaled
@@ -120,18 +121,21 @@ class TestBound:
             )
             assert [row["id"] for row in rows] == [burst[0], late[0], late[1]]
 
-    @pytest.mark.parametrize(("per_tenant", "room"), [(0, 2), (1, 1)])
+    @pytest.mark.parametrize(
+        ("claims", "per_tenant", "room"), [(4, 0, 2), (4, 1, 1), (DEFAULT_CLAIMS, 0, 8)]
+    )
     async def test_a_burst_leaves_the_other_slots_to_another_tenant(
-        self, db: Database, store: AllocationStore, per_tenant: int, room: int
+        self, db: Database, store: AllocationStore, claims: int, per_tenant: int, room: int
     ) -> None:
-        """While another tenant is in sight, a's burst claims its room of the four slots and
-        no more, however many of its rows are due (half by default, or the operator's
-        max_claims_per_tenant): b's request, made while those claims still run, is claimed at
-        once instead of waiting for one of them to end."""
+        """While another tenant is in sight, a's burst claims its room of the slots and no
+        more, however many of its rows are due (half by default and 8 at most, or the
+        operator's max_claims_per_tenant): b's request, made while those claims still run, is
+        claimed at once instead of waiting for one of them to end."""
         provisioner = ScriptedProvisioner("p")
-        settings = attrs.evolve(SETTINGS, max_claims_per_tenant=per_tenant)
+        settings = attrs.evolve(
+            SETTINGS, max_concurrent_claims=claims, max_claims_per_tenant=per_tenant
+        )
         reconciler = make_reconciler(db, MemoryRouter(), provisioner, settings=settings)
-        assert reconciler.settings.max_concurrent_claims == 4
         await request(store, "b")
         assert await reconciler.claim_batch() == 1
         await asyncio.wait_for(reconciler.wait_claims(), scaled(10))
