@@ -52,6 +52,7 @@ from bench import standalone
 from bench.phases import PROVISIONER, daemon_config, percentile, say, vacuum
 from bench.procs import DaemonProcess, FarmClient
 from hubd.config.sections import ReconcilerConfig
+from hubd.reconciler.settings import ReconcilerSettings
 from hubd.store import AllocationStore, connect_database
 
 __all__ = [
@@ -113,8 +114,8 @@ async def measure(
     """The three scenarios ``load.rounds`` times on one fresh daemon (of the checkout ``root``;
     ``None``: this one) whose config goes in ``workdir``; A's sidecars from ``farm``, B's from a
     farm started here (with ``shared_farm``, from ``farm`` too); ``per_tenant`` is the daemon's
-    ``max_claims_per_tenant`` (0: its default, half the slots). The summary of each scenario's
-    rounds."""
+    ``max_claims_per_tenant`` (0: its default, half the slots, at most 8). The summary of each
+    scenario's rounds."""
     farms = [farm]
     b_provisioner = PROVISIONER
     if not shared_farm:
@@ -518,7 +519,7 @@ def render(result: dict[str, Any]) -> str:
         f"B: {load['requests']} requests per scenario, {load['per_tick']} every "
         f"{TICK * 1000:.0f} ms, its sidecars from {farm} farm; A: {load['burst']} in one "
         f"transaction; {load['claims']} claims, at most "
-        f"{load.get('per_tenant') or load['claims'] // 2} a tenant while another is in sight; "
+        f"{_room(load['claims'], load.get('per_tenant', 0))} a tenant while another is in sight; "
         f"{load['rounds']} rounds, percentiles over the rounds pooled."
     )
     out.append(
@@ -526,6 +527,12 @@ def render(result: dict[str, Any]) -> str:
         f"({ratio:.2f}x; per round {per_round})"
     )
     return "\n".join(out)
+
+
+def _room(claims: int, per_tenant: int) -> int:
+    """The claims one tenant holds while another is in sight, as the daemon decides it."""
+    settings = ReconcilerSettings(max_concurrent_claims=claims, max_claims_per_tenant=per_tenant)
+    return settings.tenant_room
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -543,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         dest="per_tenant",
         type=int,
         default=0,
-        help="the daemon's [reconciler] max_claims_per_tenant (default 0: half the slots)",
+        help="the daemon's [reconciler] max_claims_per_tenant (0: half the slots, at most 8)",
     )
     args = parser.parse_args(argv)
     load = LOADS[args.size]
