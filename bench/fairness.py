@@ -203,11 +203,8 @@ def _config(workdir: Path, dsn: str, farms: list[Path], *, per_tenant: int = 0) 
         state_dir=workdir / "state",
         farm=farms[0],
         claims=CLAIMS,
+        per_tenant=per_tenant,
     )
-    if per_tenant:
-        text = path.read_text()
-        claims = f"max_concurrent_claims = {CLAIMS}\n"
-        path.write_text(text.replace(claims, f"{claims}max_claims_per_tenant = {per_tenant}\n"))
     if len(farms) > 1:
         with path.open("a") as config:
             config.write(
