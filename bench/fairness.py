@@ -23,10 +23,12 @@ A request's latency is read afterwards from the event feed (``hubd_events``, doc
 the database's clock: from its ``requested`` event (written at the request's commit) to its
 ``ready`` event (written at the commit that made it ready); its claim wait, the part the claim's
 order decides, ends at its first claim's ledger row, and the rest of it (claim → ready) is the
-lifecycle that follows, where A's burst slows B without queueing it. Nothing listens while it
-runs. Each
-scenario ends with every allocation ready, released and terminal. B's percentiles pool every
-round's requests; A's rate is A's requests over the time from A's commit to its last ``ready``.
+lifecycle that follows, where A's burst slows B without queueing it. That rest is split in
+three (``PARTS``) at B's farm's dial of the sidecar (the farm's clock, the same host's) and at
+the start of the statement that admitted its socket (the connection record's ``connected_at``).
+Nothing listens while it runs. Each scenario ends with every allocation ready, released and
+terminal. B's percentiles pool every round's requests; A's rate is A's requests over the time
+from A's commit to its last ``ready``.
 The goal (issue 53): B's p99 under A's burst at most twice B's p99 alone.
 
 ``python -m bench`` runs the same at its own size as its ``fairness`` part.
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import math
 import statistics
 import sys
@@ -51,6 +54,7 @@ import attrs
 from bench import standalone
 from bench.phases import PROVISIONER, daemon_config, percentile, say, vacuum
 from bench.procs import DaemonProcess, FarmClient
+from bench.table import columns
 from hubd.config.sections import ReconcilerConfig
 from hubd.reconciler.settings import ReconcilerSettings
 from hubd.store import AllocationStore, connect_database
@@ -147,7 +151,13 @@ async def measure(
         say("fairness warm-up")
         warm_up = attrs.evolve(load, requests=load.per_tick * 4)
         await _scenario(
-            stats, db.pool, store, warm_up, burst=warm_up.requests, b_provisioner=b_provisioner
+            stats,
+            db.pool,
+            store,
+            warm_up,
+            burst=warm_up.requests,
+            b_provisioner=b_provisioner,
+            b_farm=farms[-1],
         )
         for each in farms:
             await each.call("forget")
@@ -165,6 +175,7 @@ async def measure(
                         load,
                         burst=0 if name == "alone" else load.requests * BURST_FACTOR,
                         b_provisioner=b_provisioner,
+                        b_farm=farms[-1],
                     )
                 result["claims_per_statement"] = _per_statement(counted, await daemon.metrics())
                 for each in farms:
@@ -227,9 +238,11 @@ async def _scenario(
     *,
     burst: int,
     b_provisioner: str,
+    b_farm: FarmClient,
 ) -> dict[str, Any]:
     """One scenario: A's burst of ``burst`` requests (none: B alone), then B's stream; every
-    allocation awaited ready, its latency read, all released and awaited terminal."""
+    allocation awaited ready, its latency read (with, for B's, when ``b_farm`` dialled its
+    sidecar), all released and awaited terminal."""
     await vacuum(stats)
     # The feed's positions follow commit order: every event of this scenario comes after it.
     since = await stats.fetchval("SELECT coalesce(max(position), 0) FROM hubd_events")
@@ -240,12 +253,17 @@ async def _scenario(
     if not await _until(stats, since, READY, len(ids), within=load.within):
         raise RuntimeError(f"not every one of {len(ids)} allocations became ready")
     rows = await stats.fetch(LATENCIES, since)
+    dialed = {
+        r["allocation_id"]: (await b_farm.call("dialed", allocation_id=r["allocation_id"]))["at"]
+        for r in rows
+        if r["tenant_id"] == TENANT_B
+    }
     async with pool.acquire() as conn, conn.transaction():
         for allocation_id in ids:
             await store.release(allocation_id, reason="benchmark done", conn=conn)
     if not await _until(stats, since, ENDED, len(ids), within=load.within):
         raise RuntimeError(f"not every one of {len(ids)} allocations ended")
-    return _round(rows)
+    return _round(rows, dialed)
 
 
 async def _burst(store: AllocationStore, pool: asyncpg.Pool, *, n: int) -> list[str]:
@@ -309,13 +327,15 @@ async def _until(
 
 # Each allocation of the scenario: its tenant, and the database clock (seconds since the epoch)
 # of its request's commit, of its first claim (the claim's first ledger row, which binds its
-# sidecar) and of the commit that first made it ready.
+# sidecar), of the start of the statement that admitted its sidecar's socket (the record's
+# connected_at, read before the release clears it) and of the commit that first made it ready.
 LATENCIES = """
-SELECT e.tenant_id, e.requested, e.ready,
+SELECT e.allocation_id, e.tenant_id, e.requested, e.ready,
        extract(epoch FROM (
            SELECT min(l.at) FROM hubd_allocation_ledger AS l
            WHERE l.allocation_id = e.allocation_id
-             AND l.kind = 'bind_sidecar' AND l.phase = 'committed'))::float8 AS claimed
+             AND l.kind = 'bind_sidecar' AND l.phase = 'committed'))::float8 AS claimed,
+       extract(epoch FROM c.connected_at)::float8 AS admitted
 FROM (
     SELECT allocation_id, tenant_id,
            extract(epoch FROM min(at) FILTER (WHERE event = 'requested'))::float8 AS requested,
@@ -324,12 +344,14 @@ FROM (
     WHERE position > $1
     GROUP BY allocation_id, tenant_id
 ) AS e
+LEFT JOIN hubd_sidecar_connections AS c ON c.allocation_id = e.allocation_id
 """
 
 
-def _round(rows: list[asyncpg.Record]) -> dict[str, Any]:
-    """One scenario's figures from its ``LATENCIES`` rows: B's latencies in ms, in request
-    order, and the part of each spent waiting for the claim; A's count and rate; how many of
+def _round(rows: list[asyncpg.Record], dialed: dict[str, float | None]) -> dict[str, Any]:
+    """One scenario's figures from its ``LATENCIES`` rows and the farm's dial of each of B's
+    sidecars (``dialed``, by allocation): B's latencies in ms, in request order, the part of each
+    spent waiting for the claim, and its claim → ready in parts; A's count and rate; how many of
     B's requests committed while A's burst was still being served."""
     b = sorted(
         (r["requested"], r["ready"], r["claimed"]) for r in rows if r["tenant_id"] == TENANT_B
@@ -338,6 +360,7 @@ def _round(rows: list[asyncpg.Record]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "b_ms": [(ready - asked) * 1000 for asked, ready, _ in b],
         "b_claim_ms": [(claimed - asked) * 1000 for asked, _, claimed in b],
+        "b_parts_ms": _parts(rows, dialed),
     }
     if a:
         # Every A request commits in one transaction; the feed writes their events at that
@@ -349,6 +372,26 @@ def _round(rows: list[asyncpg.Record]) -> dict[str, Any]:
         result["a_ms"] = [(ready - asked) * 1000 for asked, ready in a]
         result["b_during_burst"] = sum(1 for asked, _, _ in b if asked < last)
     return result
+
+
+PARTS = ("claim → dial", "dial → admission", "admission → ready")
+"""B's claim → ready in turn: the ensure, the plugin's word to the farm and the farm's start
+of the dial; the connect, the request, the listener and the wait for the admission statement
+to start; that statement and its commit, and the ready commit (when the sidecar connected
+before its park committed, the park's commit too)."""
+
+
+def _parts(rows: list[asyncpg.Record], dialed: dict[str, float | None]) -> list[list[float]]:
+    """The three :data:`PARTS` in ms, one triple for each of B's allocations whose dial and
+    admission are both known (a sidecar dialled again carries its last dial)."""
+    parts = []
+    for r in rows:
+        dial = dialed.get(r["allocation_id"])
+        if r["tenant_id"] != TENANT_B or dial is None or r["admitted"] is None:
+            continue
+        marks = (r["claimed"], dial, r["admitted"], r["ready"])
+        parts.append([(later - earlier) * 1000 for earlier, later in itertools.pairwise(marks)])
+    return parts
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -372,6 +415,13 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "b_after_claim_p50_ms": statistics.median(after),
         "b_after_claim_p99_ms": percentile(after, 0.99),
     }
+    parts = [triple for each in rounds for triple in each.get("b_parts_ms", [])]
+    if parts:
+        summary["b_parts_n"] = len(parts)
+        summary["b_parts_ms"] = {
+            name: [statistics.median(column), percentile(list(column), 0.99)]
+            for name, column in zip(PARTS, zip(*parts, strict=True), strict=True)
+        }
     if all("claims_per_statement" in each for each in rounds):
         summary["claims_per_statement"] = statistics.median(
             each["claims_per_statement"] for each in rounds
@@ -460,6 +510,13 @@ async def fifo_claims(conn: asyncpg.Connection) -> AsyncIterator[None]:
         await conn.execute("DROP INDEX IF EXISTS hubd_bench_fifo_due_idx")
 
 
+LABELS = {
+    "alone": "B alone",
+    "fair": "B + A's burst, fair claim",
+    "fifo": "B + A's burst, FIFO claim",
+}
+
+
 def render(result: dict[str, Any]) -> str:
     """The table of a ``measure`` result."""
     load = result["load"]
@@ -475,17 +532,12 @@ def render(result: dict[str, Any]) -> str:
         "B during burst",
     )
     alone = result["alone"]["b_p99_ms"]
-    labels = {
-        "alone": "B alone",
-        "fair": "B + A's burst, fair claim",
-        "fifo": "B + A's burst, FIFO claim",
-    }
     lines = []
     for name in SCENARIOS:
         each = result[name]
         lines.append(
             (
-                labels[name],
+                LABELS[name],
                 f"{each['b_p50_ms']:.1f}",
                 f"{each['b_p99_ms']:.1f}",
                 f"{each['b_p99_ms'] / alone:.2f}x",
@@ -496,13 +548,10 @@ def render(result: dict[str, Any]) -> str:
                 f"{each['b_during_burst']} of {each['b_n']}" if "a_rate" in each else "—",
             )
         )
-    widths = [max(len(row[i]) for row in (head, *lines)) for i in range(len(head))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(head, widths, strict=True))]
-    out.append("  ".join("-" * w for w in widths))
-    for line in lines:
-        cells = [line[0].ljust(widths[0])]
-        cells += [cell.rjust(w) for cell, w in zip(line[1:], widths[1:], strict=True)]
-        out.append("  ".join(cells))
+    out = columns([head, *lines], right=range(1, len(head)))
+    if all("b_parts_ms" in result[name] for name in SCENARIOS):
+        out.append("")
+        out.extend(_parts_table(result))
     ratio = result["fair"]["b_p99_ms"] / alone
     per_round = " / ".join(
         f"{fair / own:.2f}x"
@@ -524,6 +573,20 @@ def render(result: dict[str, Any]) -> str:
         f"({ratio:.2f}x; per round {per_round})"
     )
     return "\n".join(out)
+
+
+def _parts_table(result: dict[str, Any]) -> list[str]:
+    """B's claim → ready in :data:`PARTS`, each part's p50 / p99 over the rounds pooled."""
+    head = ("B's claim → ready in parts, p50 / p99 ms", *PARTS, "of B's")
+    lines = [
+        (
+            LABELS[name],
+            *("{:.1f} / {:.1f}".format(*result[name]["b_parts_ms"][part]) for part in PARTS),
+            f"{result[name]['b_parts_n']} of {result[name]['b_n']}",
+        )
+        for name in SCENARIOS
+    ]
+    return columns([head, *lines], right=range(1, len(head)))
 
 
 def _room(claims: int, per_tenant: int) -> int:

@@ -185,6 +185,9 @@ async def test_the_smallest_run_reports_every_measure_with_numbers(
     fair = report["results"]["fairness"]
     for scenario in fairness.SCENARIOS:
         assert fair[scenario]["b_n"] == fair["load"]["requests"] * fair["load"]["rounds"]
+        # Every sidecar of B's was dialled by its farm and admitted by a statement on record.
+        assert fair[scenario]["b_parts_n"] == fair[scenario]["b_n"]
+        assert list(fair[scenario]["b_parts_ms"]) == list(fairness.PARTS)
     for scenario in ("fair", "fifo"):
         assert fair[scenario]["a_n"] == fair["load"]["burst"] * fair["load"]["rounds"]
     # Deadlines: both rounds, every lifetime and idle timeout ended once, none missed.
@@ -332,6 +335,31 @@ def test_a_scenario_pools_tenant_b_over_its_rounds() -> None:
     assert summary["a_n"] == 30
     assert summary["b_during_burst"] == 150
     assert "a_rate" not in fairness.summarize([{"b_ms": [1.0], "b_claim_ms": [0.5]}])
+
+
+def test_b_claim_to_ready_is_split_at_the_dial_and_the_admission() -> None:
+    """Each of B's allocations with a dial and an admission on record gives its three parts;
+    A's, and B's whose sidecar was never dialled or admitted, give none."""
+    rows = [
+        {"allocation_id": "b1", "tenant_id": fairness.TENANT_B, "claimed": 10.0,
+         "admitted": 10.05, "ready": 10.06},
+        {"allocation_id": "b2", "tenant_id": fairness.TENANT_B, "claimed": 20.0,
+         "admitted": None, "ready": 20.1},
+        {"allocation_id": "b3", "tenant_id": fairness.TENANT_B, "claimed": 30.0,
+         "admitted": 30.1, "ready": 30.2},
+        {"allocation_id": "a1", "tenant_id": fairness.TENANT_A, "claimed": 1.0,
+         "admitted": 1.1, "ready": 1.2},
+    ]  # fmt: skip
+    dialed = {"b1": 10.01, "b2": 20.01, "b3": None, "a1": 1.05}
+    parts = fairness._parts(rows, dialed)  # type: ignore[arg-type]
+    assert [[round(ms, 3) for ms in triple] for triple in parts] == [[10.0, 40.0, 10.0]]
+    rounds = [
+        {"b_ms": [1.0], "b_claim_ms": [0.5], "b_parts_ms": [[1.0, 2.0, 3.0]]},
+        {"b_ms": [1.0], "b_claim_ms": [0.5], "b_parts_ms": [[3.0, 4.0, 5.0]]},
+    ]
+    summary = fairness.summarize(rounds)
+    assert summary["b_parts_n"] == 2
+    assert summary["b_parts_ms"]["dial → admission"][1] == 4.0
 
 
 def test_a_deadline_round_counts_ends_twice_never_and_in_the_fault() -> None:
