@@ -15,8 +15,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from bench import deadlines, fairness, http, pools, procs, waits
+from bench import deadlines, fairness, http, phases, pools, procs, waits
 from bench.report import render, round_ratios, storm_ratios
+from hubd.config import load_config
 from hubd.store import AllocationStore, Database
 from hubd.store.queries import load_queries
 from tests.clikit import hubd_env
@@ -517,3 +518,21 @@ def test_the_wait_sampler_knows_each_lifecycle_statement_as_both_views_show_it(
     others = [n for n in load_queries(filename).names() if n not in {s for _, s in waits.LIFECYCLE}]
     for other in others:
         assert waits.statement(load_queries(filename)[other].sql) is None
+
+
+@pytest.mark.parametrize("room", [0, 4])
+def test_the_daemon_config_names_the_room_only_when_it_is_set(tmp_path: Path, room: int) -> None:
+    # bench.compare runs trees from before max_claims_per_tenant existed with this config; they
+    # refuse a key they do not know.
+    path = phases.daemon_config(
+        tmp_path / "hubd.toml",
+        database_url="postgresql://bench@127.0.0.1/bench",
+        state_dir=tmp_path / "state",
+        farm=tmp_path / "farm.sock",
+        claims=64,
+        per_tenant=room,
+    )
+    assert ("max_claims_per_tenant" in path.read_text()) == bool(room)
+    config = load_config(path, env={})
+    assert config.reconciler.max_concurrent_claims == 64
+    assert config.reconciler.max_claims_per_tenant == room
