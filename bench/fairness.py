@@ -5,9 +5,10 @@ of ten times B's requests, with the claim's fair order and with the former FIFO 
 
 One fresh ``hubd run`` (the default ``max_concurrent_claims``, the instant provisioner and the
 sidecar farm of ``python -m bench``) on one database; tenant B's sidecars come from a farm of
-their own (a second provisioner), as another tenant's would from other hosts: in one shared farm
-B's handshakes waited in the farm's own queue (64 handshakes at a time) behind A's, up to a
-second at p99, a queue of the harness and not of hubd (``--shared-farm`` measures it so). Then,
+their own (a second provisioner), dialling from A's addresses as sidecars of two tenants on one
+fleet of hosts do (``--own-range``: from a /24 of their own). In one shared farm B's handshakes
+waited in the farm's own queue (64 handshakes at a time) behind A's, up to a second at p99, a
+queue of the harness and not of hubd (``--shared-farm`` measures it so). Then,
 ``rounds`` times, three scenarios:
 
 1. **alone**: tenant B submits ``requests`` requests, ``per_tick`` every 100 ms, each its own
@@ -78,6 +79,10 @@ TICK = 0.1
 TENANT_A = "bench-a"
 TENANT_B = "bench-b"
 B_PROVISIONER = "bench-b"
+B_SOURCES = [f"127.0.1.{n}" for n in range(2, 251)]
+"""Where B's sidecars dial from with ``--own-range``: a /24 of their own, which the listener's
+per-range handshake shares count apart from A's (by default both farms dial from the same
+249 addresses, as sidecars of two tenants on one fleet of hosts do)."""
 """Tenant B's provisioner: the same instant plugin, writing to B's own farm."""
 SCENARIOS = ("alone", "fair", "fifo")
 CLAIMS = ReconcilerConfig().max_concurrent_claims
@@ -112,12 +117,14 @@ async def measure(
     load: Load,
     *,
     shared_farm: bool = False,
+    own_range: bool = False,
     per_tenant: int = 0,
     root: Path | None = None,
 ) -> dict[str, Any]:
     """The three scenarios ``load.rounds`` times on one fresh daemon (of the checkout ``root``;
     ``None``: this one) whose config goes in ``workdir``; A's sidecars from ``farm``, B's from a
-    farm started here (with ``shared_farm``, from ``farm`` too); ``per_tenant`` is the daemon's
+    farm started here (with ``shared_farm``, from ``farm`` too), dialling from A's addresses or,
+    with ``own_range``, from :data:`B_SOURCES`; ``per_tenant`` is the daemon's
     ``max_claims_per_tenant`` (0: its default, half the slots, at most 8). The summary of each
     scenario's rounds."""
     farms = [farm]
@@ -143,6 +150,8 @@ async def measure(
         for each in farms[1:]:
             undo.push_async_callback(each.stop)
             await each.start()
+        if own_range and not shared_farm:
+            await farms[-1].call("sources", value=B_SOURCES)
         undo.push_async_callback(daemon.stop)
         await daemon.start()
         # Unmeasured: both farms' first sockets, the plugins' first writes and the pools'
@@ -189,6 +198,7 @@ async def measure(
             "claims": CLAIMS,
             "per_tenant": per_tenant,
             "shared_farm": shared_farm,
+            "own_range": own_range and not shared_farm,
         },
         **{name: summarize(rounds[name]) for name in SCENARIOS},
     }
@@ -560,10 +570,12 @@ def render(result: dict[str, Any]) -> str:
         )
     )
     farm = "A's" if load["shared_farm"] else "their own"
+    hosts = "a /24 of their own" if load.get("own_range") else "A's addresses"
     out.append("")
     out.append(
         f"B: {load['requests']} requests per scenario, {load['per_tick']} every "
-        f"{TICK * 1000:.0f} ms, its sidecars from {farm} farm; A: {load['burst']} in one "
+        f"{TICK * 1000:.0f} ms, its sidecars from {farm} farm "
+        f"dialling from {hosts}; A: {load['burst']} in one "
         f"transaction; {load['claims']} claims, at most "
         f"{_room(load['claims'], load.get('per_tenant', 0))} a tenant while another is in sight; "
         f"{load['rounds']} rounds, percentiles over the rounds pooled."
@@ -606,6 +618,11 @@ def main(argv: list[str] | None = None) -> int:
         help="B's sidecars from A's farm, queued with A's handshakes (default: a farm of B's own)",
     )
     parser.add_argument(
+        "--own-range",
+        action="store_true",
+        help="B's sidecars dial from 127.0.1.2-250 (default: the same addresses as A's)",
+    )
+    parser.add_argument(
         "--max-claims-per-tenant",
         dest="per_tenant",
         type=int,
@@ -617,7 +634,13 @@ def main(argv: list[str] | None = None) -> int:
 
     async def measured(dsn: str, farm: FarmClient, workdir: Path) -> dict[str, Any]:
         return await measure(
-            dsn, farm, workdir, load, shared_farm=args.shared_farm, per_tenant=args.per_tenant
+            dsn,
+            farm,
+            workdir,
+            load,
+            shared_farm=args.shared_farm,
+            own_range=args.own_range,
+            per_tenant=args.per_tenant,
         )
 
     return standalone.report("fairness", args, measured, render)

@@ -47,7 +47,7 @@ from hubd.sidecar.settings import connect_urls
 SUBPROTOCOL = Subprotocol(_SUBPROTOCOL)
 _STOP_CODES = frozenset({4000, 4001, 4002})
 _STOP_STATUSES = frozenset({400, 401, 403, 409})
-_SOURCES = [f"127.0.0.{n}" for n in range(2, 251)]
+SOURCES = [f"127.0.0.{n}" for n in range(2, 251)]
 
 
 class Sidecar:
@@ -72,7 +72,7 @@ class Farm:
         self.dialed: dict[str, float] = {}
         """When the latest handshake of each allocation started (host wall clock)."""
         self.refusals: dict[str, int] = {}
-        self.sources = itertools.cycle(_SOURCES)
+        self.sources = itertools.cycle(SOURCES)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.awaited: tuple[int, asyncio.Future[None]] | None = None
         """While a storm runs: the count of welcomes it waits for, and its future."""
@@ -194,7 +194,7 @@ class Farm:
             return {}
         if op == "sources":
             # The addresses sidecars dial from from now on; none: the spread default.
-            self.sources = itertools.cycle(request.get("value") or _SOURCES)
+            self.sources = itertools.cycle(request.get("value") or SOURCES)
             return {}
         if op == "connect_held":
             for sidecar in self.sidecars.values():

@@ -16,8 +16,10 @@ import asyncpg
 import pytest
 
 from bench import deadlines, fairness, http, phases, pools, procs, waits
+from bench.farm import SOURCES as A_SOURCES
 from bench.report import render, round_ratios, storm_ratios
 from hubd.config import load_config
+from hubd.server.slots import prefix_of
 from hubd.store import AllocationStore, Database
 from hubd.store.queries import load_queries
 from tests.clikit import hubd_env
@@ -536,3 +538,13 @@ def test_the_daemon_config_names_the_room_only_when_it_is_set(tmp_path: Path, ro
     config = load_config(path, env={})
     assert config.reconciler.max_concurrent_claims == 64
     assert config.reconciler.max_claims_per_tenant == room
+
+
+def test_b_own_range_is_counted_apart_from_a_by_the_listener() -> None:
+    # --own-range is there to take the listener's per-range handshake shares out of the
+    # comparison: B's addresses must fall in a range none of A's does.
+    b_ranges = {prefix_of(source) for source in fairness.B_SOURCES}
+    a_ranges = {prefix_of(source) for source in A_SOURCES}
+    assert b_ranges == {"127.0.1.0/24"}
+    assert not b_ranges & a_ranges
+    assert len(fairness.B_SOURCES) == len(A_SOURCES)
