@@ -531,7 +531,9 @@ def render(report: dict[str, Any]) -> str:
     profile = report.get("profile")
     if profile and profile["samples"]:
         out.append("")
-        out.append(f"daemon profile, 16-claim lifecycle ({profile['samples']} samples):")
+        out.append(
+            f"daemon profile, {DEFAULT_CLAIMS}-claim lifecycle ({profile['samples']} samples):"
+        )
         for title, key in (
             ("running", "own"),
             ("innermost hubd function", "nearest_hubd"),

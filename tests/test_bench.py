@@ -17,7 +17,8 @@ import pytest
 
 from bench import deadlines, fairness, http, phases, pools, procs, waits
 from bench.farm import SOURCES as A_SOURCES
-from bench.report import render, round_ratios, storm_ratios
+from bench.report import profile_summary, render, round_ratios, storm_ratios
+from hubd.claimrules import DEFAULT_CLAIMS
 from hubd.config import load_config
 from hubd.server.slots import prefix_of
 from hubd.store import AllocationStore, Database
@@ -548,3 +549,33 @@ def test_b_own_range_is_counted_apart_from_a_by_the_listener() -> None:
     assert b_ranges == {"127.0.1.0/24"}
     assert not b_ranges & a_ranges
     assert len(fairness.B_SOURCES) == len(A_SOURCES)
+
+
+def test_the_profile_is_summarized_and_titled_with_the_claim_count_it_ran_at(
+    tmp_path: Path,
+) -> None:
+    # --profile attaches py-spy to the daemon at the default claim count; the title says so.
+    raw = tmp_path / "lifecycle.raw"
+    raw.write_text(
+        "Runner.run (asyncio/runners.py:118);reconcile (hubd/reconciler/steps.py:40);"
+        "Connection._do_execute (asyncpg/connection.py:2069) 3\n"
+        "Runner.run (asyncio/runners.py:118) 1\n"
+    )
+    profile = profile_summary(raw)
+    assert profile["samples"] == 4
+    assert profile["nearest_hubd"][0] == ["reconcile (hubd/reconciler/steps.py)", 0.75]
+    report = {
+        "size": "mid",
+        "parameters": {"rounds": 1},
+        "machine": {
+            "nproc": 2,
+            "cpu": "test",
+            "memory": "1 MiB",
+            "load_average_before": [0.0, 0.0, 0.0],
+            "load_average": [0.0, 0.0, 0.0],
+        },
+        "measures": {},
+        "results": {},
+        "profile": profile,
+    }
+    assert f"daemon profile, {DEFAULT_CLAIMS}-claim lifecycle (4 samples):" in render(report)
