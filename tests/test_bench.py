@@ -11,6 +11,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -252,6 +253,20 @@ def test_round_ratios_pair_each_round_with_its_own_baseline() -> None:
     }
 
 
+def _report(results: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A mid-size run's report around ``results``, for the table's text alone."""
+    machine = {"nproc": 2, "cpu": "test", "memory": "1 MiB"}
+    machine |= {"load_average_before": [0.0] * 3, "load_average": [0.0] * 3}
+    return {
+        "size": "mid",
+        "parameters": {"rounds": 1},
+        "machine": machine,
+        "measures": {},
+        "results": results,
+        **extra,
+    }
+
+
 def test_storm_ratios_pair_each_storm_with_the_bare_storm_before_it() -> None:
     """Each ratio is one of hubd's storms over the bare server's storm run just before it, in
     order, by socket count; a count whose sides ran different numbers of storms, or whose part
@@ -277,20 +292,7 @@ def test_storm_ratios_pair_each_storm_with_the_bare_storm_before_it() -> None:
         (2000, pytest.approx([0.6, 0.65])),
         (5000, pytest.approx([0.5, 0.9, 0.75])),
     ]
-    report = {
-        "size": "mid",
-        "parameters": {"rounds": 1},
-        "machine": {
-            "nproc": 2,
-            "cpu": "test",
-            "memory": "1 MiB",
-            "load_average_before": [0.0, 0.0, 0.0],
-            "load_average": [0.0, 0.0, 0.0],
-        },
-        "measures": {},
-        "results": results,
-    }
-    text = render(report)
+    text = render(_report(results))
     assert "  2,000 sockets  0.60x / 0.65x" in text
     assert "  5,000 sockets  0.50x / 0.90x / 0.75x" in text
     assert "10,000 sockets" not in text
@@ -564,21 +566,8 @@ def test_the_profile_is_summarized_and_titled_with_the_claim_count_it_ran_at(
     profile = profile_summary(raw)
     assert profile["samples"] == 4
     assert profile["nearest_hubd"][0] == ["reconcile (hubd/reconciler/steps.py)", 0.75]
-    report = {
-        "size": "mid",
-        "parameters": {"rounds": 1},
-        "machine": {
-            "nproc": 2,
-            "cpu": "test",
-            "memory": "1 MiB",
-            "load_average_before": [0.0, 0.0, 0.0],
-            "load_average": [0.0, 0.0, 0.0],
-        },
-        "measures": {},
-        "results": {},
-        "profile": profile,
-    }
-    assert f"daemon profile, {DEFAULT_CLAIMS}-claim lifecycle (4 samples):" in render(report)
+    text = render(_report({}, profile=profile))
+    assert f"daemon profile, {DEFAULT_CLAIMS}-claim lifecycle (4 samples):" in text
 
 
 def test_each_size_of_the_periodic_statements_is_timed_first_in_every_other_round() -> None:
