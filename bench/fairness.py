@@ -79,11 +79,11 @@ TICK = 0.1
 TENANT_A = "bench-a"
 TENANT_B = "bench-b"
 B_PROVISIONER = "bench-b"
+"""Tenant B's provisioner: the same instant plugin, writing to B's own farm."""
 B_SOURCES = [f"127.0.1.{n}" for n in range(2, 251)]
 """Where B's sidecars dial from with ``--own-range``: a /24 of their own, which the listener's
 per-range handshake shares count apart from A's (by default both farms dial from the same
 249 addresses, as sidecars of two tenants on one fleet of hosts do)."""
-"""Tenant B's provisioner: the same instant plugin, writing to B's own farm."""
 SCENARIOS = ("alone", "fair", "fifo")
 CLAIMS = ReconcilerConfig().max_concurrent_claims
 """The daemon's default: fairness is measured as an operator gets it."""
@@ -612,12 +612,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.fairness", description=(__doc__ or "").split("\n")[0]
     )
     standalone.add_arguments(parser, LOADS)
-    parser.add_argument(
+    # B's own range is its own farm's addresses: with A's farm there is none to give it.
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
         "--shared-farm",
         action="store_true",
         help="B's sidecars from A's farm, queued with A's handshakes (default: a farm of B's own)",
     )
-    parser.add_argument(
+    where.add_argument(
         "--own-range",
         action="store_true",
         help="B's sidecars dial from 127.0.1.2-250 (default: the same addresses as A's)",

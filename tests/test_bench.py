@@ -577,3 +577,12 @@ def test_each_size_of_the_periodic_statements_is_timed_first_in_every_other_roun
     firsts = [order[0] for order in orders]
     assert firsts.count("small") == firsts.count("large") == scale.ROUNDS // 2
     assert all(sorted(order) == ["large", "small"] for order in orders)
+
+
+def test_fairness_refuses_an_own_range_for_sidecars_of_a_shared_farm(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        fairness.main(["--shared-farm", "--own-range"])
+    assert exited.value.code == 2
+    assert "not allowed with argument --shared-farm" in capsys.readouterr().err
