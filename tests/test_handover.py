@@ -6,7 +6,6 @@ allocation ready only once it did."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,11 +17,19 @@ from websockets.asyncio.client import ClientConnection
 from hubd.routing import Target
 from hubd.store import AllocationStore, Database
 from hubd.store.allocations import ProvisionerLimits
-from hubd.store.channels import HANDOVER_CHANNEL, parse_handover_payload
 from hubd.store.connections import ConnectionStore
 from hubd.store.pools import Pool, PoolStore
 from tests.polling import eventually
-from tests.wskit import Hub, Sidecar, bind_identity, close_code_of, dial, running_hub, welcome_of
+from tests.wskit import (
+    Hub,
+    Sidecar,
+    bind_identity,
+    close_code_of,
+    dial,
+    hearing,
+    running_hub,
+    welcome_of,
+)
 
 SPEC = {"image": "python:3.12"}
 
@@ -31,25 +38,6 @@ SPEC = {"image": "python:3.12"}
 async def hub(db: Database) -> AsyncIterator[Hub]:
     async with running_hub(db, ready_on_connect=True) as running:
         yield running
-
-
-@contextlib.asynccontextmanager
-async def forwarding(database_url: str, hub: Hub) -> AsyncIterator[list[tuple[str, int]]]:
-    """What the daemon's listener does with ``hubd_handover``: hand each take to the router."""
-    heard: list[tuple[str, int]] = []
-
-    def notified(_conn: object, _pid: int, _channel: str, payload: str) -> None:
-        taken = parse_handover_payload(payload, hub.notice_key)
-        assert taken is not None, payload
-        heard.append(taken)
-        hub.router.handover.taken(*taken)
-
-    conn = await asyncpg.connect(database_url)
-    try:
-        await conn.add_listener(HANDOVER_CHANNEL, notified)
-        yield heard
-    finally:
-        await conn.close()
 
 
 async def member(db: Database, *, ready_when: str = "connected") -> Sidecar:
@@ -101,7 +89,7 @@ class TestHandover:
         self, db: Database, hub: Hub, database_url: str
     ) -> None:
         sidecar = await member(db)
-        async with forwarding(database_url, hub), dial(hub.url, sidecar.headers()) as ws:
+        async with hearing(database_url, hub), dial(hub.url, sidecar.headers()) as ws:
             welcome = await welcomed(ws)
             assert (welcome["tenant"], welcome["session"]) == (None, None)
             await eventually(lambda: ready_row(db, sidecar.allocation_id), within=30)
@@ -140,7 +128,7 @@ class TestHandover:
     ) -> None:
         sidecar = await member(db, ready_when="declared")
         cursor = await db.pool.fetchval("SELECT hubd_v1.event_cursor()")
-        async with forwarding(database_url, hub), dial(hub.url, sidecar.headers()) as ws:
+        async with hearing(database_url, hub), dial(hub.url, sidecar.headers()) as ws:
             await welcomed(ws)
             await ws.send(json.dumps({"type": "ready"}))
             assert await message_of(ws) == {"type": "ready_recorded"}
@@ -247,7 +235,7 @@ class TestHandover:
             await welcomed(ws)
             await eventually(lambda: ready_row(db, sidecar.allocation_id), within=30)
             await take(db)
-            assert await hub.router.handover.resend() == 1
+            assert await hub.router.handover.resend(stale_after=1.0) == 1
             assert (await message_of(ws))["tenant"] == "acme"
 
     async def test_an_ack_before_the_welcome_ack_is_a_protocol_error_and_writes_nothing(

@@ -19,7 +19,12 @@ from hubd.routing import Target
 from hubd.server import CONNECT_PATH, SUBPROTOCOL, SidecarServer, SocketRouter
 from hubd.server.wire import WireLogger
 from hubd.store import AllocationStore, Database, Fence, Status
-from hubd.store.channels import NoticeKey, read_notice_key
+from hubd.store.channels import (
+    HANDOVER_CHANNEL,
+    NoticeKey,
+    parse_handover_payload,
+    read_notice_key,
+)
 from hubd.store.connections import ConnectionStore
 from hubd.store.instances import InstanceStore
 from hubd.store.sessions import init_connection
@@ -170,6 +175,26 @@ async def running_hub(
             events=events,
             notice_key=notice_key,
         )
+
+
+@asynccontextmanager
+async def hearing(database_url: str, *hubs: Hub) -> AsyncIterator[list[str]]:
+    """What each daemon's listener does with ``hubd_handover``: its router sweeps for takes.
+    Yields the notices heard, each checked as the daemon checks it."""
+    heard: list[str] = []
+
+    def notified(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+        assert parse_handover_payload(payload, hubs[0].notice_key) is not None, payload
+        heard.append(payload)
+        for hub in hubs:
+            hub.router.handover.heard()
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.add_listener(HANDOVER_CHANNEL, notified)
+        yield heard
+    finally:
+        await conn.close()
 
 
 def dial(url: str, headers: Mapping[str, str], **options: Any) -> Any:

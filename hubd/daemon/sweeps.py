@@ -33,6 +33,9 @@ log = structlog.get_logger(__name__)
 
 DEAD_INSTANCE_TTLS = 10
 """An instance row is deleted once its heartbeat is this many TTLs old."""
+STALE_TAKE = 1.0
+"""Seconds after which the socket check announces a take wherever its sidecar is: the replica
+holding its socket announces it within milliseconds, unless it died or froze."""
 DEADLINE_INTERVAL = 1.0
 """The longest the deadline sweep waits between runs: an allocation made with a lifetime
 after a run learns of it within this."""
@@ -79,11 +82,11 @@ class Sweeps:
             self.metrics.remote_closes.inc(closed)
             if reasserted or closed:
                 log.info("socket_check", reasserted=reasserted, closed=closed)
-            if router.connection_count:
-                # A hand-over whose notice this replica missed goes now (architecture §4).
-                resent = await router.handover.resend()
-                if resent:
-                    log.info("handovers_resent", count=resent)
+            # A take whose notice this replica missed is announced, and its hand-over goes,
+            # now; one whose replica died, once it is a second old (architecture §4, §8).
+            resent = await router.handover.resend(stale_after=STALE_TAKE)
+            if resent:
+                log.info("handovers_resent", count=resent)
 
     async def orphans(self) -> None:
         """Sweep provisioners that can list their sidecars for orphans (one replica at a

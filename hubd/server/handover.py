@@ -1,18 +1,23 @@
 """Hand-over (architecture §4): a taken pool member's sidecar learns the session it now serves.
 
 A request that takes a member writes the tenant and session on its row and marks it
-``handover_pending`` in its own statement (``hubd_take_member``), and announces the take on
-``hubd_handover``. The replica holding the member's socket sends the socket a ``session``
-message; the sidecar answers ``session_ack``, written fenced on its connection, which clears the
-mark. The message goes again after every welcome while the mark stands (the admission read it),
-and the periodic socket check sends it to every held socket still owed one, so a notification
-lost with a LISTEN connection delays a hand-over by one check at most, never loses it.
+``handover_pending`` in its own statement (``hubd_take_member``); the take that rings the bell
+notifies ``hubd_handover`` for every take then uncommitted (architecture §8, *A take's
+events*). Each replica that hears it sweeps: it announces the takes whose sockets it holds
+(their events are written then) and sends each socket a ``session`` message, and looks again
+while any take is in flight. The sidecar answers ``session_ack``, written fenced on its
+connection, which clears the mark. The message goes again after every welcome while the mark
+stands (the admission read it), and the periodic socket check announces what is left and sends
+every held socket still owed one, so a notification lost with a LISTEN connection delays a
+hand-over by one check at most, never loses it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hubd.aio import TrackedTasks
@@ -25,7 +30,14 @@ from hubd.server.sockets import SocketEntry
 from hubd.store.connection_values import Handover
 from hubd.store.connections import ConnectionStore
 
-__all__ = ["Handovers", "session_message"]
+__all__ = ["FIRST_LOOK", "LAST_LOOK", "Handovers", "session_message"]
+
+FIRST_LOOK = 0.002
+"""Seconds before a sweep looks again for takes that were in flight: a take's statement and
+commit take about a millisecond."""
+LAST_LOOK = 0.05
+"""The longest pause between looks while takes stay in flight with nothing to announce (one
+an application keeps uncommitted): each look is two short statements."""
 
 
 def session_message(handover: Handover) -> str:
@@ -44,9 +56,10 @@ def session_message(handover: Handover) -> str:
 class Handovers:
     """Sends hand-overs to the sockets held here, and writes their acknowledgements.
 
-    A burst of takes is a burst of notices, and then of acknowledgements: the reads of what
-    each is owed, and the acknowledgements' writes, that arrive while one statement runs go in
-    the next (:class:`~hubd.server.batching.Batcher`), as the activity reports do."""
+    A burst of takes is a few notices, each a sweep that announces what committed since the
+    last one (one at a time: a notice during a sweep makes it look again), and then a burst of
+    acknowledgements, whose writes that arrive while one statement runs go in the next
+    (:class:`~hubd.server.batching.Batcher`), as the activity reports do."""
 
     def __init__(
         self,
@@ -54,7 +67,6 @@ class Handovers:
         *,
         tasks: TrackedTasks,
         sockets: Callable[[str], list[SocketEntry]],
-        allocation_of: Callable[[str], str | None],
         close: Callable[[SocketEntry, CloseCode], None],
         follow: Callable[[SocketEntry], Awaitable[None]],
         timeout: float,
@@ -62,12 +74,10 @@ class Handovers:
         self._connections = connections
         self._tasks = tasks
         self._sockets = sockets
-        self._allocation_of = allocation_of
         self._close = close
         self._follow = follow
-        self._reads: Batcher[str, Handover] = Batcher(
-            self._owed, name="handover-reads", timeout=timeout, max_waiting=16384
-        )
+        self._heard = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
         self._writes: Batcher[tuple[str, Target], bool] = Batcher(
             connections.acknowledge_handovers,
             name="handover-acknowledgements",
@@ -81,25 +91,26 @@ class Handovers:
 
     @property
     def batchers(self) -> tuple[Batcher[Any, Any], ...]:
-        return (self._reads, self._writes)
+        return (self._writes,)
 
     def owed(self, entry: SocketEntry, handover: Handover) -> None:
         """``entry``'s welcome was acknowledged and its admission found a hand-over owed."""
         self._tasks.spawn(self._send([entry], handover), name=f"handover-{entry.connection_id}")
 
-    def taken(self, tag: str, generation: int) -> None:
-        """A ``hubd_handover`` notice: the allocation tagged ``tag`` was taken at
-        ``generation``. Nothing when no socket of it is held here."""
-        allocation_id = self._allocation_of(tag)
-        if allocation_id is None:
-            return
-        self._tasks.spawn(self._read_and_send(allocation_id), name=f"handover-{tag[:8]}")
+    def heard(self) -> None:
+        """A ``hubd_handover`` notice: takes committed, and others may be in flight."""
+        self._heard.set()
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = self._tasks.spawn(self._sweep(), name="handover-sweep")
 
-    async def resend(self) -> int:
-        """Send every hand-over still owed to a socket held here; how many were sent. A
-        failing database sends nothing this time."""
+    async def resend(self, *, stale_after: float) -> int:
+        """The socket check's turn: announce the takes of sockets held here and every take
+        older than ``stale_after`` seconds (one whose replica died before it could), then send
+        every hand-over still owed to a socket held here; how many were sent. A failing
+        database sends nothing this time."""
         try:
-            owed = await self._connections.handovers()
+            await self._connections.announce_takes(stale_after=stale_after)
+            owed = await self._connections.owed_handovers()
         except StoreError:
             return 0
         sent = 0
@@ -127,20 +138,40 @@ class Handovers:
         return True
 
     async def close(self) -> None:
-        await self._reads.close()
         await self._writes.close()
 
-    async def _owed(self, allocation_ids: list[str]) -> Mapping[str, Handover]:
-        owed = await self._connections.handovers(allocation_ids)
-        return {handover.target.allocation_id: handover for handover in owed}
+    async def _sweep(self) -> None:
+        """Announce the takes of sockets held here and send their hand-overs, then look for
+        takes in flight: one that rang no bell commits after the notice that woke this
+        (architecture §8). While any is, or a notice came meanwhile, announce again; once none
+        is, announce once more, for those that committed between the last announcement and
+        the look. A failing database ends it: the socket check announces and sends the rest."""
+        pause = FIRST_LOOK
+        while True:
+            self._heard.clear()
+            try:
+                if await self._announce():
+                    pause = FIRST_LOOK
+                in_flight = await self._connections.takes_in_flight()
+                if not in_flight and not self._heard.is_set():
+                    await self._announce()
+                    return
+            except (StoreError, TimeoutError):
+                return
+            if not self._heard.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(pause):
+                        await self._heard.wait()
+                pause = min(pause * 2, LAST_LOOK)
 
-    async def _read_and_send(self, allocation_id: str) -> None:
-        try:
-            handover = await self._reads.request(allocation_id)
-        except (StoreError, TimeoutError, BatchFull):
-            return  # the socket check sends it
-        if handover is not None:
-            await self._send(self._sockets(allocation_id), handover)
+    async def _announce(self) -> int:
+        """Announce the takes of sockets held here and send their hand-overs; how many."""
+        announced = await self._connections.announce_takes()
+        for each in announced:
+            if each.owed:
+                handover = each.handover
+                await self._send(self._sockets(handover.target.allocation_id), handover)
+        return len(announced)
 
     async def _send(self, entries: list[SocketEntry], handover: Handover) -> int:
         message = session_message(handover)

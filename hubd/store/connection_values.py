@@ -22,6 +22,7 @@ __all__ = [
     "READY_WHEN_CONNECTED",
     "Admission",
     "Admitted",
+    "Announced",
     "Declaration",
     "Disconnect",
     "Handover",
@@ -249,3 +250,12 @@ class Handover:
     target: Target
     tenant: str | None
     session: str | None
+
+
+@attrs.frozen
+class Announced:
+    """A take of a pool member whose events an announcement wrote (architecture §8), and
+    whether its sidecar is still owed its session: the hand-over to send."""
+
+    handover: Handover
+    owed: bool

@@ -10,7 +10,7 @@ answer is in :mod:`hubd.store.connection_values`.
 from __future__ import annotations
 
 import secrets as random_source
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from hubd.routing import Target
@@ -18,6 +18,7 @@ from hubd.store import secrets
 from hubd.store.connection_values import (
     Admission,
     Admitted,
+    Announced,
     Declaration,
     Disconnect,
     Handover,
@@ -225,24 +226,29 @@ class ConnectionStore:
             return Declaration(accepted=False)
         return Declaration(accepted=True, seq=row["seq"], ready=row["ready"])
 
-    async def handovers(self, allocation_ids: Sequence[str] | None = None) -> list[Handover]:
-        """The hand-overs still owed to the sidecars of ``allocation_ids`` (pool members taken
-        whose sidecar has not acknowledged its session); every one owed with ``None``."""
+    async def takes_in_flight(self) -> bool:
+        """Whether a take is uncommitted: one that rang no bell may commit yet (architecture
+        §8)."""
+        in_flight: bool = await self._db.fetchval(
+            "look for takes in flight", SQL.takes_in_flight(), pool=Pool.SOCKETS
+        )
+        return in_flight
+
+    async def announce_takes(self, *, stale_after: float | None = None) -> list[Announced]:
+        """Announce the takes whose sidecars are connected here, and with ``stale_after``
+        every take older than that many seconds wherever its sidecar is: their events are
+        written at this statement's commit. Each announced, with the hand-over it is owed."""
         rows = await self._db.fetch(
-            "read hand-overs",
-            SQL.owed_handovers()
-            if allocation_ids is None
-            else SQL.handovers(allocation_ids=list(allocation_ids)),
+            "announce takes",
+            SQL.announce_takes(instance_id=self.instance_id, stale_after=stale_after),
             pool=Pool.SOCKETS,
         )
-        return [
-            Handover(
-                target=Target(row["id"], row["generation"]),
-                tenant=row["tenant_id"],
-                session=row["session_id"],
-            )
-            for row in rows
-        ]
+        return [Announced(_handover(row), owed=row["owed"]) for row in rows]
+
+    async def owed_handovers(self) -> list[Handover]:
+        """Every hand-over still owed (a taken member's sidecar has not acknowledged)."""
+        rows = await self._db.fetch("read hand-overs", SQL.owed_handovers(), pool=Pool.SOCKETS)
+        return [_handover(row) for row in rows]
 
     async def acknowledge_handovers(
         self, acknowledged: list[tuple[str, Target]]
@@ -436,3 +442,8 @@ def _record_outcome(row: Mapping[str, Any]) -> Record:
     if Status(row["status"]).terminal:
         return Record(RecordOutcome.RETIRED)
     return Record(RecordOutcome.FENCED)
+
+
+def _handover(row: Mapping[str, Any]) -> Handover:
+    target = Target(row["id"], row["generation"])
+    return Handover(target=target, tenant=row["tenant_id"], session=row["session_id"])

@@ -673,13 +673,33 @@ WITH input AS (
 SELECT c.id, c.generation FROM current AS c
 WHERE NOT c.stale OR c.id IN (SELECT id FROM updated);
 
--- name: handovers
--- What the sidecars of :allocation_ids are owed at hand-over (a pool member taken): the
--- allocation's generation, tenant and session, for each that still owes one.
-SELECT a.id, a.generation, a.tenant_id, a.session_id
-FROM hubd_allocations AS a
-WHERE a.id = ANY(:allocation_ids::text[]) AND a.handover_pending
-  AND a.status IN ('provisioning', 'allocated');
+-- name: takes_in_flight
+-- Whether a take is uncommitted (hubd_takes_in_flight): a replica that heard of takes looks
+-- for them again until none is. Its own statement, before the announcement's: a take that
+-- commits between the two is then in that statement's snapshot.
+SELECT hubd_takes_in_flight() AS in_flight;
+
+-- name: announce_takes
+-- The takes whose sidecars are connected to :instance_id, and every take older than
+-- :stale_after seconds wherever its sidecar is (one lost, or held by a replica that died; NULL:
+-- none), announced: their events are written at this commit (hubd_record_event). A row another
+-- transaction holds is skipped: that transaction's own update announces it. Rows locked in id
+-- order, as every multi-row statement takes them. Returns each, and whether its sidecar is
+-- owed its session (the hand-over to send, where its socket is held).
+WITH due AS (
+    SELECT a.id FROM hubd_allocations AS a
+    WHERE a.take_unannounced
+      AND (EXISTS (SELECT 1 FROM hubd_sidecar_connections AS c
+                   WHERE c.allocation_id = a.id AND c.instance_id = :instance_id)
+           OR a.taken_at < now() - make_interval(secs => :stale_after::float8))
+    ORDER BY a.id
+    FOR UPDATE OF a SKIP LOCKED
+)
+UPDATE hubd_allocations AS a SET take_unannounced = false
+FROM due
+WHERE a.id = due.id
+RETURNING a.id, a.generation, a.tenant_id, a.session_id,
+    a.handover_pending AND a.status IN ('provisioning', 'allocated') AS owed;
 
 -- name: owed_handovers
 -- Every hand-over still owed, as handovers answers (hubd_allocations_handover_idx): the socket

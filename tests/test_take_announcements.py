@@ -1,0 +1,232 @@
+"""A take's events (architecture §8, *A take's events*): a take commits without the feed's lock
+and, unless it rings the bell, without a notification; the replica holding the member's socket
+announces it (writes its events) when it hears the bell, and looks again while any take is in
+flight, so a take that rang no bell and commits later is announced too. Any earlier update of
+the row writes the take's events first; no application role can hold the bells."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from websockets.asyncio.client import ClientConnection
+
+from hubd.store import Database
+from hubd.store.channels import HANDOVER_CHANNEL
+from hubd.store.connections import ConnectionStore
+from hubd.store.pools import Pool, PoolStore
+from tests.apikit import app_role
+from tests.polling import eventually
+from tests.wskit import Hub, Sidecar, bind_identity, dial, hearing, running_hub, welcome_of
+
+SPEC = {"image": "python:3.12"}
+TAKE = "SELECT id FROM hubd_v1.request('local', 'acme', $1, spec => $2)"
+
+
+async def members(db: Database, count: int) -> list[Sidecar]:
+    """``count`` pool members allocated, each with a sidecar identity, oldest first."""
+    pools = PoolStore(db, instance_id="test-instance")
+    pool = Pool(id="warm", provisioner="local", spec=SPEC, size=count, refill_rate=1000.0)
+    await pools.set_pools([pool], served=["local"])
+    assert (await pools.refill("warm", most=count)).made == count
+    ids = await db.pool.fetch(
+        "UPDATE hubd_allocations SET status = 'allocated', next_attempt_at = NULL "
+        "WHERE pool_id = 'warm' AND taken_at IS NULL RETURNING id, created_at"
+    )
+    return [await bind_identity(db, r["id"]) for r in sorted(ids, key=lambda r: r[1])]
+
+
+async def connected(
+    hub: Hub, sidecar: Sidecar, db: Database, stack: contextlib.AsyncExitStack
+) -> ClientConnection:
+    ws = await stack.enter_async_context(dial(hub.url, sidecar.headers()))
+    await welcome_of(ws)
+    await ws.send(json.dumps({"type": "welcome_ack"}))
+
+    async def ready() -> bool:
+        return bool(
+            await db.pool.fetchval(
+                "SELECT connection_ready FROM hubd_allocations WHERE id = $1",
+                sidecar.allocation_id,
+            )
+        )
+
+    await eventually(ready, within=30)
+    return ws
+
+
+async def events_of(db: Database, allocation_id: str) -> list[str]:
+    rows = await db.pool.fetch(
+        "SELECT event FROM hubd_events WHERE allocation_id = $1 ORDER BY position", allocation_id
+    )
+    return [r["event"] for r in rows]
+
+
+class TestAnnouncement:
+    async def test_a_take_that_rang_no_bell_is_announced_once_it_commits(
+        self, db: Database, database_url: str
+    ) -> None:
+        """Two takes in flight at once, their members' sockets on two replicas: the first
+        rings the bell, the second finds it held and notifies nothing. The first commits, and
+        both replicas sweep; the second commits only after the first was announced, and is
+        announced all the same, by the replica holding its socket: it was in flight when
+        they looked. Without the second look nothing would announce it (no socket check
+        runs here)."""
+        first, second = await members(db, 2)
+        async with (
+            running_hub(db, ready_on_connect=True, instance_id="in_one") as one,
+            running_hub(db, ready_on_connect=True, instance_id="in_two") as two,
+            hearing(database_url, one, two) as heard,
+            contextlib.AsyncExitStack() as stack,
+        ):
+            sockets = {
+                first.allocation_id: await connected(one, first, db, stack),
+                second.allocation_id: await connected(two, second, db, stack),
+            }
+            ringing = await stack.enter_async_context(_transaction(database_url))
+            silent = await stack.enter_async_context(_transaction(database_url))
+            rang = await ringing.fetchval(TAKE, "s-1", json.dumps(SPEC))
+            unheard = await silent.fetchval(TAKE, "s-2", json.dumps(SPEC))
+            assert {rang, unheard} == set(sockets)
+            await ringing.execute("COMMIT")
+            await eventually(lambda: _has(db, rang, ["requested", "ready"]), within=30)
+            assert await events_of(db, unheard) == []
+            await silent.execute("COMMIT")
+            await eventually(lambda: _has(db, unheard, ["requested", "ready"]), within=30)
+            async with asyncio.timeout(30):
+                told = json.loads(await sockets[unheard].recv())
+            assert (told["type"], told["session"]) == ("session", "s-2")
+            assert len(heard) == 1
+            # Announced once each, whichever replica looked.
+            assert await events_of(db, rang) == ["requested", "ready"]
+            assert await events_of(db, unheard) == ["requested", "ready"]
+
+    async def test_a_take_that_cannot_mark_itself_in_flight_notifies(
+        self, db: Database, database_url: str
+    ) -> None:
+        """A replica's look holds the in-flight mark an instant; a take that finds it so, with
+        the bell held by another take, notifies rather than go unheard."""
+        await members(db, 2)
+        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        async with contextlib.AsyncExitStack() as stack:
+            listener = await asyncpg.connect(database_url)
+            stack.push_async_callback(listener.close)
+            heard: list[str] = []
+            await listener.add_listener(HANDOVER_CHANNEL, lambda *args: heard.append(args[-1]))
+            ringing = await stack.enter_async_context(_transaction(database_url))
+            looking = await stack.enter_async_context(_transaction(database_url))
+            # A take's hold on the bell, and a replica's look, at once.
+            await ringing.execute("SELECT 1 FROM hubd_take_bells WHERE bell = 'bell' FOR UPDATE")
+            await looking.execute(
+                "SELECT 1 FROM hubd_take_bells WHERE bell = 'in_flight' FOR UPDATE"
+            )
+            await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
+            await eventually(lambda: len(heard) == 1, within=10)
+            # Marked in flight, with the bell held: this one stays silent.
+            await looking.execute("ROLLBACK")
+            await db.pool.fetchval(TAKE, "s-2", json.dumps(SPEC))
+            await ringing.execute("ROLLBACK")
+            # Notices arrive in commit order: one sent after it shows none came from it.
+            await db.pool.execute("SELECT pg_notify($1, 'after')", HANDOVER_CHANNEL)
+            await eventually(lambda: heard[-1] == "after", within=10)
+            assert len(heard) == 2
+            assert await events_of_all(db) == []
+
+    async def test_an_update_before_the_announcement_writes_the_take_events_first(
+        self, db: Database
+    ) -> None:
+        """An application releases what it took before any replica announced the take: the
+        release's commit writes 'requested' before 'releasing', and a later
+        announcement finds nothing left to write."""
+        (member,) = await members(db, 1)
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1",
+            member.allocation_id,
+        )
+        assert await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC)) == member.allocation_id
+        assert await events_of(db, member.allocation_id) == []
+        await db.pool.execute("SELECT (hubd_v1.release($1)).id", member.allocation_id)
+        # Ready no longer when announced: the feed says what is true at its commit.
+        assert await events_of(db, member.allocation_id) == ["requested", "releasing"]
+        store = ConnectionStore(db, instance_id="in_one")
+        assert await store.announce_takes(stale_after=0.0) == []
+        assert await events_of(db, member.allocation_id) == ["requested", "releasing"]
+
+    async def test_a_take_whose_replica_is_gone_is_announced_by_any_once_stale(
+        self, db: Database
+    ) -> None:
+        """Its socket is held by no replica here (it died, or froze): another announces it
+        only once it is older than the socket check's bound, not at once."""
+        (member,) = await members(db, 1)
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1",
+            member.allocation_id,
+        )
+        await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
+        store = ConnectionStore(db, instance_id="in_other")
+        assert await store.announce_takes() == []
+        assert await store.announce_takes(stale_after=3600.0) == []
+        announced = await store.announce_takes(stale_after=0.0)
+        assert [(a.handover.target.allocation_id, a.handover.session) for a in announced] == [
+            (member.allocation_id, "s-1")
+        ]
+        assert await events_of(db, member.allocation_id) == ["requested", "ready"]
+
+
+class TestBells:
+    async def test_an_application_role_can_neither_lock_nor_look_at_the_bells(
+        self, db: Database, database_url: str
+    ) -> None:
+        """Whatever an application could lock it could hold forever: the bells are hubd's."""
+        async with app_role(database_url) as dsn:
+            conn = await asyncpg.connect(dsn)
+            try:
+                for sql in (
+                    "SELECT 1 FROM hubd_take_bells FOR KEY SHARE",
+                    "SELECT 1 FROM hubd_take_bells FOR UPDATE",
+                    "SELECT hubd_takes_in_flight()",
+                    "LOCK TABLE hubd_take_bells",
+                ):
+                    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                        await conn.execute(f"BEGIN; {sql}; COMMIT")
+                    await conn.execute("ROLLBACK")
+            finally:
+                await conn.close()
+
+    async def test_a_look_finds_takes_in_flight_until_they_commit(
+        self, db: Database, database_url: str
+    ) -> None:
+        await members(db, 1)
+        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        store = ConnectionStore(db, instance_id="in_one")
+        assert await store.takes_in_flight() is False
+        async with _transaction(database_url) as taking:
+            await taking.fetchval(TAKE, "s-1", json.dumps(SPEC))
+            assert await store.takes_in_flight() is True
+        assert await store.takes_in_flight() is False
+
+
+async def events_of_all(db: Database) -> list[str]:
+    rows = await db.pool.fetch("SELECT event FROM hubd_events ORDER BY position")
+    return [r["event"] for r in rows]
+
+
+async def _has(db: Database, allocation_id: str, wanted: list[str]) -> bool:
+    return await events_of(db, allocation_id) == wanted
+
+
+@contextlib.asynccontextmanager
+async def _transaction(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection in an open transaction, rolled back at the end if still open."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("BEGIN")
+        yield conn
+        if conn.is_in_transaction():
+            await conn.execute("ROLLBACK")
+    finally:
+        await conn.close()
