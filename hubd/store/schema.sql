@@ -1092,8 +1092,10 @@ CREATE INDEX hubd_allocations_warm_idx ON hubd_allocations (pool_id, created_at)
       AND connection_ready;
 -- The hand-overs owed, for the periodic socket check: few at any moment, whatever the table.
 CREATE INDEX hubd_allocations_handover_idx ON hubd_allocations (id) WHERE handover_pending;
--- The takes whose events are owed: few at any moment, whatever the table.
-CREATE INDEX hubd_allocations_unannounced_idx ON hubd_allocations (id) WHERE take_unannounced;
+-- No index of its own: a take not yet announced is owed its hand-over too (its mark is cleared
+-- with take_unannounced, by the acknowledgement or a new generation), so the announcement finds
+-- it through hubd_allocations_handover_idx; and with no index on the column the announcement's
+-- update is a heap-only one, which writes no index entry.
 
 -- Two rows only hubd's functions may lock (an application role has no privilege on the
 -- table). Every take holds 'in_flight' FOR KEY SHARE to its commit, so that a replica can see

@@ -684,11 +684,12 @@ SELECT hubd_takes_in_flight() AS in_flight;
 -- :stale_after seconds wherever its sidecar is (one lost, or held by a replica that died; NULL:
 -- none), announced: their events are written at this commit (hubd_record_event). A row another
 -- transaction holds is skipped: that transaction's own update announces it. Rows locked in id
--- order, as every multi-row statement takes them. Returns each, and whether its sidecar is
--- owed its session (the hand-over to send, where its socket is held).
+-- order, as every multi-row statement takes them; found through the hand-overs owed (every
+-- take not announced owes one: hubd_allocations_handover_idx). Returns each, and whether its
+-- sidecar is owed its session (the hand-over to send, where its socket is held).
 WITH due AS (
     SELECT a.id FROM hubd_allocations AS a
-    WHERE a.take_unannounced
+    WHERE a.handover_pending AND a.take_unannounced
       AND (EXISTS (SELECT 1 FROM hubd_sidecar_connections AS c
                    WHERE c.allocation_id = a.id AND c.instance_id = :instance_id)
            OR a.taken_at < now() - make_interval(secs => :stale_after::float8))
