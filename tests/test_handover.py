@@ -149,7 +149,7 @@ class TestHandover:
                 cursor,
                 sidecar.allocation_id,
             )
-            assert [tuple(e) for e in events] == [("requested", True), ("ready", True)]
+            assert [tuple(e) for e in events] == [("requested", False), ("ready", True)]
             assert (await row(db, sidecar.allocation_id))["starting_since"] is None
 
     async def test_a_sidecar_that_reconnects_before_it_acknowledged_is_told_again(
