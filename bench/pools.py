@@ -146,7 +146,9 @@ class _Bench:
         self.made: list[str] = []
 
     async def members(self, pool_id: str) -> int:
-        ready: int = await self.stats.fetchval(MEMBERS, pool_id)
+        # On the requests' pool, not ``stats``: the recovery counts members while the stream's
+        # latencies are read on ``stats``, and one connection runs one statement at a time.
+        ready: int = await self.pool.fetchval(MEMBERS, pool_id)
         return ready
 
     async def request(self, provisioner: str, spec: dict[str, str]) -> tuple[str, bool, float]:

@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from bench import deadlines, fairness, http, phases, pools, procs, scale, waits
+from bench import deadlines, fairness, http, phases, pools, procs, scale, takes, waits
 from bench.farm import SOURCES as A_SOURCES
 from bench.report import profile_summary, render, round_ratios, storm_ratios
 from hubd.claimrules import DEFAULT_CLAIMS
@@ -586,3 +586,24 @@ def test_fairness_refuses_an_own_range_for_sidecars_of_a_shared_farm(
         fairness.main(["--shared-farm", "--own-range"])
     assert exited.value.code == 2
     assert "not allowed with argument --shared-farm" in capsys.readouterr().err
+
+
+async def test_a_burst_of_takes_commits_them_all_with_no_event_written(
+    database_url: str, tmp_path: Path
+) -> None:
+    """``bench.takes``: every request of every round took a member, and with no daemon to
+    announce them no take wrote an event (architecture §8, "A take's events")."""
+    tiny = takes.LOADS["tiny"]
+    result = await takes.measure(database_url, None, tmp_path, tiny)  # type: ignore[arg-type]
+    assert result["warm"] == tiny.pool
+    assert len(result["rounds"]) == tiny.rounds
+    assert "request p99" in takes.render(result)
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM hubd_events") == 0
+        unannounced = await conn.fetchval(
+            "SELECT count(*) FROM hubd_allocations WHERE take_unannounced"
+        )
+        assert unannounced == tiny.pool * tiny.rounds + tiny.connections
+    finally:
+        await conn.close()
