@@ -1,15 +1,17 @@
-"""A take's events (architecture §8, *A take's events*): a take commits without the feed's lock
-and, unless it rings the bell, without a notification; the replica holding the member's socket
-announces it (writes its events) when it hears the bell, and looks again while any take is in
-flight, so a take that rang no bell and commits later is announced too. Any earlier update of
-the row writes the take's events first; no application role can hold the bells."""
+"""A take's events (architecture §8, *A take's events*): the take that rings the bell notifies
+and writes its events; one that finds the bell held commits without the feed's lock or a
+notification, and the replica holding the member's socket announces it (writes its events)
+when it hears the bell, looking again while any take is in flight, so a silent take that
+commits later is announced too. Any earlier update of the row writes the take's events first;
+no application role can hold the bells."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
 
 import asyncpg
 import pytest
@@ -105,6 +107,42 @@ class TestAnnouncement:
             assert await events_of(db, rang) == ["requested", "ready"]
             assert await events_of(db, unheard) == ["requested", "ready"]
 
+    async def test_a_take_kept_uncommitted_silences_no_other_for_long(
+        self, db: Database, database_url: str
+    ) -> None:
+        """An application keeps a take uncommitted: it holds its tenth's bell and its mark for
+        as long as it likes. A take of another tenth rings, and the replica then looks for as
+        long as the first stays in flight: a take of the held bell's tenth, which stays silent,
+        is announced all the same. Without the looks nothing would announce it."""
+        sidecars = await members(db, 3)
+        async with (
+            running_hub(db, ready_on_connect=True, instance_id="in_one") as one,
+            hearing(database_url, one) as heard,
+            contextlib.AsyncExitStack() as stack,
+        ):
+            for sidecar in sidecars:
+                await connected(one, sidecar, db, stack)
+            kept = await stack.enter_async_context(_transaction(database_url))
+            await kept.fetchval(TAKE, "s-kept", json.dumps(SPEC))
+            free = {
+                r["bell"]
+                for r in await db.pool.fetch(
+                    "SELECT bell FROM hubd_take_bells WHERE bell LIKE 'bell%' "
+                    "FOR UPDATE SKIP LOCKED"
+                )
+            }
+            (held,) = {f"bell_{n}" for n in range(16)} - free
+            rung = await _take_in_tenth(db, lambda tenth: f"bell_{tenth}" != held)
+            await eventually(lambda: _has(db, rung, ["requested", "ready"]), within=30)
+            await eventually(lambda: len(heard) == 1, within=10)
+            silent = await _take_in_tenth(db, lambda tenth: f"bell_{tenth}" == held)
+            await eventually(lambda: _has(db, silent, ["requested", "ready"]), within=30)
+            # Notices arrive in commit order: one sent after it shows none came from it.
+            after = await db.pool.fetchval("SELECT hubd_notice('al_none', '1:take')")
+            await db.pool.execute("SELECT pg_notify($1, $2)", HANDOVER_CHANNEL, after)
+            await eventually(lambda: after in heard, within=10)
+            assert len(heard) == 2
+
     async def test_a_take_that_cannot_mark_itself_in_flight_notifies(
         self, db: Database, database_url: str
     ) -> None:
@@ -119,25 +157,29 @@ class TestAnnouncement:
             await listener.add_listener(HANDOVER_CHANNEL, lambda *args: heard.append(args[-1]))
             ringing = await stack.enter_async_context(_transaction(database_url))
             looking = await stack.enter_async_context(_transaction(database_url))
-            # A take's hold on the bell, and a replica's look, at once.
-            await ringing.execute("SELECT 1 FROM hubd_take_bells WHERE bell = 'bell' FOR UPDATE")
+            # A take's hold on the bells (every tenth's), and a replica's look, at once.
+            await ringing.execute(
+                "SELECT 1 FROM hubd_take_bells WHERE bell LIKE 'bell%' FOR UPDATE"
+            )
             await looking.execute(
                 "SELECT 1 FROM hubd_take_bells WHERE bell = 'in_flight' FOR UPDATE"
             )
-            await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
+            unmarked = await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
             await eventually(lambda: len(heard) == 1, within=10)
+            # It announced itself, as a take that notifies does.
+            assert await events_of(db, unmarked) == ["requested", "ready"]
             # Marked in flight, with the bell held: this one stays silent.
             await looking.execute("ROLLBACK")
-            await db.pool.fetchval(TAKE, "s-2", json.dumps(SPEC))
+            marked = await db.pool.fetchval(TAKE, "s-2", json.dumps(SPEC))
             await ringing.execute("ROLLBACK")
             # Notices arrive in commit order: one sent after it shows none came from it.
             await db.pool.execute("SELECT pg_notify($1, 'after')", HANDOVER_CHANNEL)
             await eventually(lambda: heard[-1] == "after", within=10)
             assert len(heard) == 2
-            assert await events_of_all(db) == []
+            assert await events_of(db, marked) == []
 
     async def test_an_update_before_the_announcement_writes_the_take_events_first(
-        self, db: Database
+        self, db: Database, database_url: str
     ) -> None:
         """An application releases what it took before any replica announced the take: the
         release's commit writes 'requested' before 'releasing', and a later
@@ -147,7 +189,8 @@ class TestAnnouncement:
             "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1",
             member.allocation_id,
         )
-        assert await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC)) == member.allocation_id
+        async with _silenced(database_url):
+            assert await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC)) == member.allocation_id
         assert await events_of(db, member.allocation_id) == []
         await db.pool.execute("SELECT (hubd_v1.release($1)).id", member.allocation_id)
         # Ready no longer when announced: the feed says what is true at its commit.
@@ -157,7 +200,7 @@ class TestAnnouncement:
         assert await events_of(db, member.allocation_id) == ["requested", "releasing"]
 
     async def test_a_take_whose_replica_is_gone_is_announced_by_any_once_stale(
-        self, db: Database
+        self, db: Database, database_url: str
     ) -> None:
         """Its socket is held by no replica here (it died, or froze): another announces it
         only once it is older than the socket check's bound, not at once."""
@@ -166,7 +209,8 @@ class TestAnnouncement:
             "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1",
             member.allocation_id,
         )
-        await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
+        async with _silenced(database_url):
+            await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
         store = ConnectionStore(db, instance_id="in_other")
         assert await store.announce_takes() == []
         assert await store.announce_takes(stale_after=3600.0) == []
@@ -210,9 +254,26 @@ class TestBells:
         assert await store.takes_in_flight() is False
 
 
-async def events_of_all(db: Database) -> list[str]:
-    rows = await db.pool.fetch("SELECT event FROM hubd_events ORDER BY position")
-    return [r["event"] for r in rows]
+@contextlib.asynccontextmanager
+async def _silenced(database_url: str) -> AsyncIterator[None]:
+    """Every bell held, as by takes uncommitted elsewhere: a take now rings none and stays
+    silent, its events owed to an announcement."""
+    async with _transaction(database_url) as holding:
+        await holding.execute("SELECT 1 FROM hubd_take_bells WHERE bell LIKE 'bell%' FOR UPDATE")
+        yield
+
+
+async def _take_in_tenth(db: Database, wanted: Callable[[int], bool]) -> str:
+    """A take sent early in a tenth of a second that ``wanted`` accepts (its bell, by the
+    database's clock): at least 50 ms before the next tenth begins."""
+
+    async def now_wanted() -> bool:
+        at = await db.pool.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8 * 10")
+        return wanted(int(at) % 16) and at - int(at) < 0.5
+
+    await eventually(now_wanted, within=30, every=0.005)
+    taken: str = await db.pool.fetchval(TAKE, "s-" + os.urandom(4).hex(), json.dumps(SPEC))
+    return taken
 
 
 async def _has(db: Database, allocation_id: str, wanted: list[str]) -> bool:

@@ -1097,16 +1097,19 @@ CREATE INDEX hubd_allocations_handover_idx ON hubd_allocations (id) WHERE handov
 -- it through hubd_allocations_handover_idx; and with no index on the column the announcement's
 -- update is a heap-only one, which writes no index entry.
 
--- Two rows only hubd's functions may lock (an application role has no privilege on the
--- table). Every take holds 'in_flight' FOR KEY SHARE to its commit, so that a replica can see
--- that takes are uncommitted (FOR UPDATE SKIP LOCKED finds the row locked); the take that
--- finds 'bell' free holds it FOR UPDATE to its commit and notifies, and the others, which
--- found it held, do not: the holder's notification wakes the replicas, which look again while
--- any take is in flight.
+-- Rows only hubd's functions may lock (an application role has no privilege on the table).
+-- Every take holds 'in_flight' FOR KEY SHARE to its commit, so that a replica can see that
+-- takes are uncommitted (FOR UPDATE SKIP LOCKED finds the row locked); the take that finds the
+-- bell of the current tenth of a second free holds it FOR UPDATE to its commit and notifies,
+-- and the others, which found it held, do not: the holder's notification wakes the replicas,
+-- which look again while any take is in flight. Sixteen bells, a new one every 100 ms: a take
+-- kept uncommitted holds one, and silences only the takes of its tenths; the next take of
+-- another rings, and the replicas then look for as long as the first stays in flight.
 CREATE TABLE hubd_take_bells (
-    bell text PRIMARY KEY CHECK (bell IN ('bell', 'in_flight'))
+    bell text PRIMARY KEY CHECK (bell ~ '^(in_flight|bell_([0-9]|1[0-5]))$')
 );
-INSERT INTO hubd_take_bells (bell) VALUES ('bell'), ('in_flight');
+INSERT INTO hubd_take_bells (bell)
+SELECT 'bell_' || n FROM generate_series(0, 15) AS n UNION ALL SELECT 'in_flight';
 CREATE INDEX hubd_allocations_members_idx ON hubd_allocations (pool_id)
     WHERE pool_id IS NOT NULL AND taken_at IS NULL
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
@@ -1188,11 +1191,16 @@ BEGIN
         -- The mark first, then the bell: a take that found the bell held is in flight until
         -- it commits, which the bell's holder, notifying at its own commit, makes the replicas
         -- watch for. SKIP LOCKED: neither ever waits (a replica's look at the mark holds it an
-        -- instant); a take that could not mark itself notifies.
+        -- instant); a take that could not mark itself notifies. A take that notifies flushes
+        -- its commit in turn anyway (NOTIFY's lock), so it announces itself: its events are
+        -- written at its commit, and the notice names it for its hand-over.
         IF NOT EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.bell = 'in_flight'
                        FOR KEY SHARE SKIP LOCKED)
-           OR EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.bell = 'bell'
+           OR EXISTS (SELECT 1 FROM hubd_take_bells AS b
+                      WHERE b.bell = 'bell_'
+                          || floor(extract(epoch FROM clock_timestamp()) * 10)::bigint % 16
                       FOR UPDATE SKIP LOCKED) THEN
+            UPDATE hubd_allocations AS a SET take_unannounced = false WHERE a.id = taken.id;
             PERFORM pg_notify('hubd_handover', hubd_notice(taken.id, taken.generation || ':take'));
         END IF;
         RETURN taken;
