@@ -168,6 +168,13 @@ class TestHandover:
             assert (await message_of(ws))["type"] == "session"
             await ws.send(json.dumps({"type": "session_ack"}))
             assert await message_of(ws) == {"type": "session_recorded"}
+            # No replica announced the take: a later update of its row (the reconnect's)
+            # wrote its events.
+            events = await db.pool.fetch(
+                "SELECT event, ready FROM hubd_events WHERE allocation_id = $1 ORDER BY position",
+                sidecar.allocation_id,
+            )
+            assert [tuple(e) for e in events] == [("requested", True), ("ready", True)]
         assert (await row(db, sidecar.allocation_id))["handover_pending"] is False
 
     async def test_an_ack_from_a_socket_another_replica_superseded_writes_nothing(

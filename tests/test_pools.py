@@ -16,6 +16,7 @@ import pytest
 from hubd.client import Client
 from hubd.errors import PoolEmpty
 from hubd.store import Database, connect_database
+from hubd.store.connections import ConnectionStore
 from hubd.store.pools import Pool, PoolStore
 from hubd.store.quotas import Quotas, QuotaScope
 from tests.apikit import app_role
@@ -113,9 +114,16 @@ class TestTake:
             assert (made["tenant"], made["status"], made["ready"], made["warm"]) == (
                 "acme", "allocated", True, True,
             )  # fmt: skip
-            events = await acme.fetch(
-                "SELECT event, warm, ready FROM hubd_v1.events_after($1)", cursor
+            feed = "SELECT event, warm, ready FROM hubd_v1.events_after($1)"
+            # The take's events wait for its announcement (architecture §8).
+            assert await acme.fetch(feed, cursor) == []
+            announced = await ConnectionStore(db, instance_id="in_a").announce_takes(
+                stale_after=0.0
             )
+            assert [(a.handover.target.allocation_id, a.owed) for a in announced] == [
+                (made["id"], True)
+            ]
+            events = await acme.fetch(feed, cursor)
             assert [tuple(e) for e in events] == [("requested", True, True), ("ready", True, True)]
         ledger = await db.pool.fetch(
             "SELECT kind FROM hubd_allocation_ledger WHERE allocation_id = $1 ORDER BY seq",

@@ -179,16 +179,14 @@ async def running_hub(
 
 @asynccontextmanager
 async def hearing(database_url: str, *hubs: Hub) -> AsyncIterator[list[str]]:
-    """What each daemon's listener does with ``hubd_handover``: its router hands over the take
-    it names and sweeps for others. Yields the notices heard, checked as the daemon does."""
+    """What each daemon's listener does with ``hubd_handover``: its router sweeps for takes.
+    Yields the notices heard, each checked as the daemon checks it."""
     heard: list[str] = []
 
     def notified(_conn: object, _pid: int, _channel: str, payload: str) -> None:
-        taken = parse_handover_payload(payload, hubs[0].notice_key)
-        assert taken is not None, payload
+        assert parse_handover_payload(payload, hubs[0].notice_key) is not None, payload
         heard.append(payload)
         for hub in hubs:
-            hub.router.handover.taken(*taken)
             hub.router.handover.heard()
 
     conn = await asyncpg.connect(database_url)

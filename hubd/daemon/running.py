@@ -221,11 +221,9 @@ def wake_listener(
         metrics.remote_closes.inc(repair.remote_closes - before)
 
     def on_handover(payload: str) -> None:
-        taken = parse_handover_payload(payload, key)
-        if taken is None:
+        if parse_handover_payload(payload, key) is None:
             metrics.notices_forged.labels(HANDOVER_CHANNEL).inc()
             return
-        router.handover.taken(*taken)
         router.handover.heard()
         # A member left its pool: the pools refill now, not at their next turn.
         on_taken()

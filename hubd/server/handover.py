@@ -2,11 +2,10 @@
 
 A request that takes a member writes the tenant and session on its row and marks it
 ``handover_pending`` in its own statement (``hubd_take_member``); the take that rings the bell
-notifies ``hubd_handover``, naming itself, for every take then uncommitted (architecture §8,
-*A take's events*). Each replica that hears it sends the named take's socket, if it holds it, a
-``session`` message, and sweeps: it announces the silent takes whose sockets it holds (their
-events are written then), sends each its ``session``, and looks again while any take is in
-flight. The sidecar answers ``session_ack``, written fenced on its
+notifies ``hubd_handover`` for every take then uncommitted (architecture §8, *A take's
+events*). Each replica that hears it sweeps: it announces the takes whose sockets it holds
+(their events are written then) and sends each socket a ``session`` message, and looks again
+while any take is in flight. The sidecar answers ``session_ack``, written fenced on its
 connection, which clears the mark. The message goes again after every welcome while the mark
 stands (the admission read it), and the periodic socket check announces what is left and sends
 every held socket still owed one, so a notification lost with a LISTEN connection delays a
@@ -18,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hubd.aio import TrackedTasks
@@ -68,7 +67,6 @@ class Handovers:
         *,
         tasks: TrackedTasks,
         sockets: Callable[[str], list[SocketEntry]],
-        allocation_of: Callable[[str], str | None],
         close: Callable[[SocketEntry, CloseCode], None],
         follow: Callable[[SocketEntry], Awaitable[None]],
         timeout: float,
@@ -76,12 +74,8 @@ class Handovers:
         self._connections = connections
         self._tasks = tasks
         self._sockets = sockets
-        self._allocation_of = allocation_of
         self._close = close
         self._follow = follow
-        self._reads: Batcher[str, Handover] = Batcher(
-            self._owed, name="handover-reads", timeout=timeout, max_waiting=16384
-        )
         self._heard = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._writes: Batcher[tuple[str, Target], bool] = Batcher(
@@ -97,20 +91,11 @@ class Handovers:
 
     @property
     def batchers(self) -> tuple[Batcher[Any, Any], ...]:
-        return (self._reads, self._writes)
+        return (self._writes,)
 
     def owed(self, entry: SocketEntry, handover: Handover) -> None:
         """``entry``'s welcome was acknowledged and its admission found a hand-over owed."""
         self._tasks.spawn(self._send([entry], handover), name=f"handover-{entry.connection_id}")
-
-    def taken(self, tag: str, generation: int) -> None:
-        """A ``hubd_handover`` notice names the take that rang: the allocation tagged ``tag``,
-        taken at ``generation``, whose events its own commit wrote. Its hand-over is read and
-        sent where its socket is held; nothing when none is held here."""
-        allocation_id = self._allocation_of(tag)
-        if allocation_id is None:
-            return
-        self._tasks.spawn(self._read_and_send(allocation_id), name=f"handover-{tag[:8]}")
 
     def heard(self) -> None:
         """A ``hubd_handover`` notice: takes committed, and others may be in flight."""
@@ -125,7 +110,7 @@ class Handovers:
         database sends nothing this time."""
         try:
             await self._connections.announce_takes(stale_after=stale_after)
-            owed = await self._connections.handovers()
+            owed = await self._connections.owed_handovers()
         except StoreError:
             return 0
         sent = 0
@@ -153,7 +138,6 @@ class Handovers:
         return True
 
     async def close(self) -> None:
-        await self._reads.close()
         await self._writes.close()
 
     async def _sweep(self) -> None:
@@ -188,18 +172,6 @@ class Handovers:
                 handover = each.handover
                 await self._send(self._sockets(handover.target.allocation_id), handover)
         return len(announced)
-
-    async def _owed(self, allocation_ids: list[str]) -> Mapping[str, Handover]:
-        owed = await self._connections.handovers(allocation_ids)
-        return {handover.target.allocation_id: handover for handover in owed}
-
-    async def _read_and_send(self, allocation_id: str) -> None:
-        try:
-            handover = await self._reads.request(allocation_id)
-        except (StoreError, TimeoutError, BatchFull):
-            return  # the socket check sends it
-        if handover is not None:
-            await self._send(self._sockets(allocation_id), handover)
 
     async def _send(self, entries: list[SocketEntry], handover: Handover) -> int:
         message = session_message(handover)

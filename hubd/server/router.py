@@ -149,7 +149,6 @@ class SocketRouter:
             connections,
             tasks=self._tasks,
             sockets=self._registry.sockets,
-            allocation_of=self._registry.allocation,
             close=self._registry.close,
             follow=self.repair.follow_record,
             timeout=event_timeout,

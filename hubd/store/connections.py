@@ -10,7 +10,7 @@ answer is in :mod:`hubd.store.connection_values`.
 from __future__ import annotations
 
 import secrets as random_source
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from hubd.routing import Target
@@ -227,15 +227,17 @@ class ConnectionStore:
         return Declaration(accepted=True, seq=row["seq"], ready=row["ready"])
 
     async def takes_in_flight(self) -> bool:
-        """Whether a take is uncommitted (one that rang no bell may yet commit; §8)."""
+        """Whether a take is uncommitted: one that rang no bell may commit yet (architecture
+        §8)."""
         in_flight: bool = await self._db.fetchval(
             "look for takes in flight", SQL.takes_in_flight(), pool=Pool.SOCKETS
         )
         return in_flight
 
     async def announce_takes(self, *, stale_after: float | None = None) -> list[Announced]:
-        """Announce the takes of sidecars connected here, and those older than ``stale_after``
-        seconds wherever they are (events written at commit); each, with its hand-over."""
+        """Announce the takes whose sidecars are connected here, and with ``stale_after``
+        every take older than that many seconds wherever its sidecar is: their events are
+        written at this statement's commit. Each announced, with the hand-over it is owed."""
         rows = await self._db.fetch(
             "announce takes",
             SQL.announce_takes(instance_id=self.instance_id, stale_after=stale_after),
@@ -243,12 +245,9 @@ class ConnectionStore:
         )
         return [Announced(_handover(row), owed=row["owed"]) for row in rows]
 
-    async def handovers(self, allocation_ids: Sequence[str] | None = None) -> list[Handover]:
-        """The hand-overs still owed to the sidecars of ``allocation_ids`` (a taken member's
-        sidecar has not acknowledged its session); every one owed with ``None``."""
-        every = allocation_ids is None
-        query = SQL.owed_handovers() if every else SQL.handovers(allocation_ids=allocation_ids)
-        rows = await self._db.fetch("read hand-overs", query, pool=Pool.SOCKETS)
+    async def owed_handovers(self) -> list[Handover]:
+        """Every hand-over still owed (a taken member's sidecar has not acknowledged)."""
+        rows = await self._db.fetch("read hand-overs", SQL.owed_handovers(), pool=Pool.SOCKETS)
         return [_handover(row) for row in rows]
 
     async def acknowledge_handovers(

@@ -1191,16 +1191,13 @@ BEGIN
         -- The mark first, then the bell: a take that found the bell held is in flight until
         -- it commits, which the bell's holder, notifying at its own commit, makes the replicas
         -- watch for. SKIP LOCKED: neither ever waits (a replica's look at the mark holds it an
-        -- instant); a take that could not mark itself notifies. A take that notifies flushes
-        -- its commit in turn anyway (NOTIFY's lock), so it announces itself: its events are
-        -- written at its commit, and the notice names it for its hand-over.
+        -- instant); a take that could not mark itself notifies.
         IF NOT EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.bell = 'in_flight'
                        FOR KEY SHARE SKIP LOCKED)
            OR EXISTS (SELECT 1 FROM hubd_take_bells AS b
                       WHERE b.bell = 'bell_'
                           || floor(extract(epoch FROM clock_timestamp()) * 10)::bigint % 16
                       FOR UPDATE SKIP LOCKED) THEN
-            UPDATE hubd_allocations AS a SET take_unannounced = false WHERE a.id = taken.id;
             PERFORM pg_notify('hubd_handover', hubd_notice(taken.id, taken.generation || ':take'));
         END IF;
         RETURN taken;

@@ -1,10 +1,10 @@
--- 0033_announced_takes: of takes in flight at once, one notifies and writes its events; the
--- others commit without the feed's lock or a notification, so that concurrent takes flush
--- their commits together instead of one after another (architecture §8, "A take's events").
--- Their 'requested' (and 'ready') events are written by the next update of their rows: the
--- announcement of the replica holding the member's socket, which hears of takes on
--- 'hubd_handover' from the take that holds the bell and looks while the in-flight mark says
--- takes are still uncommitted; or any other update of the row, a release included.
+-- 0033_announced_takes: a take commits without the feed's lock and, most of the time, without
+-- a notification, so that concurrent takes flush their commits together instead of one after
+-- another (architecture §8, "A take's events"). Its 'requested' (and 'ready') events are
+-- written by the next update of its row: the announcement of the replica holding the member's
+-- socket, which hears of takes on 'hubd_handover' from the take that holds the bell and looks
+-- while the in-flight mark says takes are still uncommitted; or any other update of the row,
+-- a release included.
 
 ALTER TABLE hubd_allocations
     ADD COLUMN take_unannounced boolean NOT NULL DEFAULT false;
@@ -30,8 +30,8 @@ SELECT 'bell_' || n FROM generate_series(0, 15) AS n UNION ALL SELECT 'in_flight
 
 -- As 0030 made it, and: the row is marked take_unannounced (its events wait for the
 -- announcement), and only a take that finds its tenth's bell free, or cannot mark itself in
--- flight, notifies, and then announces itself. A take that neither rang nor marked itself would
--- go unheard until the socket check.
+-- flight, notifies. A take that neither rang nor marked itself would go unheard until the
+-- socket check.
 CREATE OR REPLACE FUNCTION hubd_take_member(pool text, tenant text, session text,
     requested_key text, requested_ready_when text, deadline timestamptz,
     idle double precision, instance text)
@@ -65,16 +65,13 @@ BEGIN
         -- The mark first, then the bell: a take that found the bell held is in flight until
         -- it commits, which the bell's holder, notifying at its own commit, makes the replicas
         -- watch for. SKIP LOCKED: neither ever waits (a replica's look at the mark holds it an
-        -- instant); a take that could not mark itself notifies. A take that notifies flushes
-        -- its commit in turn anyway (NOTIFY's lock), so it announces itself: its events are
-        -- written at its commit, and the notice names it for its hand-over.
+        -- instant); a take that could not mark itself notifies.
         IF NOT EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.bell = 'in_flight'
                        FOR KEY SHARE SKIP LOCKED)
            OR EXISTS (SELECT 1 FROM hubd_take_bells AS b
                       WHERE b.bell = 'bell_'
                           || floor(extract(epoch FROM clock_timestamp()) * 10)::bigint % 16
                       FOR UPDATE SKIP LOCKED) THEN
-            UPDATE hubd_allocations AS a SET take_unannounced = false WHERE a.id = taken.id;
             PERFORM pg_notify('hubd_handover', hubd_notice(taken.id, taken.generation || ':take'));
         END IF;
         RETURN taken;

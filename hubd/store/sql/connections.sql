@@ -702,14 +702,6 @@ WHERE a.id = due.id
 RETURNING a.id, a.generation, a.tenant_id, a.session_id,
     a.handover_pending AND a.status IN ('provisioning', 'allocated') AS owed;
 
--- name: handovers
--- What the sidecars of :allocation_ids are owed at hand-over (a pool member taken): the
--- allocation's generation, tenant and session, for each that still owes one.
-SELECT a.id, a.generation, a.tenant_id, a.session_id
-FROM hubd_allocations AS a
-WHERE a.id = ANY(:allocation_ids::text[]) AND a.handover_pending
-  AND a.status IN ('provisioning', 'allocated');
-
 -- name: owed_handovers
 -- Every hand-over still owed, as handovers answers (hubd_allocations_handover_idx): the socket
 -- check sends those whose sockets are held here again.
