@@ -18,7 +18,7 @@ from websockets.asyncio.client import ClientConnection
 
 from hubd.store import Database
 from hubd.store.channels import HANDOVER_CHANNEL
-from hubd.store.connections import ConnectionStore
+from hubd.store.connections import SQL, ConnectionStore
 from hubd.store.pools import Pool, PoolStore
 from tests.apikit import app_role
 from tests.polling import eventually
@@ -217,6 +217,33 @@ class TestAnnouncement:
         assert [(a.handover.target.allocation_id, a.handover.session) for a in announced] == [
             (member.allocation_id, "s-1")
         ]
+        assert await events_of(db, member.allocation_id) == ["requested", "ready"]
+
+    async def test_an_announcement_a_paused_replica_holds_is_skipped_then_made_once(
+        self, db: Database, database_url: str
+    ) -> None:
+        """A replica froze inside its announcement (its rows locked, uncommitted): another's
+        announcement skips those rows rather than wait, and writes nothing. The frozen one
+        dies (its transaction rolls back): the next announcement makes it, once."""
+        (member,) = await members(db, 1)
+        await db.pool.execute(
+            "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1",
+            member.allocation_id,
+        )
+        async with _silenced(database_url):
+            await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
+        other = ConnectionStore(db, instance_id="in_other")
+        async with _transaction(database_url) as frozen:
+            held = SQL.announce_takes(instance_id="in_frozen", stale_after=0.0)
+            assert [r["id"] for r in await frozen.fetch(held.sql, *held.args)] == [
+                member.allocation_id
+            ]
+            async with asyncio.timeout(10):
+                assert await other.announce_takes(stale_after=0.0) == []
+            assert await events_of(db, member.allocation_id) == []
+        done = await other.announce_takes(stale_after=0.0)
+        assert [a.handover.target.allocation_id for a in done] == [member.allocation_id]
+        assert await other.announce_takes(stale_after=0.0) == []
         assert await events_of(db, member.allocation_id) == ["requested", "ready"]
 
 
