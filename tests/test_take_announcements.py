@@ -11,11 +11,14 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import asyncpg
 import pytest
 from websockets.asyncio.client import ClientConnection
 
+from hubd.aio import TrackedTasks
+from hubd.server.handover import Handovers
 from hubd.store import Database
 from hubd.store.channels import HANDOVER_CHANNEL
 from hubd.store.connections import SQL, ConnectionStore
@@ -247,6 +250,61 @@ class TestAnnouncement:
         assert await events_of(db, member.allocation_id) == ["requested", "ready"]
 
 
+class TestSweep:
+    async def test_a_sweep_announces_again_without_a_look_while_takes_keep_coming(
+        self, db: Database, database_url: str
+    ) -> None:
+        """A look holds the in-flight mark an instant, and every take that meets it notifies:
+        in a burst, a look per announcement would make the burst's takes notify in turn. So
+        while announcements find takes the sweep announces again and does not look; it looks
+        once an announcement finds none, and then announces once more."""
+        await members(db, 3)
+        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        calls: list[str] = []
+        taken: list[str] = []
+
+        class Recorded(ConnectionStore):
+            async def announce_takes(self, *, stale_after: float | None = None) -> list[Any]:
+                # No socket is held here: the takes are announced as stale ones are.
+                announced = await super().announce_takes(stale_after=0.0)
+                calls.append(f"announce {len(announced)}")
+                if announced and len(taken) < 3:
+                    # The burst goes on: another take commits before the next announcement.
+                    async with _silenced(database_url):
+                        taken.append(await _take(db))
+                return announced
+
+            async def takes_in_flight(self) -> bool:
+                calls.append("look")
+                return await super().takes_in_flight()
+
+        tasks = TrackedTasks()
+        handovers = Handovers(
+            Recorded(db, instance_id="in_one"),
+            tasks=tasks,
+            sockets=lambda _: [],
+            close=lambda *_: None,
+            follow=_nothing,
+            timeout=10.0,
+        )
+        async with _silenced(database_url):
+            taken.append(await _take(db))
+        handovers.heard()
+        async with asyncio.timeout(30):
+            await tasks.drain()
+        await handovers.close()
+        assert calls == [
+            "announce 1",
+            "announce 1",
+            "announce 1",
+            "announce 0",
+            "look",
+            "announce 0",
+        ]
+        for allocation_id in taken:
+            assert await events_of(db, allocation_id) == ["requested", "ready"]
+
+
 class TestBells:
     async def test_an_application_role_can_neither_lock_nor_look_at_the_bells(
         self, db: Database, database_url: str
@@ -298,8 +356,16 @@ async def _take_in_tenth(db: Database, wanted: Callable[[int], bool]) -> str:
         return wanted(int(at) % 16) and at - int(at) < 0.5
 
     await eventually(now_wanted, within=30, every=0.005)
+    return await _take(db)
+
+
+async def _take(db: Database) -> str:
     taken: str = await db.pool.fetchval(TAKE, "s-" + os.urandom(4).hex(), json.dumps(SPEC))
     return taken
+
+
+async def _nothing(_: object) -> None:
+    return None
 
 
 async def _has(db: Database, allocation_id: str, wanted: list[str]) -> bool:

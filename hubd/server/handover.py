@@ -151,11 +151,14 @@ class Handovers:
             self._heard.clear()
             try:
                 if await self._announce():
+                    # Takes are still committing: announce again without a look, whose row
+                    # lock makes every take that meets it notify (architecture §8).
                     pause = FIRST_LOOK
-                in_flight = await self._connections.takes_in_flight()
-                if not in_flight and not self._heard.is_set():
-                    await self._announce()
-                    return
+                else:
+                    in_flight = await self._connections.takes_in_flight()
+                    if not in_flight and not self._heard.is_set():
+                        await self._announce()
+                        return
             except (StoreError, TimeoutError):
                 return
             if not self._heard.is_set():
