@@ -188,14 +188,14 @@ class _Bench:
 
         return list(await asyncio.gather(*(at(i) for i in range(n))))
 
-    async def warm_up(self) -> None:
-        """One request on each connection, unmeasured: a backend's first request compiles the
-        request's functions and plans its statements, as an application's long-lived
-        connections did long before."""
+    async def warm_up(self, spec: dict[str, str]) -> None:
+        """One request for ``spec`` on each connection, unmeasured: a backend's first request
+        compiles the request's functions and plans its statements (a take's own, once it
+        takes a member), as an application's long-lived connections did long before."""
         connections = [await self.pool.acquire() for _ in range(BURST_CONNECTIONS)]
         try:
             for conn in connections:
-                row = await conn.fetchrow(REQUEST, PROVISIONER, json.dumps(COLD))
+                row = await conn.fetchrow(REQUEST, PROVISIONER, json.dumps(spec))
                 assert row is not None
                 self.made.append(row["id"])
         finally:
@@ -251,7 +251,7 @@ async def measure(
         undo.push_async_callback(pool.close)
         bench = _Bench(pool, stats)
         undo.push_async_callback(_wind_down, stats)
-        await bench.warm_up()
+        await bench.warm_up(COLD)
 
         async def full() -> bool:
             return await bench.members("bench") >= load.pool
@@ -273,6 +273,8 @@ async def measure(
 
         # The local pool's processes start before anything is measured: they take the CPU.
         await _until(local_full, "the local pool was never full")
+        await bench.warm_up(WARM)
+        await _until(full, "the pool was not full again after the warm-up")
         say(f"pools: {load.samples} warm requests at {load.rate:g}/s, then as many cold")
         warm = await bench.stream(PROVISIONER, WARM, load.samples, load.rate)
         cold = await bench.stream(PROVISIONER, COLD, load.samples, load.rate)

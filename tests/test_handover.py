@@ -160,6 +160,12 @@ class TestHandover:
             first = await welcomed(ws)
             await eventually(lambda: ready_row(db, sidecar.allocation_id), within=30)
             await take(db)  # no notice reaches the hub: nothing is sent on this socket
+
+        async def closed() -> bool:
+            return not await ready_row(db, sidecar.allocation_id)
+
+        # The hub writes the close before the sidecar is back, as after any real outage.
+        await eventually(closed, within=30)
         headers = sidecar.headers(**{"Hubd-Reconnect-Secret": first["reconnect_secret"]})
         async with dial(hub.url, headers) as ws:
             again = await welcomed(ws)
@@ -168,13 +174,13 @@ class TestHandover:
             assert (await message_of(ws))["type"] == "session"
             await ws.send(json.dumps({"type": "session_ack"}))
             assert await message_of(ws) == {"type": "session_recorded"}
-            # No replica announced the take: a later update of its row (the reconnect's)
-            # wrote its events.
+            # No replica announced the take: the next update of its row (the close's) wrote
+            # its events, saying what was true then; the reconnect made it ready again.
             events = await db.pool.fetch(
                 "SELECT event, ready FROM hubd_events WHERE allocation_id = $1 ORDER BY position",
                 sidecar.allocation_id,
             )
-            assert [tuple(e) for e in events] == [("requested", True), ("ready", True)]
+            assert [tuple(e) for e in events] == [("requested", False), ("ready", True)]
         assert (await row(db, sidecar.allocation_id))["handover_pending"] is False
 
     async def test_an_ack_from_a_socket_another_replica_superseded_writes_nothing(

@@ -1,8 +1,9 @@
 """A take's events (architecture §8, *A take's events*): a take commits without the feed's lock
-and, unless it rings the bell, without a notification; the replica holding the member's socket
-announces it (writes its events) when it hears the bell, and looks again while any take is in
-flight, so a silent take that commits later is announced too. Any earlier update of the row
-writes the take's events first; no application role can hold the bells."""
+and, unless it rings its slot's bell, without a notification; the replica holding the member's
+socket announces it (writes its events) when it hears the bell, and looks again while any take
+is in flight and until the slot rung is over, so a silent take that commits later is announced
+too. Any earlier update of the row writes the take's events first; no application role can hold
+the bells."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, overload
 
 import asyncpg
 import pytest
@@ -29,6 +30,7 @@ from tests.wskit import Hub, Sidecar, bind_identity, dial, hearing, running_hub,
 
 SPEC = {"image": "python:3.12"}
 TAKE = "SELECT id FROM hubd_v1.request('local', 'acme', $1, spec => $2)"
+SLOT = "SELECT hubd_take_slot()"
 
 
 async def members(db: Database, count: int) -> list[Sidecar]:
@@ -74,8 +76,9 @@ class TestAnnouncement:
     async def test_a_take_that_rang_no_bell_is_announced_once_it_commits(
         self, db: Database, database_url: str
     ) -> None:
-        """Two takes in flight at once, their members' sockets on two replicas: the first
-        rings the bell, the second finds it held and notifies nothing. The first commits, and
+        """Two takes in flight at once, in one slot of time, their members' sockets on two
+        replicas: the first rings the slot's bell, the second finds it held and notifies
+        nothing. The first commits, and
         both replicas sweep; the second commits only after the first was announced, and is
         announced all the same, by the replica holding its socket: it was in flight when
         they looked. Without the second look nothing would announce it (no socket check
@@ -93,8 +96,7 @@ class TestAnnouncement:
             }
             ringing = await stack.enter_async_context(_transaction(database_url))
             silent = await stack.enter_async_context(_transaction(database_url))
-            rang = await ringing.fetchval(TAKE, "s-1", json.dumps(SPEC))
-            unheard = await silent.fetchval(TAKE, "s-2", json.dumps(SPEC))
+            rang, unheard = await _two_takes_in_one_slot(ringing, silent)
             assert {rang, unheard} == set(sockets)
             await ringing.execute("COMMIT")
             await eventually(lambda: _has(db, rang, ["requested", "ready"]), within=30)
@@ -112,10 +114,10 @@ class TestAnnouncement:
     async def test_a_take_kept_uncommitted_silences_no_other_for_long(
         self, db: Database, database_url: str
     ) -> None:
-        """An application keeps a take uncommitted: it holds its tenth's bell and its mark for
-        as long as it likes. A take of another tenth rings, and the replica then looks for as
-        long as the first stays in flight: a take of the held bell's tenth, which stays silent,
-        is announced all the same. Without the looks nothing would announce it."""
+        """An application keeps a take uncommitted: it holds its slot's bell and its mark for
+        as long as it likes. A take of another slot rings, and the replica then looks for as
+        long as the first stays in flight: a take of a slot of the held bell, which stays
+        silent, is announced all the same. Without the looks nothing would announce it."""
         sidecars = await members(db, 3)
         async with (
             running_hub(db, ready_on_connect=True, instance_id="in_one") as one,
@@ -134,10 +136,10 @@ class TestAnnouncement:
                 )
             }
             (held,) = {f"bell_{n}" for n in range(16)} - free
-            rung = await _take_in_tenth(db, lambda tenth: f"bell_{tenth}" != held)
+            rung = await _take_in_slot(db, lambda slot: f"bell_{slot % 16}" != held)
             await eventually(lambda: _has(db, rung, ["requested", "ready"]), within=30)
             await eventually(lambda: len(heard) == 1, within=10)
-            silent = await _take_in_tenth(db, lambda tenth: f"bell_{tenth}" == held)
+            silent = await _take_in_slot(db, lambda slot: f"bell_{slot % 16}" == held)
             await eventually(lambda: _has(db, silent, ["requested", "ready"]), within=30)
             # Notices arrive in commit order: one sent after it shows none came from it.
             after = await db.pool.fetchval("SELECT hubd_notice('al_none', '1:take')")
@@ -159,7 +161,7 @@ class TestAnnouncement:
             await listener.add_listener(HANDOVER_CHANNEL, lambda *args: heard.append(args[-1]))
             ringing = await stack.enter_async_context(_transaction(database_url))
             looking = await stack.enter_async_context(_transaction(database_url))
-            # A take's hold on the bells (every tenth's), and a replica's look, at once.
+            # A take's hold on the bells (every slot's), and a replica's look, at once.
             await ringing.execute(
                 "SELECT 1 FROM hubd_take_bells WHERE bell LIKE 'bell%' FOR UPDATE"
             )
@@ -257,7 +259,8 @@ class TestSweep:
         """A look holds the in-flight mark an instant, and every take that meets it notifies:
         in a burst, a look per announcement would make the burst's takes notify in turn. So
         while announcements find takes the sweep announces again and does not look; it looks
-        once an announcement finds none, and then announces once more."""
+        once two announcements in a row find none (a burst's find none now and then), and
+        then announces once more."""
         await members(db, 3)
         await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
         calls: list[str] = []
@@ -293,10 +296,12 @@ class TestSweep:
         async with asyncio.timeout(30):
             await tasks.drain()
         await handovers.close()
+        # No bell rang (every one was held): only the takes in flight keep the sweep going.
         assert calls == [
             "announce 1",
             "announce 1",
             "announce 1",
+            "announce 0",
             "announce 0",
             "look",
             "announce 0",
@@ -325,6 +330,55 @@ class TestBells:
             finally:
                 await conn.close()
 
+    async def test_a_bell_rings_once_in_its_slot(self, db: Database, database_url: str) -> None:
+        """The take that rang its slot's bell committed; a take later in the same slot finds
+        the bell rung and notifies nothing (the replicas that heard the ring look until the
+        slot is over). A bell free again at each ring's commit would ring once per take in
+        flight, and a burst's takes would take NOTIFY's lock in turn."""
+        await members(db, 20)
+        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        async with contextlib.AsyncExitStack() as stack:
+            listener = await asyncpg.connect(database_url)
+            stack.push_async_callback(listener.close)
+            heard: list[str] = []
+            await listener.add_listener(HANDOVER_CHANNEL, lambda *args: heard.append(args[-1]))
+            async with asyncio.timeout(60):
+                while True:
+                    before = len(heard)
+                    rung = await _ring(db)
+                    await eventually(lambda: len(heard) == before + 1, within=10)  # noqa: B023
+                    if await _take_in_slot(db, lambda slot, rung=rung: slot == rung, tries=1):
+                        break
+            await db.pool.execute("SELECT pg_notify($1, 'after')", HANDOVER_CHANNEL)
+            await eventually(lambda: heard[-1] == "after", within=10)
+            # Notices arrive in commit order: the ring's, then the one sent after.
+            assert len(heard) == before + 2
+
+    async def test_a_look_says_takes_may_come_until_the_slot_rung_is_over(
+        self, db: Database, database_url: str
+    ) -> None:
+        """A look in the slot a bell rang in says takes may yet commit unheard, with none in
+        flight: a take of that slot stays silent. Once the slot is over it says none may."""
+        await members(db, 20)
+        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        store = ConnectionStore(db, instance_id="in_one")
+        async with db.pool.acquire() as conn, asyncio.timeout(60):
+            while True:
+                rung = await _ring(db)
+                async with conn.transaction():
+                    began = await conn.fetchval(SLOT)
+                    looked = await conn.fetchval("SELECT hubd_takes_in_flight()")
+                    ended = await conn.fetchval(SLOT)
+                if began == ended == rung:
+                    break
+        assert looked is True
+
+        async def none_may() -> bool:
+            return not await store.takes_in_flight()
+
+        await eventually(none_may, within=10)
+        assert await db.pool.fetchval(SLOT) > rung
+
     async def test_a_look_finds_takes_in_flight_until_they_commit(
         self, db: Database, database_url: str
     ) -> None:
@@ -347,16 +401,74 @@ async def _silenced(database_url: str) -> AsyncIterator[None]:
         yield
 
 
-async def _take_in_tenth(db: Database, wanted: Callable[[int], bool]) -> str:
-    """A take sent early in a tenth of a second that ``wanted`` accepts (its bell, by the
-    database's clock): at least 50 ms before the next tenth begins."""
+@overload
+async def _take_in_slot(db: Database, wanted: Callable[[int], bool]) -> str: ...
+@overload
+async def _take_in_slot(
+    db: Database, wanted: Callable[[int], bool], *, tries: int
+) -> str | None: ...
+async def _take_in_slot(
+    db: Database, wanted: Callable[[int], bool], *, tries: int | None = None
+) -> str | None:
+    """A take committed in a slot of time that ``wanted`` accepts (by the database's clock): a
+    take that crossed into another slot, or began in one not wanted, is rolled back (it
+    notified nothing) and tried again, early in the next wanted slot; at most ``tries``
+    times (``None``: until it is), then ``None``."""
 
     async def now_wanted() -> bool:
-        at = await db.pool.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8 * 10")
-        return wanted(int(at) % 16) and at - int(at) < 0.5
+        at = await db.pool.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8 * 50")
+        return wanted(int(at)) and at - int(at) < 0.5
 
-    await eventually(now_wanted, within=30, every=0.005)
-    return await _take(db)
+    async with db.pool.acquire() as conn, asyncio.timeout(60):
+        tried = 0
+        while tries is None or tried < tries:
+            tried += 1
+            if tries is None:
+                await eventually(now_wanted, within=30, every=0.002)
+            trying = conn.transaction()
+            await trying.start()
+            began = await conn.fetchval(SLOT)
+            taken: str = await conn.fetchval(TAKE, "s-" + os.urandom(4).hex(), json.dumps(SPEC))
+            if wanted(began) and await conn.fetchval(SLOT) == began:
+                await trying.commit()
+                return taken
+            await trying.rollback()
+    return None
+
+
+async def _ring(db: Database) -> int:
+    """A take committed in a slot after every one a bell rang in, so that it rings its
+    slot's bell; that slot."""
+
+    async def past_rung() -> bool:
+        return bool(
+            await db.pool.fetchval(
+                "SELECT hubd_take_slot() > coalesce(max(rang), -1) FROM hubd_take_bells"
+            )
+        )
+
+    await eventually(past_rung, within=10, every=0.002)
+    await _take(db)
+    rung: int = await db.pool.fetchval("SELECT max(rang) FROM hubd_take_bells")
+    return rung
+
+
+async def _two_takes_in_one_slot(
+    first: asyncpg.Connection, second: asyncpg.Connection
+) -> tuple[str, str]:
+    """A take in each open transaction, both in one slot of time (by the database's clock),
+    so that the second finds the bell the first rang held: a pair that crossed a slot's end
+    is rolled back (neither notified) and tried again in new transactions."""
+    async with asyncio.timeout(60):
+        while True:
+            began = await first.fetchval(SLOT)
+            one: str = await first.fetchval(TAKE, "s-1", json.dumps(SPEC))
+            two: str = await second.fetchval(TAKE, "s-2", json.dumps(SPEC))
+            if await second.fetchval(SLOT) == began:
+                return one, two
+            for conn in (first, second):
+                await conn.execute("ROLLBACK")
+                await conn.execute("BEGIN")
 
 
 async def _take(db: Database) -> str:

@@ -30,7 +30,7 @@ from hubd.server.sockets import SocketEntry
 from hubd.store.connection_values import Handover
 from hubd.store.connections import ConnectionStore
 
-__all__ = ["FIRST_LOOK", "LAST_LOOK", "Handovers", "session_message"]
+__all__ = ["FIRST_LOOK", "LAST_LOOK", "QUIET_ANNOUNCEMENTS", "Handovers", "session_message"]
 
 FIRST_LOOK = 0.002
 """Seconds before a sweep looks again for takes that were in flight: a take's statement and
@@ -38,6 +38,9 @@ commit take about a millisecond."""
 LAST_LOOK = 0.05
 """The longest pause between looks while takes stay in flight with nothing to announce (one
 an application keeps uncommitted): each look is two short statements."""
+
+QUIET_ANNOUNCEMENTS = 2
+"""Announcements in a row that find no take before a sweep looks for takes in flight."""
 
 
 def session_message(handover: Handover) -> str:
@@ -147,14 +150,20 @@ class Handovers:
         is, announce once more, for those that committed between the last announcement and
         the look. A failing database ends it: the socket check announces and sends the rest."""
         pause = FIRST_LOOK
+        quiet = 0
         while True:
             self._heard.clear()
             try:
                 if await self._announce():
-                    # Takes are still committing: announce again without a look, whose row
-                    # lock makes every take that meets it notify (architecture §8).
                     pause = FIRST_LOOK
+                    quiet = 0
                 else:
+                    quiet += 1
+                # No look while takes are still committing: its row lock makes every take that
+                # meets it notify, in turn (architecture §8). A burst's announcements find none
+                # now and then, so the first look waits for a second announcement that finds
+                # none.
+                if quiet >= QUIET_ANNOUNCEMENTS:
                     in_flight = await self._connections.takes_in_flight()
                     if not in_flight and not self._heard.is_set():
                         await self._announce()
@@ -168,13 +177,17 @@ class Handovers:
                 pause = min(pause * 2, LAST_LOOK)
 
     async def _announce(self) -> int:
-        """Announce the takes of sockets held here and send their hand-overs; how many."""
+        """Announce the takes of sockets held here, and send their hand-overs in a task of
+        their own: the next announcement need not wait for a burst's sends; how many."""
         announced = await self._connections.announce_takes()
-        for each in announced:
-            if each.owed:
-                handover = each.handover
-                await self._send(self._sockets(handover.target.allocation_id), handover)
+        owed = [each.handover for each in announced if each.owed]
+        if owed:
+            self._tasks.spawn(self._send_each(owed), name="handover-send")
         return len(announced)
+
+    async def _send_each(self, handovers: list[Handover]) -> None:
+        for handover in handovers:
+            await self._send(self._sockets(handover.target.allocation_id), handover)
 
     async def _send(self, entries: list[SocketEntry], handover: Handover) -> int:
         message = session_message(handover)

@@ -1099,17 +1099,26 @@ CREATE INDEX hubd_allocations_handover_idx ON hubd_allocations (id) WHERE handov
 
 -- Rows only hubd's functions may lock (an application role has no privilege on the table).
 -- Every take holds 'in_flight' FOR KEY SHARE to its commit, so that a replica can see that
--- takes are uncommitted (FOR UPDATE SKIP LOCKED finds the row locked); the take that finds the
--- bell of the current tenth of a second free holds it FOR UPDATE to its commit and notifies,
--- and the others, which found it held, do not: the holder's notification wakes the replicas,
--- which look again while any take is in flight. Sixteen bells, a new one every 100 ms: a take
--- kept uncommitted holds one, and silences only the takes of its tenths; the next take of
--- another rings, and the replicas then look for as long as the first stays in flight.
+-- takes are uncommitted (FOR UPDATE SKIP LOCKED finds the row locked). Time is cut in slots of
+-- 20 ms (hubd_take_slot), and slot n rings bell 'bell_<n % 16>': the take that finds its slot's
+-- bell free and not yet rung in the slot records the slot in `rang`, holding the row to its
+-- commit, and notifies; the others, which found it held or rung, do not. The ring wakes the
+-- replicas, which look again while any take is in flight and until the slot rung is over.
+-- Sixteen bells: a take kept uncommitted holds one, and silences only the takes of its slots;
+-- the next take of another rings, and the replicas then look for as long as the first stays in
+-- flight.
 CREATE TABLE hubd_take_bells (
-    bell text PRIMARY KEY CHECK (bell ~ '^(in_flight|bell_([0-9]|1[0-5]))$')
+    bell text PRIMARY KEY CHECK (bell ~ '^(in_flight|bell_([0-9]|1[0-5]))$'),
+    -- The slot the bell last rang in; NULL: never.
+    rang bigint
 );
 INSERT INTO hubd_take_bells (bell)
 SELECT 'bell_' || n FROM generate_series(0, 15) AS n UNION ALL SELECT 'in_flight';
+
+-- The current slot of time: 20 ms, by the database's clock.
+CREATE FUNCTION hubd_take_slot() RETURNS bigint LANGUAGE sql AS $$
+    SELECT floor(extract(epoch FROM clock_timestamp()) * 50)::bigint
+$$;
 CREATE INDEX hubd_allocations_members_idx ON hubd_allocations (pool_id)
     WHERE pool_id IS NOT NULL AND taken_at IS NULL
       AND status IN ('pending', 'provisioning', 'allocated', 'replacing', 'releasing');
@@ -1153,8 +1162,8 @@ CREATE TRIGGER hubd_pools_counters AFTER INSERT OR DELETE ON hubd_pools
 -- taken meanwhile is never handed out. The row becomes the tenant's, with the request's
 -- session, key and clocks; its sidecar, generation and connection stay as they are. Its
 -- sidecar is owed its session (handover_pending), and its events wait for the take's
--- announcement (take_unannounced; architecture §8): only the take that finds the bell free, or
--- cannot mark itself in flight, notifies 'hubd_handover', and with the feed's lock untaken,
+-- announcement (take_unannounced; architecture §8): only the take that rings its slot's bell,
+-- or cannot mark itself in flight, notifies 'hubd_handover', and with the feed's lock untaken,
 -- concurrent takes flush their commits together. A member that is ready once its sidecar says
 -- so starts its provisioning clock again, which the acknowledgement stops. NULL when no member
 -- is ready (a miss).
@@ -1164,6 +1173,7 @@ CREATE FUNCTION hubd_take_member(pool text, tenant text, session text,
 RETURNS hubd_allocations LANGUAGE plpgsql AS $$
 DECLARE
     taken hubd_allocations;
+    slot bigint;
 BEGIN
     UPDATE hubd_allocations AS a SET
         tenant_id = tenant, session_id = session, idempotency_key = requested_key,
@@ -1183,34 +1193,50 @@ BEGIN
       AND a.pool_id = pool AND a.taken_at IS NULL AND a.status = 'allocated'
       AND a.connection_ready
     RETURNING a.* INTO taken;
-    IF taken.id IS NOT NULL THEN
-        INSERT INTO hubd_allocation_ledger
-            (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
-        VALUES (taken.id, taken.generation, instance, 'take', taken.status, taken.status,
-            'committed', 'taken from pool ' || pool);
-        -- The mark first, then the bell: a take that found the bell held is in flight until
-        -- it commits, which the bell's holder, notifying at its own commit, makes the replicas
-        -- watch for. SKIP LOCKED: neither ever waits (a replica's look at the mark holds it an
-        -- instant); a take that could not mark itself notifies.
-        IF NOT EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.bell = 'in_flight'
-                       FOR KEY SHARE SKIP LOCKED)
-           OR EXISTS (SELECT 1 FROM hubd_take_bells AS b
-                      WHERE b.bell = 'bell_'
-                          || floor(extract(epoch FROM clock_timestamp()) * 10)::bigint % 16
-                      FOR UPDATE SKIP LOCKED) THEN
-            PERFORM pg_notify('hubd_handover', hubd_notice(taken.id, taken.generation || ':take'));
-        END IF;
+    IF taken.id IS NULL THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO hubd_allocation_ledger
+        (allocation_id, generation, instance_id, kind, from_status, to_status, phase, message)
+    VALUES (taken.id, taken.generation, instance, 'take', taken.status, taken.status,
+        'committed', 'taken from pool ' || pool);
+    -- The mark first, then the slot: a take that stays silent has marked itself in flight
+    -- before it read the slot, so a replica's look after the slot is over finds it in flight
+    -- or committed. SKIP LOCKED: neither ever waits (a replica's look at the mark holds it an
+    -- instant); a take that could not mark itself notifies.
+    IF NOT EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.bell = 'in_flight'
+                   FOR KEY SHARE SKIP LOCKED) THEN
+        PERFORM pg_notify('hubd_handover', hubd_notice(taken.id, taken.generation || ':take'));
         RETURN taken;
     END IF;
-    RETURN NULL;
+    slot := hubd_take_slot();
+    -- Held: the take ringing it has not committed, and notifies at its commit. Rung in this
+    -- slot: the replicas that heard it look until the slot is over.
+    UPDATE hubd_take_bells AS b SET rang = slot
+    WHERE b.bell = (SELECT c.bell FROM hubd_take_bells AS c
+                    WHERE c.bell = 'bell_' || slot % 16 AND c.rang IS DISTINCT FROM slot
+                    FOR UPDATE SKIP LOCKED);
+    IF FOUND THEN
+        PERFORM pg_notify('hubd_handover', hubd_notice(taken.id, taken.generation || ':take'));
+    END IF;
+    RETURN taken;
 END;
 $$;
 
--- Whether a take is uncommitted: the in-flight mark is held (by a take, to its commit). A
--- replica that finds it free holds it an instant, until this statement's commit.
-CREATE FUNCTION hubd_takes_in_flight() RETURNS boolean LANGUAGE sql AS $$
-    SELECT NOT EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.bell = 'in_flight'
-                       FOR UPDATE SKIP LOCKED)
+-- Whether a take may yet commit unheard: the slot of a bell rung is not over (a take of it
+-- stays silent), or the in-flight mark is held (by a take, to its commit). A replica that
+-- finds neither holds the mark an instant, until this statement's commit; while a slot is
+-- open it takes no lock.
+CREATE FUNCTION hubd_takes_in_flight() RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    slot bigint := hubd_take_slot();
+BEGIN
+    IF EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.rang >= slot) THEN
+        RETURN true;
+    END IF;
+    RETURN NOT EXISTS (SELECT 1 FROM hubd_take_bells AS b WHERE b.bell = 'in_flight'
+                       FOR UPDATE SKIP LOCKED);
+END;
 $$;
 
 -- Any update of a taken row after its take announces the take: its events are written first.
