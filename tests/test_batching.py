@@ -262,9 +262,15 @@ class TestBatcher:
                 await batcher.request(allocation_id)
             return batcher.running
 
+        loop = asyncio.get_running_loop()
         async with table_locked(database_url):
+            sent = loop.time()
             leading = asyncio.create_task(running_when_it_timed_out(first.allocation_id))
             await eventually(lambda: len(counted.calls) == 1)
+            # The second request comes at least a quarter second after the first, so that its
+            # own deadline falls that long after the first's timeout: a loaded machine's late
+            # timer must not expire both at once, before a statement could take the second.
+            await eventually(lambda: loop.time() >= sent + 0.25, every=0.01)
             behind = asyncio.create_task(running_when_it_timed_out(queued.allocation_id))
             await leading
             # Its own deadline, not its statement's timeout half a second later.
