@@ -1,15 +1,15 @@
 """Hand-over (architecture §4): a taken pool member's sidecar learns the session it now serves.
 
 A request that takes a member writes the tenant and session on its row and marks it
-``handover_pending`` in its own statement (``hubd_take_member``); the take that rings the bell
-notifies ``hubd_handover`` for every take then uncommitted (architecture §8, *A take's
+``handover_pending`` in its own statement (``hubd_take_member``); the take that rings its slot's
+bell notifies ``hubd_handover`` for every take of the slot (architecture §8, *A take's
 events*). Each replica that hears it sweeps: it announces the takes whose sockets it holds
 (their events are written then) and sends each socket a ``session`` message, and looks again
-while any take is in flight. The sidecar answers ``session_ack``, written fenced on its
-connection, which clears the mark. The message goes again after every welcome while the mark
-stands (the admission read it), and the periodic socket check announces what is left and sends
-every held socket still owed one, so a notification lost with a LISTEN connection delays a
-hand-over by one check at most, never loses it.
+while any take is in flight or the slot rung is current. The sidecar answers ``session_ack``,
+written fenced on its connection, which clears the mark. The message goes again after every
+welcome while the mark stands (the admission read it), and the periodic socket check announces
+what is left and sends every held socket still owed one, so a notification lost with a LISTEN
+connection delays a hand-over by one check at most, never loses it.
 """
 
 from __future__ import annotations
@@ -144,11 +144,13 @@ class Handovers:
         await self._writes.close()
 
     async def _sweep(self) -> None:
-        """Announce the takes of sockets held here and send their hand-overs, then look for
-        takes in flight: one that rang no bell commits after the notice that woke this
-        (architecture §8). While any is, or a notice came meanwhile, announce again; once none
-        is, announce once more, for those that committed between the last announcement and
-        the look. A failing database ends it: the socket check announces and sends the rest."""
+        """Announce the takes of sockets held here and send their hand-overs, again while
+        announcements find takes; then look: a take that rang no bell may commit after the
+        notice that woke this, while it is in flight or its slot's ring is current
+        (architecture §8). While the look says so, or a notice came meanwhile, announce and
+        look again; once it says neither, announce once more, for the takes that committed
+        between the last announcement and the look. A failing database ends it: the socket
+        check announces and sends the rest."""
         pause = FIRST_LOOK
         quiet = 0
         while True:
