@@ -33,15 +33,18 @@ TAKE = "SELECT id FROM hubd_v1.request('local', 'acme', $1, spec => $2)"
 SLOT = "SELECT hubd_take_slot()"
 
 
-async def members(db: Database, count: int) -> list[Sidecar]:
-    """``count`` pool members allocated, each with a sidecar identity, oldest first."""
+async def members(db: Database, count: int, *, ready: bool = False) -> list[Sidecar]:
+    """``count`` pool members allocated, each with a sidecar identity, oldest first; with
+    ``ready``, their sidecars connected (as far as a take can tell) without a socket."""
     pools = PoolStore(db, instance_id="test-instance")
     pool = Pool(id="warm", provisioner="local", spec=SPEC, size=count, refill_rate=1000.0)
     await pools.set_pools([pool], served=["local"])
     assert (await pools.refill("warm", most=count)).made == count
     ids = await db.pool.fetch(
-        "UPDATE hubd_allocations SET status = 'allocated', next_attempt_at = NULL "
-        "WHERE pool_id = 'warm' AND taken_at IS NULL RETURNING id, created_at"
+        "UPDATE hubd_allocations SET status = 'allocated', next_attempt_at = NULL, "
+        "connection_ready = $1 WHERE pool_id = 'warm' AND taken_at IS NULL "
+        "RETURNING id, created_at",
+        ready,
     )
     return [await bind_identity(db, r["id"]) for r in sorted(ids, key=lambda r: r[1])]
 
@@ -152,8 +155,7 @@ class TestAnnouncement:
     ) -> None:
         """A replica's look holds the in-flight mark an instant; a take that finds it so, with
         the bell held by another take, notifies rather than go unheard."""
-        await members(db, 2)
-        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        await members(db, 2, ready=True)
         async with contextlib.AsyncExitStack() as stack:
             listener = await asyncpg.connect(database_url)
             stack.push_async_callback(listener.close)
@@ -188,11 +190,7 @@ class TestAnnouncement:
         """An application releases what it took before any replica announced the take: the
         release's commit writes 'requested' before 'releasing', and a later
         announcement finds nothing left to write."""
-        (member,) = await members(db, 1)
-        await db.pool.execute(
-            "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1",
-            member.allocation_id,
-        )
+        (member,) = await members(db, 1, ready=True)
         async with _silenced(database_url):
             assert await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC)) == member.allocation_id
         assert await events_of(db, member.allocation_id) == []
@@ -208,13 +206,7 @@ class TestAnnouncement:
     ) -> None:
         """Its socket is held by no replica here (it died, or froze): another announces it
         only once it is older than the socket check's bound, not at once."""
-        (member,) = await members(db, 1)
-        await db.pool.execute(
-            "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1",
-            member.allocation_id,
-        )
-        async with _silenced(database_url):
-            await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
+        member = await _unheard_take(db, database_url)
         store = ConnectionStore(db, instance_id="in_other")
         assert await store.announce_takes() == []
         assert await store.announce_takes(stale_after=3600.0) == []
@@ -230,13 +222,7 @@ class TestAnnouncement:
         """A replica froze inside its announcement (its rows locked, uncommitted): another's
         announcement skips those rows rather than wait, and writes nothing. The frozen one
         dies (its transaction rolls back): the next announcement makes it, once."""
-        (member,) = await members(db, 1)
-        await db.pool.execute(
-            "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1",
-            member.allocation_id,
-        )
-        async with _silenced(database_url):
-            await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
+        member = await _unheard_take(db, database_url)
         other = ConnectionStore(db, instance_id="in_other")
         async with _transaction(database_url) as frozen:
             held = SQL.announce_takes(instance_id="in_frozen", stale_after=0.0)
@@ -261,8 +247,7 @@ class TestSweep:
         while announcements find takes the sweep announces again and does not look; it looks
         once two announcements in a row find none (a burst's find none now and then), and
         then announces once more."""
-        await members(db, 3)
-        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        await members(db, 3, ready=True)
         calls: list[str] = []
         taken: list[str] = []
 
@@ -335,8 +320,7 @@ class TestBells:
         the bell rung and notifies nothing (the replicas that heard the ring look until the
         slot is over). A bell free again at each ring's commit would ring once per take in
         flight, and a burst's takes would take NOTIFY's lock in turn."""
-        await members(db, 20)
-        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        await members(db, 20, ready=True)
         async with contextlib.AsyncExitStack() as stack:
             listener = await asyncpg.connect(database_url)
             stack.push_async_callback(listener.close)
@@ -359,8 +343,7 @@ class TestBells:
     ) -> None:
         """A look in the slot a bell rang in says takes may yet commit unheard, with none in
         flight: a take of that slot stays silent. Once the slot is over it says none may."""
-        await members(db, 20)
-        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        await members(db, 20, ready=True)
         store = ConnectionStore(db, instance_id="in_one")
         async with db.pool.acquire() as conn, asyncio.timeout(60):
             while True:
@@ -382,14 +365,21 @@ class TestBells:
     async def test_a_look_finds_takes_in_flight_until_they_commit(
         self, db: Database, database_url: str
     ) -> None:
-        await members(db, 1)
-        await db.pool.execute("UPDATE hubd_allocations SET connection_ready = true")
+        await members(db, 1, ready=True)
         store = ConnectionStore(db, instance_id="in_one")
         assert await store.takes_in_flight() is False
         async with _transaction(database_url) as taking:
             await taking.fetchval(TAKE, "s-1", json.dumps(SPEC))
             assert await store.takes_in_flight() is True
         assert await store.takes_in_flight() is False
+
+
+async def _unheard_take(db: Database, database_url: str) -> Sidecar:
+    """A ready member taken (session 's-1') while every bell was held: silent, unannounced."""
+    (member,) = await members(db, 1, ready=True)
+    async with _silenced(database_url):
+        await db.pool.fetchval(TAKE, "s-1", json.dumps(SPEC))
+    return member
 
 
 @contextlib.asynccontextmanager
