@@ -15,12 +15,16 @@ from tests.polling import eventually
 
 POOL = '[[pools]]\nid = "warm"\nprovisioner = "local"\nsize = 2\nrefill_rate = 50\n'
 
-# The sidecar's command: says where its context file is (<dir>/<allocation id>.path), then
-# waits for its stop signal, as a sidecar's service runs until it is stopped.
+# The sidecar's command: says where its context file is (<dir>/<allocation id>.path, replaced
+# whole so a reader never sees half of it), then waits for its stop signal, as a sidecar's
+# service runs until it is stopped. A member may be ready (connected) before its command has
+# written the file, so a reader waits for the file to appear.
 SAY_CONTEXT = """
 import os, pathlib, signal, sys
 name = os.environ["HUBD_ALLOCATION_ID"] + ".path"
-pathlib.Path(sys.argv[1], name).write_text(os.environ["HUBD_CONTEXT_FILE"])
+partial = pathlib.Path(sys.argv[1], name + ".partial")
+partial.write_text(os.environ["HUBD_CONTEXT_FILE"])
+partial.replace(pathlib.Path(sys.argv[1], name))
 signal.pause()
 """
 
@@ -56,6 +60,8 @@ async def test_a_request_takes_a_live_sidecar_and_the_pool_is_refilled(
         said = state_dir / f"{made['id']}.path"
 
         def handed_over() -> bool:
+            if not said.exists():
+                return False
             context = json.loads(Path(said.read_text()).read_text())
             return (context["tenant"], context["session"]) == ("acme", None)
 
