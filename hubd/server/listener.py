@@ -23,10 +23,12 @@ from typing import Any, Final, Self, cast
 
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
 from hubd.config import ServerConfig
 from hubd.logs import Sampler
+from hubd.server.accepting import Acceptor, drains_itself
 from hubd.server.admission import Admitter
 from hubd.server.batching import Batcher
 from hubd.server.connection import SidecarConnection
@@ -121,6 +123,7 @@ class SidecarServer:
         self._message_burst = message_burst
         self._backlog = backlog
         self._server: Server | None = None
+        self._acceptors: list[Acceptor] = []
         self.stats = ServerStats()
         self._admitter = Admitter(
             router=router,
@@ -184,7 +187,19 @@ class SidecarServer:
             message_rate=self._message_rate,
             message_burst=self._message_burst,
         )
-        self._server = await serve(
+        # What makes a socket's connection, whoever accepts it: websockets' server, or the
+        # acceptor that takes the rest of the queue (hubd.server.accepting).
+        protocol: dict[str, Any] = {
+            "subprotocols": [Subprotocol(name) for name in SUBPROTOCOLS],
+            "max_size": self._max_message_size,
+            "logger": WireLogger("hubd.server.wire"),
+        }
+        connection: dict[str, Any] = {
+            "ping_interval": None,
+            "close_timeout": self._close_timeout,
+            "max_queue": self.limits.max_queue,
+        }
+        self._server = server = await serve(
             sessions.handle,
             self._host,
             self._requested_port,
@@ -194,19 +209,31 @@ class SidecarServer:
             create_connection=cast(
                 "type[ServerConnection]", functools.partial(SidecarConnection, hub=self)
             ),
-            subprotocols=[Subprotocol(name) for name in SUBPROTOCOLS],
             # Off: it multiplies per-connection memory and invites decompression bombs.
             compression=None,
             server_header="hubd",
             open_timeout=self._open_timeout,
-            ping_interval=None,
-            close_timeout=self._close_timeout,
-            max_size=self._max_message_size,
-            max_queue=self.limits.max_queue,
-            logger=WireLogger("hubd.server.wire"),
             ssl=self._ssl,
             backlog=self._backlog,
+            **protocol,
+            **connection,
         )
+        if not drains_itself(asyncio.get_running_loop()):
+
+            def made() -> SidecarConnection:
+                return SidecarConnection(ServerProtocol(**protocol), server, hub=self, **connection)
+
+            self._acceptors = [
+                Acceptor(
+                    listening,
+                    made,
+                    ssl_context=self._ssl,
+                    ssl_handshake_timeout=self._open_timeout,
+                    ssl_shutdown_timeout=self._close_timeout,
+                    sampler=self._sampler,
+                )
+                for listening in server.sockets
+            ]
         log.info("sidecar_listener_started", url=self.url)
 
     async def close(self) -> None:
@@ -215,6 +242,9 @@ class SidecarServer:
         if server is None:
             return
         # Stop accepting first, so no socket slips in between closing the others and waiting.
+        for acceptor in self._acceptors:
+            acceptor.close()
+        self._acceptors = []
         server.close(close_connections=False)
         # Sockets waiting for a handshake slot would otherwise hold the close until their
         # bound: they are told to come back (to this replica once restarted, or another).
