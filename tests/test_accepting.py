@@ -4,6 +4,9 @@ itself takes one a turn (hubd.server.accepting), with and without TLS."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
+import resource
 import socket
 import ssl
 import struct
@@ -14,8 +17,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import structlog
 
 from hubd.logs import Sampler
+from hubd.server import accepting
 from hubd.server.accepting import PER_TURN, Acceptor, drains_itself
 from tests.polling import eventually
 
@@ -158,5 +163,57 @@ def test_a_tls_socket_taken_here_is_served_over_tls(tmp_path: Path) -> None:
                 assert acceptor.taken == 3
             finally:
                 acceptor.close()
+
+    on_uvloop(scenario)
+
+
+def test_out_of_descriptors_it_pauses_and_takes_the_queue_once_it_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """accept() failing for want of a descriptor would fail again at every turn: the acceptor
+    stops watching for a while, says so once, and takes the waiting sockets when it can."""
+    monkeypatch.setattr(accepting, "ACCEPT_RETRY", 0.05)
+    count = 6
+
+    async def scenario() -> None:
+        made: list[asyncio.BaseTransport] = []
+        with _listening() as listening:
+            clients = [socket.create_connection(listening.getsockname()) for _ in range(count)]
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            acceptor = None
+            try:
+                with structlog.testing.capture_logs() as logs:
+                    acceptor = Acceptor(
+                        listening,
+                        lambda: _Made(made),
+                        ssl_context=None,
+                        ssl_handshake_timeout=10,
+                        ssl_shutdown_timeout=10,
+                        sampler=Sampler(),
+                    )
+                    # No descriptor left for an accepted socket (the listing counts its own).
+                    in_use = len(os.listdir("/proc/self/fd")) - 1
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use, hard))
+                    await eventually(
+                        lambda: any(e["event"] == "sidecar_accept_paused" for e in logs),
+                        within=30,
+                        what="the pause",
+                    )
+                    # A descriptor freed meanwhile may have served one; the rest wait.
+                    assert acceptor.taken < count
+                    assert waiting(listening) == count - acceptor.taken
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                    await eventually(lambda: len(made) == count, within=30, what="the queue")
+                assert acceptor.taken == count
+                paused = [e for e in logs if e["event"] == "sidecar_accept_paused"]
+                assert paused[0]["error"] == os.strerror(errno.EMFILE)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                if acceptor is not None:
+                    acceptor.close()
+                for client in clients:
+                    client.close()
+                for transport in made:
+                    transport.close()
 
     on_uvloop(scenario)
