@@ -61,6 +61,40 @@ def _listening() -> socket.socket:
     return listening
 
 
+def _acceptor(
+    listening: socket.socket,
+    factory: Callable[[], asyncio.Protocol],
+    ssl_context: ssl.SSLContext | None = None,
+) -> Acceptor:
+    return Acceptor(
+        listening,
+        factory,
+        ssl_context=ssl_context,
+        ssl_handshake_timeout=10,
+        ssl_shutdown_timeout=10,
+        sampler=Sampler(),
+    )
+
+
+async def turns_until_empty(listening: socket.socket) -> int:
+    """Turns of the loop until ``listening``'s accept queue is empty: a callback that runs once
+    a turn (one scheduled while the loop runs callbacks waits for the next turn) counts them."""
+    loop = asyncio.get_running_loop()
+    emptied: asyncio.Future[int] = loop.create_future()
+    turns = 0
+
+    def turn() -> None:
+        nonlocal turns
+        turns += 1
+        if waiting(listening) == 0:
+            emptied.set_result(turns)
+        else:
+            loop.call_soon(turn)
+
+    loop.call_soon(turn)
+    return await asyncio.wait_for(emptied, 30)
+
+
 def test_a_queue_of_sockets_is_taken_in_a_turn_or_two() -> None:
     count = 2 * PER_TURN + 44
 
@@ -70,23 +104,13 @@ def test_a_queue_of_sockets_is_taken_in_a_turn_or_two() -> None:
         with _listening() as listening:
             # The listener's own server on the loop, as websockets' is: it takes one a turn.
             server = await loop.create_server(lambda: _Made(made), sock=listening, backlog=1024)
-            acceptor = Acceptor(
-                listening,
-                lambda: _Made(made),
-                ssl_context=None,
-                ssl_handshake_timeout=10,
-                ssl_shutdown_timeout=10,
-                sampler=Sampler(),
-            )
+            acceptor = _acceptor(listening, lambda: _Made(made))
             # Dialled while the loop is held here: the kernel completes every connect and
             # queues the sockets, as it does while a busy loop's turn runs.
             clients = [socket.create_connection(listening.getsockname()) for _ in range(count)]
             try:
                 assert waiting(listening) == count
-                turns = 0
-                while waiting(listening) > 0:
-                    await asyncio.sleep(0)
-                    turns += 1
+                turns = await turns_until_empty(listening)
                 # One accept a turn would take `count` turns.
                 assert turns <= 4
                 await eventually(lambda: len(made) == count, within=30, what="every socket made")
@@ -136,14 +160,7 @@ def test_a_tls_socket_taken_here_is_served_over_tls(tmp_path: Path) -> None:
     async def scenario() -> None:
         with _listening() as listening:
             # No server of the loop's own: only the acceptor takes sockets here.
-            acceptor = Acceptor(
-                listening,
-                Echo,
-                ssl_context=server_context,
-                ssl_handshake_timeout=10,
-                ssl_shutdown_timeout=10,
-                sampler=Sampler(),
-            )
+            acceptor = _acceptor(listening, Echo, server_context)
             try:
                 host, port = listening.getsockname()
                 reader, writer = await asyncio.open_connection(host, port, ssl=client_context)
@@ -183,14 +200,7 @@ def test_out_of_descriptors_it_pauses_and_takes_the_queue_once_it_can(
             acceptor = None
             try:
                 with structlog.testing.capture_logs() as logs:
-                    acceptor = Acceptor(
-                        listening,
-                        lambda: _Made(made),
-                        ssl_context=None,
-                        ssl_handshake_timeout=10,
-                        ssl_shutdown_timeout=10,
-                        sampler=Sampler(),
-                    )
+                    acceptor = _acceptor(listening, lambda: _Made(made))
                     # No descriptor left for an accepted socket (the listing counts its own).
                     in_use = len(os.listdir("/proc/self/fd")) - 1
                     resource.setrlimit(resource.RLIMIT_NOFILE, (in_use, hard))
