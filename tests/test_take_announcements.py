@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, overload
 
 import asyncpg
@@ -459,6 +459,64 @@ async def _two_takes_in_one_slot(
             for conn in (first, second):
                 await conn.execute("ROLLBACK")
                 await conn.execute("BEGIN")
+
+
+class TestQueuedTriggers:
+    async def test_rows_that_write_no_event_queue_no_event_trigger(
+        self, db: Database, database_url: str
+    ) -> None:
+        """The event triggers are queued only where an event can follow: a member's own
+        provisioning, a take and the acknowledgement of a member that was ready already run no
+        hubd_record_event at commit (each was a call for nothing in the commits a burst of
+        takes waits behind); a cold request's insert and the take's announcement still do, and
+        write the events. Counted by PostgreSQL's function statistics of the transaction."""
+        (member,) = await members(db, 1)
+        conn = await asyncpg.connect(database_url)
+        try:
+            runs = _trigger_runs(conn)
+            assert await runs(
+                "UPDATE hubd_allocations SET connection_ready = true WHERE id = $1 RETURNING id",
+                member.allocation_id,
+            ) == (0, 1)
+            assert await runs(TAKE, "s-1", json.dumps(SPEC)) == (0, 1)
+            assert await events_of(db, member.allocation_id) == []
+            assert await runs(
+                "UPDATE hubd_allocations SET handover_pending = false WHERE id = $1 RETURNING id",
+                member.allocation_id,
+            ) == (1, 1)
+            assert await events_of(db, member.allocation_id) == ["requested", "ready"]
+            assert await runs(
+                "UPDATE hubd_allocations SET handover_pending = true WHERE id = $1 RETURNING id",
+                member.allocation_id,
+            ) == (0, 1)
+            assert await runs(
+                "UPDATE hubd_allocations SET handover_pending = false WHERE id = $1 RETURNING id",
+                member.allocation_id,
+            ) == (0, 1)
+            cold = "SELECT id FROM hubd_v1.request('local', 'acme', 's-2', spec => '{}')"
+            assert await runs(cold) == (1, 1)
+        finally:
+            await conn.close()
+        assert await events_of(db, member.allocation_id) == ["requested", "ready"]
+
+
+def _trigger_runs(conn: asyncpg.Connection) -> Callable[..., Awaitable[tuple[int, int]]]:
+    """Runs a statement in a transaction of its own, firing its deferred triggers before the
+    commit; how many times hubd_record_event ran, and how many rows the statement touched."""
+
+    async def runs(statement: str, *args: Any) -> tuple[int, int]:
+        # The counts of a transaction can carry what earlier ones left unflushed: the
+        # difference is this statement's.
+        calls = "SELECT coalesce(pg_stat_get_xact_function_calls('hubd_record_event'::regproc), 0)"
+        async with conn.transaction():
+            await conn.execute("SET LOCAL track_functions = 'pl'")
+            before = await conn.fetchval(calls)
+            touched = len(await conn.fetch(statement, *args))
+            await conn.execute("SET CONSTRAINTS ALL IMMEDIATE")
+            after = await conn.fetchval(calls)
+        return int(after - before), touched
+
+    return runs
 
 
 async def _take(db: Database) -> str:

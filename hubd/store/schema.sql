@@ -698,25 +698,32 @@ BEGIN
 END;
 $$;
 
+-- Queued only for rows whose change can write an event: not for a pool member no tenant has
+-- taken, a take not yet announced, or a hand-over acknowledged where readiness does not wait
+-- for it (ready_when other than 'declared'); each would cost a call at commit for nothing.
 CREATE CONSTRAINT TRIGGER hubd_allocations_event_insert
     AFTER INSERT ON hubd_allocations
     DEFERRABLE INITIALLY DEFERRED
-    FOR EACH ROW EXECUTE FUNCTION hubd_record_event();
+    FOR EACH ROW
+    WHEN ((NEW.pool_id IS NULL OR NEW.taken_at IS NOT NULL) AND NOT NEW.take_unannounced)
+    EXECUTE FUNCTION hubd_record_event();
 
 CREATE CONSTRAINT TRIGGER hubd_allocations_event_update
     AFTER UPDATE ON hubd_allocations
     DEFERRABLE INITIALLY DEFERRED
     FOR EACH ROW
-    WHEN (OLD.status IS DISTINCT FROM NEW.status
-          OR OLD.connection_ready IS DISTINCT FROM NEW.connection_ready
-          OR OLD.generation IS DISTINCT FROM NEW.generation
-          OR OLD.endpoint IS DISTINCT FROM NEW.endpoint
-          OR OLD.metadata IS DISTINCT FROM NEW.metadata
-          OR OLD.expiring IS DISTINCT FROM NEW.expiring
-          OR OLD.expires_at IS DISTINCT FROM NEW.expires_at
-          OR OLD.taken_at IS DISTINCT FROM NEW.taken_at
-          OR OLD.handover_pending IS DISTINCT FROM NEW.handover_pending
-          OR OLD.take_unannounced IS DISTINCT FROM NEW.take_unannounced)
+    WHEN ((NEW.pool_id IS NULL OR NEW.taken_at IS NOT NULL) AND NOT NEW.take_unannounced
+          AND (OLD.status IS DISTINCT FROM NEW.status
+               OR OLD.connection_ready IS DISTINCT FROM NEW.connection_ready
+               OR OLD.generation IS DISTINCT FROM NEW.generation
+               OR OLD.endpoint IS DISTINCT FROM NEW.endpoint
+               OR OLD.metadata IS DISTINCT FROM NEW.metadata
+               OR OLD.expiring IS DISTINCT FROM NEW.expiring
+               OR OLD.expires_at IS DISTINCT FROM NEW.expires_at
+               OR OLD.taken_at IS DISTINCT FROM NEW.taken_at
+               OR (OLD.handover_pending IS DISTINCT FROM NEW.handover_pending
+                   AND (OLD.ready_when = 'declared' OR NEW.ready_when = 'declared'))
+               OR OLD.take_unannounced IS DISTINCT FROM NEW.take_unannounced))
     EXECUTE FUNCTION hubd_record_event();
 
 -- Deletes the events older than :keep seconds (at most :batch of them) and moves the horizon
