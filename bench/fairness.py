@@ -125,7 +125,7 @@ async def measure(
     ``None``: this one) whose config goes in ``workdir``; A's sidecars from ``farm``, B's from a
     farm started here (with ``shared_farm``, from ``farm`` too), dialling from A's addresses or,
     with ``own_range``, from :data:`B_SOURCES`; ``per_tenant`` is the daemon's
-    ``max_claims_per_tenant`` (0: its default, half the slots, at most 8). The summary of each
+    ``max_claims_per_tenant`` (0: its default, half the slots, at most 4). The summary of each
     scenario's rounds."""
     farms = [farm]
     b_provisioner = PROVISIONER
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         dest="per_tenant",
         type=int,
         default=0,
-        help="the daemon's [reconciler] max_claims_per_tenant (0: half the slots, at most 8)",
+        help="the daemon's [reconciler] max_claims_per_tenant (0: half the slots, at most 4)",
     )
     args = parser.parse_args(argv)
     load = LOADS[args.size]

@@ -14,11 +14,12 @@ DEFAULT_CLAIMS: Final = 64
 in lockstep, for 1.24 to 1.49 times the lifecycle and two thirds of the CPU per allocation
 (docs/performance.md, "Claims at once")."""
 
-TENANT_ROOM: Final = 8
+TENANT_ROOM: Final = 4
 """The most claim slots one tenant holds, unless configured, while another tenant is in sight
-(half the slots when fewer). Another tenant's p99 under a burst grew with the burst's claims
-beyond 8 (3.5 times alone at 32) and did not fall below it (2 and 4 as 8): what remains is the
-daemon's pauses, not the burst's share (docs/measurements.md, "Fair claiming among tenants")."""
+(half the slots when fewer). Another tenant's p99 under a burst of ten times its load, on two
+cores at 64 claims: 55-68 ms with the burst at 4 claims (1.26-1.65 times its p99 alone), 48-88
+ms at 8 (1.66-2.47 times), 3.5 times alone at 32; the burst's rate two thirds of 8's
+(docs/measurements.md, "Fair claiming among tenants")."""
 
 
 def claim_rules_problem(

@@ -221,16 +221,16 @@ class TestValidation:
             load(tmp_path, f"[reconciler]\nmax_claims_per_tenant = {value}\n")
 
     def test_max_claims_per_tenant_is_the_tenant_room(self, tmp_path: pathlib.Path) -> None:
-        assert ReconcilerSettings(max_concurrent_claims=16).tenant_room == 8
+        assert ReconcilerSettings(max_concurrent_claims=16).tenant_room == 4
         assert ReconcilerSettings(max_concurrent_claims=1).tenant_room == 1
         assert ReconcilerSettings(max_concurrent_claims=6).tenant_room == 3
-        # The default: 64 slots, 8 of them for one tenant while another is in sight.
-        assert ReconcilerSettings().tenant_room == 8
-        assert ReconcilerSettings(max_concurrent_claims=256).tenant_room == 8
-        four = ReconcilerSettings(max_concurrent_claims=16, max_claims_per_tenant=4)
-        assert four.tenant_room == 4
-        config = load(tmp_path, "[reconciler]\nmax_claims_per_tenant = 4\n")
-        assert config.reconciler.max_claims_per_tenant == 4
+        # The default: 64 slots, 4 of them for one tenant while another is in sight.
+        assert ReconcilerSettings().tenant_room == 4
+        assert ReconcilerSettings(max_concurrent_claims=256).tenant_room == 4
+        eight = ReconcilerSettings(max_concurrent_claims=16, max_claims_per_tenant=8)
+        assert eight.tenant_room == 8
+        config = load(tmp_path, "[reconciler]\nmax_claims_per_tenant = 8\n")
+        assert config.reconciler.max_claims_per_tenant == 8
 
     def test_pool_size_zero_rejected(self, tmp_path: pathlib.Path) -> None:
         """database.pool_size must be at least 1."""

@@ -122,13 +122,14 @@ class TestBound:
             assert [row["id"] for row in rows] == [burst[0], late[0], late[1]]
 
     @pytest.mark.parametrize(
-        ("claims", "per_tenant", "room"), [(4, 0, 2), (4, 1, 1), (DEFAULT_CLAIMS, 0, 8)]
+        ("claims", "per_tenant", "room"),
+        [(4, 0, 2), (4, 1, 1), (DEFAULT_CLAIMS, 0, 4), (DEFAULT_CLAIMS, 8, 8)],
     )
     async def test_a_burst_leaves_the_other_slots_to_another_tenant(
         self, db: Database, store: AllocationStore, claims: int, per_tenant: int, room: int
     ) -> None:
         """While another tenant is in sight, a's burst claims its room of the slots and no
-        more, however many of its rows are due (half by default and 8 at most, or the
+        more, however many of its rows are due (half by default and 4 at most, or the
         operator's max_claims_per_tenant): b's request, made while those claims still run, is
         claimed at once instead of waiting for one of them to end."""
         provisioner = ScriptedProvisioner("p")

@@ -291,7 +291,7 @@ class ReconcilerConfig:
     max_concurrent_claims: int = _integer(DEFAULT_CLAIMS)
     max_claims_per_tenant: int = _integer(0)
     """Claim slots one tenant may hold while another tenant is in sight (claimed for within a
-    minute); 0: half of ``max_concurrent_claims``, at most ``TENANT_ROOM`` (8). Fewer isolate
+    minute); 0: half of ``max_concurrent_claims``, at most ``TENANT_ROOM`` (4). Fewer isolate
     the others from a burst better and leave more of the slots unused while the burst waits
     (docs/operations.md)."""
     poll_interval: float = _duration("5s")
