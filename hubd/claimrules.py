@@ -17,7 +17,7 @@ in lockstep, for 1.24 to 1.49 times the lifecycle and two thirds of the CPU per 
 TENANT_ROOM: Final = 4
 """The most claim slots one tenant holds, unless configured, while another tenant is in sight
 (half the slots when fewer). Another tenant's p99 under a burst of ten times its load, on two
-cores at 64 claims: 55-68 ms with the burst at 4 claims (1.26-1.65 times its p99 alone), 48-88
+cores at 64 claims: 55-82 ms with the burst at 4 claims (1.26-1.79 times its p99 alone), 48-88
 ms at 8 (1.66-2.47 times), 3.5 times alone at 32; the burst's rate two thirds of 8's
 (docs/measurements.md, "Fair claiming among tenants")."""
 
