@@ -17,6 +17,7 @@ class Balancer:
         self._next = itertools.cycle(range(len(backends)))
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
 
     async def start(self) -> int:
@@ -34,8 +35,13 @@ class Balancer:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        # A task cancelled before its first step never enters its try: the streams of a
+        # connection accepted just before the close are closed here.
+        for writer in self._writers:
+            writer.close()
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -53,6 +59,7 @@ class Balancer:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
             writer.close()
+            self._writers.discard(writer)
             if up_writer is not None:
                 up_writer.close()
 
